@@ -1,0 +1,1 @@
+"""Serve Meta consolidated Llama checkpoints with tensor parallelism."""
