@@ -1,0 +1,97 @@
+"""Process group, device choice and the few collectives the engine needs, all with timeouts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tp_llama.errors import CheckpointError
+
+# Every collective gives up after this long, so a dead or failed rank never hangs the group.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def collective_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("TP_LLAMA_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """CUDA when this process can see a GPU (TorchServe sets CUDA_VISIBLE_DEVICES), else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(require_group: bool = False) -> DistInfo:
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU), or run alone without torchrun.
+
+    A lone process gets a one-rank group only when asked (the FSDP path needs one).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    launched = int(os.environ.get("WORLD_SIZE", 1)) > 1 or "MASTER_ADDR" in os.environ
+    if not dist.is_initialized() and (launched or require_group):
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        device_id = device if device.type == "cuda" else None
+        if launched:
+            dist.init_process_group(backend, timeout=collective_timeout(), device_id=device_id)
+        else:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=collective_timeout(), device_id=device_id
+            )
+    if not dist.is_initialized():
+        return DistInfo(0, 1, 0, device, "none")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+
+
+def log(message: str, rank: int | None = None) -> None:
+    """Progress goes to stderr (stdout is the CLI's JSON), tagged with the rank."""
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"[tp_llama rank {rank}] {message}", file=sys.stderr, flush=True)
+
+
+def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank calls this at the same point; if any rank failed, every rank raises its message.
+
+    A rank that failed alone (a file only it reads is missing) would otherwise leave the others
+    waiting in the next collective until the timeout.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, message, group=group)
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if not failed:
+        return
+    summary = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
+    all_checkpoint = all(msg.startswith(CheckpointError.__name__) for _, msg in failed)
+    raise (CheckpointError if all_checkpoint else RuntimeError)(summary) from error
+
+
+def broadcast_from_rank0(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Make every rank use rank 0's values (sampled tokens), so ranks can never drift apart."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    on_device = values.to(device)
+    dist.broadcast(on_device, src=0)
+    return on_device.to(values.device)
