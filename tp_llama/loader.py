@@ -88,7 +88,7 @@ def read_local_shard(
 
 
 def _progress(start: float, done: int, total: int, rank: int) -> None:
-    if rank == 0 and (done == total or done % max(1, total // 10) == 0):
+    if rank == 0 and (done == total or done % max(1, total // 4) == 0):
         log(f"loaded {done}/{total} tensors ({time.perf_counter() - start:.1f} s)", rank)
 
 

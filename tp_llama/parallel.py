@@ -47,7 +47,7 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, device: torch.device) -> FS
         model,
         device_mesh=mesh,
         auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-        device_id=device if device.type == "cuda" else None,
+        device_id=device,
         param_init_fn=lambda m: m.to_empty(device=device, recurse=False),
         use_orig_params=True,
     )

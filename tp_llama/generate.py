@@ -1,0 +1,92 @@
+"""Offline generation, to check a checkpoint before serving it.
+
+    torchrun --nproc-per-node N -m tp_llama.generate --ckpt-dir DIR --prompt TEXT --max-new-tokens K
+
+Also runs as one plain process. Rank 0 prints one JSON object per prompt on stdout; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+
+import torch.distributed as dist
+
+from tp_llama.distributed import log
+from tp_llama.engine import DTYPES, MODES, Engine
+from tp_llama.errors import CheckpointError
+from tp_llama.generation import GenerationRequest
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt-dir", required=True, help="folder with params.json, tokenizer.model, consolidated.*.pth")
+    parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past stop tokens")
+    parser.add_argument("--mode", choices=MODES, default="tp")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="KV-cache length (default 2048)")
+    return parser.parse_args(argv)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def largest_over_ranks(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    values: list[float | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return max(values)
+
+
+def run(a: argparse.Namespace) -> None:
+    engine = Engine.load(a.ckpt_dir, a.mode, a.dtype, max_seq_len=a.max_seq_len, max_batch_size=len(a.prompt))
+    prompts = [engine.tokenizer.encode(p, bos=True) for p in a.prompt]
+    requests = [
+        GenerationRequest(ids, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.ignore_eos) for ids in prompts
+    ]
+    results = engine.generate(requests)
+    stats = engine.stats
+    timings = {
+        "load_s": round(largest_over_ranks(engine.load_s), 3),
+        "prefill_tokens_per_s": round(stats.prefill_tokens / max(stats.prefill_s, 1e-9), 1),
+        "decode_tokens_per_s": round(stats.decode_tokens / max(stats.decode_s, 1e-9), 1),
+    }
+    rss = round(largest_over_ranks(peak_rss_mb()), 1)
+    if engine.rank != 0:
+        return
+    for ids, result in zip(prompts, results):
+        output = {
+            "text": engine.tokenizer.decode(result.token_ids),
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(result.token_ids)},
+            "timings": timings,
+            "peak_rss_mb": rss,
+        }
+        print(json.dumps(output), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        run(a)
+    except (CheckpointError, ValueError, RuntimeError) as exc:
+        log(f"error: {exc}")
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
