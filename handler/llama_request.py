@@ -1,0 +1,194 @@
+"""Turn one REST request body into a generation job, or a 400 message naming the problem.
+
+Every rank of a tensor-parallel worker receives the same batch and runs this code on the
+same bytes, so each rank reaches the same accept/reject decision without talking to the
+others; that keeps the ranks' collectives in step. Nothing here may depend on time,
+randomness or rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llama_settings import HandlerSettings
+
+FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "stream")
+SEED_LIMIT = 2**63
+
+
+class RequestError(ValueError):
+    """The request is invalid; the message is sent back to the client as is."""
+
+
+class ChatTokenizer(Protocol):
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request: what the engine needs plus how to answer."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    ignore_eos: bool
+    stream: bool
+
+
+def request_body(request: dict[str, Any]) -> Any:
+    """The body TorchServe passed on: raw bytes, text, or an already-decoded JSON value."""
+    for key in ("body", "data"):
+        if key in request and request[key] is not None:
+            return request[key]
+    raise RequestError("empty request: send a JSON object with Content-Type: application/json")
+
+
+def _reject_constant(name: str) -> None:
+    raise RequestError(f"body is not valid JSON: {name} is not a number")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise RequestError(f"duplicate field {key!r}")
+        result[key] = value
+    return result
+
+
+def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
+    """Parse the body strictly: UTF-8 JSON object, no NaN/Infinity, no duplicate keys, bounded size."""
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    if isinstance(body, (bytes, bytearray)):
+        if len(body) > max_bytes:
+            raise RequestError(f"body is {len(body)} bytes; the limit is {max_bytes}")
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"body is not valid UTF-8 (byte {exc.start})") from None
+        try:
+            value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    else:
+        # TorchServe already decoded an application/json body (decode_input_request=true).
+        value = body
+        size = len(json.dumps(value, ensure_ascii=False, allow_nan=True).encode("utf-8"))
+        if size > max_bytes:
+            raise RequestError(f"body is about {size} bytes; the limit is {max_bytes}")
+    if not isinstance(value, dict):
+        raise RequestError(f"body must be a JSON object, got {_type_name(value)}")
+    return value
+
+
+def _type_name(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _integer(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{key} must be an integer, got {_type_name(value)}")
+    return value
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{key} must be a number, got {_type_name(value)}")
+    if not math.isfinite(value):
+        raise RequestError(f"{key} must be finite, got {value}")
+    return float(value)
+
+
+def _boolean(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{key} must be true or false, got {_type_name(value)}")
+    return value
+
+
+def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        raise RequestError("send exactly one of 'prompt' (text completion) or 'messages' (chat)")
+    if has_prompt:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise RequestError(f"prompt must be a string, got {_type_name(prompt)}")
+        if not prompt:
+            raise RequestError("prompt must not be empty")
+        return tokenizer.encode(prompt, bos=True, eos=False)
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty array of {\"role\", \"content\"} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{i}] must be an object, got {_type_name(message)}")
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:
+            raise RequestError(f"messages[{i}] has unknown field(s) {extra}; allowed: role, content")
+    try:
+        return tokenizer.encode_chat(messages)
+    except ValueError as exc:
+        raise RequestError(f"invalid messages: {exc}") from None
+
+
+def _max_new_tokens(body: dict[str, Any], prompt_len: int, settings: HandlerSettings) -> int:
+    """An explicit value must fit; the default shrinks to the room the prompt leaves."""
+    room = settings.max_seq_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            f"prompt is {prompt_len} tokens; max_seq_len {settings.max_seq_len} leaves no room to generate"
+        )
+    requested = _integer(body, "max_new_tokens")
+    if requested is None:
+        return min(settings.default_max_new_tokens, room)
+    if requested < 1:
+        raise RequestError(f"max_new_tokens must be >= 1, got {requested}")
+    if requested > settings.max_new_tokens_limit:
+        raise RequestError(f"max_new_tokens {requested} exceeds the limit {settings.max_new_tokens_limit}")
+    if requested > room:
+        raise RequestError(
+            f"prompt ({prompt_len} tokens) plus max_new_tokens ({requested}) exceeds max_seq_len {settings.max_seq_len}"
+        )
+    return requested
+
+
+def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer: ChatTokenizer) -> Job:
+    """Validate one request of a batch; raises RequestError with a message for the client."""
+    body = decode_body(request_body(request), settings.max_request_bytes)
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
+    temperature = _number(body, "temperature")
+    temperature = settings.temperature if temperature is None else temperature
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    top_p = _number(body, "top_p")
+    top_p = settings.top_p if top_p is None else top_p
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    seed = _integer(body, "seed")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise RequestError(f"seed must be in [0, 2**63), got {seed}")
+    ignore_eos = _boolean(body, "ignore_eos")
+    stream = _boolean(body, "stream")
+    prompt_ids = _prompt_ids(body, tokenizer)
+    max_new_tokens = _max_new_tokens(body, len(prompt_ids), settings)
+    return Job(prompt_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, stream)

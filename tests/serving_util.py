@@ -1,0 +1,229 @@
+"""A real TorchServe on loopback for tests: start, query, stop, and always clean up.
+
+Everything the server writes (pid file, worker sockets, key_file.json, logs) goes under its
+own work folder, and every port is a fresh free one, so the test never collides with another
+TorchServe on the machine (including a demo started by setup_model.sh).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (held open together so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def port_is_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+class TorchServe:
+    """One TorchServe process tree serving MODEL_STORE/NAME; use as a context manager."""
+
+    def __init__(self, workdir: Path, model_store: Path, name: str) -> None:
+        self.workdir = workdir
+        self.model_store = model_store
+        self.name = name
+        (self.inference_port, self.management_port, self.metrics_port, grpc_inference, grpc_management,
+         worker_port, distribution_port) = free_ports(7)
+        self.tmp = workdir / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "config.properties"
+        self.config.write_text(
+            "\n".join(
+                [
+                    f"inference_address=http://127.0.0.1:{self.inference_port}",
+                    f"management_address=http://127.0.0.1:{self.management_port}",
+                    f"metrics_address=http://127.0.0.1:{self.metrics_port}",
+                    "grpc_inference_address=127.0.0.1",
+                    "grpc_management_address=127.0.0.1",
+                    f"grpc_inference_port={grpc_inference}",
+                    f"grpc_management_port={grpc_management}",
+                    f"initial_worker_port={worker_port}",
+                    f"initial_distribution_port={distribution_port}",
+                    f"model_store={model_store}",
+                    "decode_input_request=false",
+                    "disable_system_metrics=true",
+                ]
+            )
+            + "\n"
+        )
+        self.env = dict(
+            os.environ,
+            PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            TMPDIR=str(self.tmp),
+            TEMP=str(self.tmp),
+        )
+        self.process: subprocess.Popen | None = None
+        self.tree: dict[int, psutil.Process] = {}
+        self.log_path = workdir / "torchserve.out"
+
+    def __enter__(self) -> TorchServe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        command = [
+            str(VENV_BIN / "torchserve"), "--start", "--foreground", "--ncs",
+            "--ts-config", str(self.config), "--model-store", str(self.model_store),
+            "--models", f"{self.name}={self.name}",
+        ]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+
+    def _remember_tree(self) -> None:
+        """torchrun puts each rank in its own session, so the test tracks the tree by pid."""
+        if self.process is None:
+            return
+        try:
+            root = psutil.Process(self.process.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                self.tree.setdefault(proc.pid, proc)
+        except psutil.NoSuchProcess:
+            pass
+
+    def keys(self) -> dict[str, str]:
+        data = json.loads((self.workdir / "key_file.json").read_text())
+        return {"inference": data["inference"]["key"], "management": data["management"]["key"]}
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until the model's worker is READY; raises with the log tail on failure or timeout."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"torchserve exited with {self.process.returncode}\n{self.log_tail()}")
+            self._remember_tree()
+            if (self.workdir / "key_file.json").exists() and port_is_open(self.management_port):
+                reply = self.request("GET", f"/models/{self.name}", port=self.management_port, key="management")
+                if reply.status == 200 and any(w.get("status") == "READY" for w in reply.json()[0]["workers"]):
+                    self._remember_tree()
+                    return time.monotonic() - started
+            time.sleep(1.0)
+        raise TimeoutError(f"model {self.name} not ready after {timeout} s\n{self.log_tail()}")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+        port: int | None = None,
+        key: str | None = "inference",
+        timeout: float = 120.0,
+    ) -> Reply:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.inference_port, timeout=timeout)
+        headers = {"Content-Type": content_type}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {self.keys()[key]}"
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+        finally:
+            conn.close()
+
+    def predict(self, payload: dict | bytes, timeout: float = 120.0, content_type: str = "application/json") -> Reply:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return self.request("POST", f"/predictions/{self.name}", body, content_type, timeout=timeout)
+
+    def predict_stream(self, payload: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
+        """POST with "stream": true; returns the status and the chunks, one JSON object per line."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.inference_port, timeout=timeout)
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.keys()['inference']}"}
+        try:
+            conn.request("POST", f"/predictions/{self.name}", body=json.dumps(payload).encode(), headers=headers)
+            response = conn.getresponse()
+            chunks = [json.loads(line) for line in response.read().splitlines() if line.strip()]
+            return response.status, chunks
+        finally:
+            conn.close()
+
+    def log_tail(self, chars: int = 6000) -> str:
+        parts = []
+        for path in (self.log_path, self.workdir / "logs" / "model_log.log"):
+            if path.exists():
+                parts.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-chars:]}")
+        return "\n".join(parts)
+
+    def model_log(self) -> str:
+        path = self.workdir / "logs" / "model_log.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self, timeout: float = 60.0) -> dict[str, object]:
+        """torchserve --stop, then wait; anything of ours still alive afterwards is killed.
+
+        Returns what happened, so a test can check that the stop was clean.
+        """
+        if self.process is None:
+            return {"returncode": None, "leftover": []}
+        self._remember_tree()
+        subprocess.run(
+            [str(VENV_BIN / "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout,
+        )
+        try:
+            returncode = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        deadline = time.monotonic() + timeout
+        alive = [p for p in self.tree.values() if _alive(p)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.5)
+            alive = [p for p in alive if _alive(p)]
+        leftover = [p.pid for p in alive]
+        for proc in alive:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        if returncode is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+        return {"returncode": returncode, "leftover": leftover}
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
