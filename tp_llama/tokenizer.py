@@ -1,0 +1,276 @@
+"""Load Meta's tokenizer.model in either of its two formats behind one interface.
+
+Llama 1 and 2 ship a binary SentencePiece model; Llama 3.x ships a text file of byte-level BPE
+ranks read with tiktoken. The file name is the same, so the format is detected from content.
+The engine and the TorchServe handler only see :class:`Tokenizer`.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import binascii
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import regex
+import sentencepiece as spm
+import tiktoken
+
+# Llama 3's pre-tokenizer: pieces never cross these matches, and BPE runs inside each piece.
+LLAMA3_SPLIT_PATTERN = "|".join(
+    [
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",  # English contractions
+        r"[^\r\n\p{L}\p{N}]?\p{L}+",  # a word, with at most one leading non-letter
+        r"\p{N}{1,3}",  # digits, in groups of up to three
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",  # punctuation run, keeping the newlines after it
+        r"\s*[\r\n]+",  # whitespace ending in line breaks
+        r"\s+(?!\S)",  # whitespace, leaving the last space for the next word
+        r"\s+",  # any remaining whitespace
+    ]
+)
+
+LLAMA3_NUM_SPECIAL = 256
+_LLAMA3_NAMED_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED_SPECIALS + [
+    f"<|reserved_special_token_{i}|>"
+    for i in range(2, 2 + LLAMA3_NUM_SPECIAL - len(_LLAMA3_NAMED_SPECIALS))
+]
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+# tiktoken slows down sharply on very long pieces, so long inputs are cut into bounded chunks.
+_MAX_CHUNK_CHARS = 20_000
+# A cut here never splits a Llama 3 pre-token: before a space or tab that follows a
+# non-space, or after a line break that precedes a non-space.
+_SAFE_CUT = regex.compile(r"(?r)(?<=\S)(?=[ \t])|(?<=\n)(?=\S)")
+_TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} [0-9]+")
+
+
+class Tokenizer(abc.ABC):
+    """Common interface of both tokenizer families.
+
+    ``stop_ids`` are the ids that end a generated reply; ``n_words`` counts every id the
+    tokenizer can produce or decode, special tokens included.
+    """
+
+    family: str
+    n_words: int
+    bos_id: int
+    eos_id: int
+    stop_ids: frozenset[int]
+
+    @abc.abstractmethod
+    def _encode_text(self, text: str) -> list[int]:
+        """Encode plain text; special-token strings in it stay ordinary text."""
+
+    @abc.abstractmethod
+    def _decode_ids(self, ids: list[int]) -> str:
+        """Decode ids already checked to be in range."""
+
+    @abc.abstractmethod
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the family's chat template; the result ends where the assistant replies."""
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Encode ``text``, optionally framed by BOS and EOS."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        ids = self._encode_text(text)
+        if bos:
+            ids.insert(0, self.bos_id)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Decode ``ids``; an id outside the vocabulary is a caller bug, so it raises."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.n_words]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.n_words}): {bad[:5]}")
+        return self._decode_ids(ids)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """Llama 1/2 tokenizer: a SentencePiece model with BOS and EOS as control pieces."""
+
+    family = "llama2"
+
+    def __init__(self, processor: spm.SentencePieceProcessor) -> None:
+        self._sp = processor
+        self.n_words = processor.vocab_size()
+        self.bos_id = processor.bos_id()
+        self.eos_id = processor.eos_id()
+        self.stop_ids = frozenset({self.eos_id})
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Llama 2 [INST] format: the system prompt joins the first user turn."""
+        turns = _validate_messages(messages)
+        if turns[0][0] == "system":
+            if len(turns) < 2:
+                raise ValueError("a system message must be followed by a user message")
+            system, (role, first) = turns[0][1], turns[1]
+            turns = [(role, f"<<SYS>>\n{system}\n<</SYS>>\n\n{first}")] + turns[2:]
+        for i, (role, _) in enumerate(turns):
+            expected = "user" if i % 2 == 0 else "assistant"
+            if role != expected:
+                raise ValueError(
+                    f"llama2 chat: turn {i} must be {expected!r}, got {role!r}; after an optional "
+                    "system message, roles must alternate user/assistant"
+                )
+        if turns[-1][0] != "user":
+            raise ValueError("llama2 chat: the last message must be from the user")
+        ids: list[int] = []
+        for (_, question), (_, answer) in zip(turns[0::2], turns[1::2]):
+            ids += self.encode(f"[INST] {question.strip()} [/INST] {answer.strip()} ", eos=True)
+        ids += self.encode(f"[INST] {turns[-1][1].strip()} [/INST]")
+        return ids
+
+
+class TiktokenTokenizer(Tokenizer):
+    """Llama 3.x tokenizer: byte-level BPE ranks plus 256 special tokens appended after them."""
+
+    family = "llama3"
+
+    def __init__(self, ranks: dict[bytes, int], name: str) -> None:
+        n_base = len(ranks)
+        self.special_ids = {tok: n_base + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self._enc = tiktoken.Encoding(
+            name=name,
+            pat_str=LLAMA3_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_ids,
+        )
+        self.n_words = n_base + LLAMA3_NUM_SPECIAL
+        self.bos_id = self.special_ids["<|begin_of_text|>"]
+        self.eos_id = self.special_ids["<|end_of_text|>"]
+        self.stop_ids = frozenset(
+            self.special_ids[t] for t in ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+        )
+
+    def _encode_text(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for chunk in _bounded_chunks(text, _MAX_CHUNK_CHARS):
+            ids += self._enc.encode(chunk, allowed_special=set(), disallowed_special=())
+        return ids
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Llama 3 header format, ending with an open assistant header."""
+        ids = [self.bos_id]
+        for role, content in _validate_messages(messages):
+            ids += self._header(role)
+            ids += self.encode(content.strip(), bos=False)
+            ids.append(self.special_ids["<|eot_id|>"])
+        ids += self._header("assistant")
+        return ids
+
+    def _header(self, role: str) -> list[int]:
+        return (
+            [self.special_ids["<|start_header_id|>"]]
+            + self.encode(role, bos=False)
+            + [self.special_ids["<|end_header_id|>"]]
+            + self.encode("\n\n", bos=False)
+        )
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load ``path`` as a tiktoken BPE file or a SentencePiece model, whichever it is."""
+    path = Path(path)
+    data = path.read_bytes()
+    if _looks_like_tiktoken(data):
+        return TiktokenTokenizer(_parse_tiktoken_ranks(data, path), name=path.name)
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(data)
+    except (RuntimeError, OSError) as err:
+        raise ValueError(f"{path}: neither a SentencePiece model nor a tiktoken BPE file") from err
+    if processor.vocab_size() == 0:
+        raise ValueError(f"{path}: SentencePiece model with an empty vocabulary")
+    return SentencePieceTokenizer(processor)
+
+
+def _looks_like_tiktoken(data: bytes) -> bool:
+    """True when every line is "<base64> <rank>", the Llama 3 tokenizer.model layout."""
+    lines = data.splitlines()
+    return bool(lines) and all(_TIKTOKEN_LINE.fullmatch(line) for line in lines)
+
+
+def _parse_tiktoken_ranks(data: bytes, path: Path) -> dict[bytes, int]:
+    """Read the ranks of a tiktoken file, checking what byte-level BPE relies on.
+
+    Every single byte must be a token so any text can be encoded, and ranks must be exactly
+    0..N-1 because Llama 3 places its special tokens right after them.
+    """
+    lines = data.splitlines()
+    ranks: dict[bytes, int] = {}
+    for line in lines:
+        token, rank = line.split(b" ")
+        try:
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except binascii.Error as err:
+            raise ValueError(f"{path}: bad base64 token {token!r}") from err
+    if len(ranks) != len(lines) or sorted(ranks.values()) != list(range(len(lines))):
+        raise ValueError(f"{path}: tiktoken ranks are not unique tokens numbered 0..N-1")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{path}: tiktoken file lacks {len(missing)} of the 256 byte tokens")
+    return ranks
+
+
+def _bounded_chunks(text: str, max_chars: int) -> Iterator[str]:
+    """Split ``text`` into pieces of at most ``max_chars``, cutting at safe points if any.
+
+    Cutting at a safe point leaves the encoding unchanged; only a single whitespace-free
+    run longer than ``max_chars`` has to be cut blindly.
+    """
+    start = 0
+    while len(text) - start > max_chars:
+        limit = start + max_chars
+        cut = _SAFE_CUT.search(text, start + 1, limit + 1)
+        end = cut.start() if cut else limit
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def _validate_messages(messages: list[dict]) -> list[tuple[str, str]]:
+    """Check the common shape of a chat and return it as (role, content) pairs."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"message {i}: role must be one of {CHAT_ROLES}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(
+                f"message {i}: content must be a str, got {type(content).__name__}"
+            )
+        turns.append((role, content))
+    return turns
