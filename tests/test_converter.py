@@ -1,0 +1,146 @@
+"""The seed converter API on its own: gloo ranks, FSDP loads its output, full weights come back exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+
+from dist_util import run_ranks
+from tp_llama.checkpoint_converter import (
+    _all_gather_into_list,
+    _is_tp_sharded,
+    _verify_fqn_across_ranks,
+    build_distributed_state_dict_from_consolidated,
+)
+from tp_llama.errors import CheckpointError
+from tp_llama.model import Transformer
+from tp_llama.params import ModelArgs
+
+ARGS = {
+    "llama2": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=96, family="llama2"),
+    "llama3": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim=96, family="llama3"),
+}
+
+
+def split_dim(key: str, family: str) -> int | None:
+    """Fairscale's table, written out here independently of tp_llama.layout."""
+    if key == "tok_embeddings.weight":
+        return 1 if family == "llama2" else 0
+    if key.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) or key == "output.weight":
+        return 0
+    if key.endswith(("wo.weight", "w2.weight")):
+        return 1
+    return None
+
+
+def full_weights(family: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    model = Transformer(ARGS[family])
+    return {k: torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+
+
+def consolidated_for(family: str, mp: int, mp_rank: int) -> dict[str, torch.Tensor]:
+    shard = {}
+    for key, tensor in full_weights(family).items():
+        dim = split_dim(key, family)
+        shard[key] = tensor.clone() if dim is None else tensor.chunk(mp, dim=dim)[mp_rank].clone()
+    shard["rope.freqs"] = torch.arange(4.0)
+    return shard
+
+
+def convert_load_and_unshard(family: str, mp: int, use_dtensor: bool, offload: bool) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Transformer(ARGS[family])
+    consolidated = consolidated_for(family, mp, rank % mp)
+    state = build_distributed_state_dict_from_consolidated(
+        model, consolidated, mp, offload_to_cpu=offload, use_dtensor=use_dtensor
+    )
+    assert torch.equal(state.pop("rope.freqs"), consolidated["rope.freqs"])
+    kind = DTensor if use_dtensor else ShardedTensor
+    assert all(isinstance(v, kind) for v in state.values()), {k: type(v) for k, v in state.items()}
+    local = state["layers.0.attention.wq.weight"]
+    local_tensor = local.to_local() if use_dtensor else local.local_tensor()
+    assert local_tensor.device.type == "cpu"
+    assert local_tensor.shape[0] == ARGS[family].dim // world  # FSDP chunk of the full tensor
+
+    mesh = init_device_mesh("cpu", (world,)) if use_dtensor else None
+    wrapped = FSDP(model, device_mesh=mesh, device_id=torch.device("cpu"), use_orig_params=True)
+    with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
+        wrapped.load_state_dict(state)
+    config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, config):
+        back = wrapped.state_dict()
+    expected = full_weights(family)
+    assert back.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(back[key], tensor), key
+    return "ok"
+
+
+def convert_every_layout() -> list[str]:
+    done = []
+    world = dist.get_world_size()
+    for family in ARGS:
+        for mp in (m for m in (1, 2, 4) if world % m == 0):
+            for use_dtensor in (False, True):
+                convert_load_and_unshard(family, mp, use_dtensor, offload=(mp == 2))
+                done.append(f"{family}/mp{mp}/{'dtensor' if use_dtensor else 'sharded'}")
+    return done
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_converted_state_dict_loads_into_fsdp_exactly(world_size):
+    done = run_ranks(convert_every_layout, world_size, timeout=240)
+    expected_cases = 2 * 2 * len([m for m in (1, 2, 4) if world_size % m == 0])
+    assert all(len(d) == expected_cases for d in done)
+
+
+def helper_checks() -> dict:
+    rank = dist.get_rank()
+    gathered = _all_gather_into_list(torch.full((2, 3), float(rank)), dist.group.WORLD)
+    gathered_ok = [int(t[0, 0]) for t in gathered] == [0, 1] and all(t.device.type == "cpu" for t in gathered)
+    group = dist.new_group(backend="gloo")
+    _verify_fqn_across_ranks("layers.0.attention.wq.weight", group)
+    try:
+        _verify_fqn_across_ranks(f"layers.{rank}.attention.wq.weight", group)
+        mismatch = "not raised"
+    except AssertionError as exc:
+        mismatch = str(exc)
+    try:
+        build_distributed_state_dict_from_consolidated(Transformer(ARGS["llama2"]), {}, 4)
+        bad_world = "not raised"
+    except ValueError as exc:
+        bad_world = str(exc)
+    # Only rank 1 holds a broken shard: every rank must fail, and nobody may hang in a collective.
+    consolidated = consolidated_for("llama2", 2, rank)
+    if rank == 1:
+        consolidated["layers.1.feed_forward.w2.weight"] = consolidated["layers.1.feed_forward.w2.weight"][:, :5]
+    try:
+        build_distributed_state_dict_from_consolidated(Transformer(ARGS["llama2"]), consolidated, 2)
+        bad_shard = "not raised"
+    except CheckpointError as exc:
+        bad_shard = str(exc)
+    return {"gathered_ok": gathered_ok, "mismatch": mismatch, "bad_world": bad_world, "bad_shard": bad_shard}
+
+
+def test_helpers_gather_verify_and_fail_together():
+    for result in run_ranks(helper_checks, 2):
+        assert result["gathered_ok"]
+        assert "different parameters" in result["mismatch"]
+        assert "not a multiple" in result["bad_world"]
+        assert "layers.1.feed_forward.w2.weight" in result["bad_shard"] and "rank 1" in result["bad_shard"]
+
+
+def test_is_tp_sharded_follows_the_name_heuristic():
+    assert _is_tp_sharded("layers.0.attention.wq.weight")
+    assert _is_tp_sharded("layers.3.feed_forward.w2.weight")
+    assert _is_tp_sharded("output.weight")
+    assert _is_tp_sharded("tok_embeddings.weight")
+    assert not _is_tp_sharded("norm.weight")
+    assert not _is_tp_sharded("layers.0.ffn_norm.weight")
