@@ -56,6 +56,8 @@ class LlamaHandler(BaseHandler):
             max_seq_len=self.settings.max_seq_len,
             max_batch_size=self.settings.max_batch_size,
         )
+        # One token end to end now, so the first client does not pay for lazy kernel/collective setup.
+        self.engine.generate([GenerationRequest(self.engine.tokenizer.encode("Hello", bos=True), 1)])
         logger.info(
             "rank %d/%d ready on %s: %s (%s tokenizer, mode=%s) loaded in %.2f s",
             self.engine.rank,
@@ -77,7 +79,8 @@ class LlamaHandler(BaseHandler):
         replies = self.postprocess(jobs, results)
         valid = sum(isinstance(job, Job) for job in jobs)
         logger.info(
-            "batch of %d requests: %d generated, %d rejected, %d new tokens in %.3f s",
+            "rank %d: batch of %d requests: %d generated, %d rejected, %d new tokens in %.3f s",
+            self.engine.rank,
             len(data),
             valid,
             len(data) - valid,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 import psutil
 
 VENV_BIN = Path(sys.executable).parent
+BATCH_LINE = re.compile(r"rank 0: batch of \d+ requests: (\d+) generated, (\d+) rejected")
 
 
 def free_ports(count: int) -> list[int]:
@@ -187,6 +189,10 @@ class TorchServe:
     def model_log(self) -> str:
         path = self.workdir / "logs" / "model_log.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def batches(self) -> list[tuple[int, int]]:
+        """(generated, rejected) for every batch rank 0 has handled, from the handler's log line."""
+        return [(int(m[1]), int(m[2])) for m in BATCH_LINE.finditer(self.model_log())]
 
     def stop(self, timeout: float = 60.0) -> dict[str, object]:
         """torchserve --stop, then wait; anything of ours still alive afterwards is killed.

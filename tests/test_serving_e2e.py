@@ -1,0 +1,245 @@
+"""End to end: a synthetic checkpoint served by a real TorchServe with a 2-rank torchrun worker.
+
+Per tokenizer family, the module builds an archive, starts TorchServe on free loopback ports
+and checks REST against the offline CLI, streaming, concurrency, bad input and shutdown.
+Every wait has a fixed timeout and the server fixture stops every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
+
+from make_archive import build_archive  # noqa: E402
+from serving_util import VENV_BIN, TorchServe, free_ports, port_is_open  # noqa: E402
+
+from tp_llama.tokenizer import load_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Grüße aus Köln: the quick brown fox"
+MAX_NEW = 24
+MAX_SEQ_LEN = 256
+NEW_TOKENS_LIMIT = 200
+MAX_BODY = 4096
+STARTUP_TIMEOUT = 240
+CLI_TIMEOUT = 300
+
+
+def _run(command: list[str], timeout: float, cwd: Path = REPO) -> str:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module", params=["llama2", "llama3"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp(f"ckpt-{request.param}")
+    _run([sys.executable, "-m", "tp_llama.synthetic", str(out), "--family", request.param, "--mp", "2"], 120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cli_reference(checkpoint: Path) -> dict:
+    """The offline CLI's greedy output, torchrun with 2 ranks like the server."""
+    stdout = _run(
+        [
+            str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "tp_llama.generate",
+            "--ckpt-dir", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW),
+            "--temperature", "0", "--max-seq-len", str(MAX_SEQ_LEN),
+        ],
+        CLI_TIMEOUT,
+    )
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("serve")
+    (rdzv_port,) = free_ports(1)
+    build_archive(
+        checkpoint,
+        work / "model_store",
+        name="llama",
+        tp=2,
+        overrides=[
+            f"handler.max_seq_len={MAX_SEQ_LEN}",
+            f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
+            f"handler.default_max_new_tokens={MAX_NEW}",
+            f"handler.max_request_bytes={MAX_BODY}",
+            "handler.max_batch_size=4",
+            "batchSize=8",
+            "maxBatchDelay=300",
+            "responseTimeout=120",
+            f"startupTimeout={STARTUP_TIMEOUT}",
+            f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
+        ],
+    )
+    ts = TorchServe(work, work / "model_store", "llama")
+    with ts:
+        ts.start()
+        ts.startup_s = ts.wait_ready(STARTUP_TIMEOUT)
+        yield ts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint: Path):
+    return load_tokenizer(checkpoint / "tokenizer.model")
+
+
+def greedy(prompt: str = PROMPT, **extra) -> dict:
+    return {"prompt": prompt, "max_new_tokens": MAX_NEW, "temperature": 0, **extra}
+
+
+def test_greedy_rest_matches_offline_cli(server: TorchServe, cli_reference: dict) -> None:
+    started = time.monotonic()
+    reply = server.predict(greedy())
+    latency = time.monotonic() - started
+    assert reply.status == 200, reply.body
+    assert reply.headers["content-type"].startswith("application/json")
+    body = reply.json()
+    assert set(body) == {"text", "token_ids", "finish_reason", "usage"}
+    for key in ("token_ids", "text", "finish_reason", "usage"):
+        assert body[key] == cli_reference[key], key
+    print(f"startup {server.startup_s:.1f} s, greedy {MAX_NEW}-token request {latency:.2f} s")
+
+
+def test_stream_chunks_add_up_to_the_full_reply(server: TorchServe) -> None:
+    full = server.predict(greedy()).json()
+    status, chunks = server.predict_stream(greedy(stream=True))
+    assert status == 200
+    assert len(chunks) >= 2
+    assert all(set(c) == {"text", "token_ids"} for c in chunks[:-1])
+    assert chunks[-1]["finish_reason"] == full["finish_reason"]
+    assert chunks[-1]["usage"] == full["usage"]
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert [t for c in chunks for t in c["token_ids"]] == full["token_ids"]
+
+
+def test_chat_request_uses_the_family_template(server: TorchServe, tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there ✓"}]
+    reply = server.predict({"messages": messages, "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert reply.status == 200, reply.body
+    body = reply.json()
+    assert body["usage"] == {"prompt_tokens": len(tokenizer.encode_chat(messages)), "completion_tokens": 8}
+    assert body["finish_reason"] == "length"
+    assert body["text"] == tokenizer.decode(body["token_ids"])
+
+
+def _concurrently(calls: list) -> list:
+    """Run the calls at the same moment (so TorchServe batches them); each gets a fixed timeout."""
+    results: list = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def worker(i: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            results[i] = calls[i]()
+        except Exception as exc:  # reported by the assertions below
+            results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    return results
+
+
+def test_concurrent_requests_each_get_their_own_result(server: TorchServe) -> None:
+    payloads = [
+        greedy(f"Request number {i}: tell me about {word}", max_new_tokens=6 + i, ignore_eos=True)
+        for i, word in enumerate(["cats", "Zürich", "rivers", "日本", "tea", "stars"])
+    ]
+    alone = [server.predict(p).json() for p in payloads]
+    seen = len(server.batches())
+    calls = [
+        (lambda p=p: server.predict_stream({**p, "stream": True})) if i % 2 else (lambda p=p: server.predict(p))
+        for i, p in enumerate(payloads)
+    ]
+    together = _concurrently(calls)
+    for i, (expected, got) in enumerate(zip(alone, together)):
+        assert not isinstance(got, Exception), got
+        if i % 2:
+            status, chunks = got
+            assert status == 200
+            got_ids = [t for c in chunks for t in c["token_ids"]]
+            got_text = "".join(c["text"] for c in chunks)
+            assert chunks[-1]["usage"] == expected["usage"]
+        else:
+            assert got.status == 200, got.body
+            got_ids, got_text = got.json()["token_ids"], got.json()["text"]
+        assert got_ids == expected["token_ids"], i
+        assert got_text == expected["text"], i
+        assert expected["usage"]["completion_tokens"] == payloads[i]["max_new_tokens"]
+    assert max(generated for generated, _ in server.batches()[seen:]) > 1, "no batch of several requests"
+
+
+BAD_REQUESTS = [
+    (b'{"prompt": "hi"', "not valid JSON"),
+    (b'\xff\xfe{"prompt": "hi"}', "not valid UTF-8"),
+    (b'["prompt"]', "must be a JSON object"),
+    (b'{"prompt": "hi", "colour": "red"}', "unknown field"),
+    (b'{"prompt": "hi", "max_new_tokens": "5"}', "max_new_tokens must be an integer"),
+    (b'{"prompt": "hi", "max_new_tokens": true}', "max_new_tokens must be an integer"),
+    (b'{"prompt": "hi", "max_new_tokens": 2.5}', "max_new_tokens must be an integer"),
+    (b'{"prompt": "hi", "max_new_tokens": 0}', "max_new_tokens must be >= 1"),
+    (b'{"prompt": "hi", "max_new_tokens": 201}', "exceeds the limit"),
+    (b'{"prompt": "hi", "temperature": -0.5}', "temperature must be >= 0"),
+    (b'{"prompt": "hi", "temperature": NaN}', "not valid JSON"),
+    (b'{"prompt": "hi", "top_p": 0}', "top_p must be in (0, 1]"),
+    (b'{"prompt": "hi", "top_p": 1.5}', "top_p must be in (0, 1]"),
+    (b'{"prompt": "hi", "seed": -1}', "seed must be in"),
+    (b'{"prompt": "hi", "stream": "yes"}', "stream must be true or false"),
+    (b'{"prompt": "hi", "ignore_eos": 1}', "ignore_eos must be true or false"),
+    (b'{"prompt": ""}', "prompt must not be empty"),
+    (b'{"prompt": 42}', "prompt must be a string"),
+    (b'{"max_new_tokens": 4}', "exactly one of"),
+    (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}', "exactly one of"),
+    (b'{"messages": []}', "non-empty array"),
+    (b'{"messages": [{"role": "robot", "content": "hi"}]}', "role must be one of"),
+    (b'{"messages": [{"role": "user", "content": 7}]}', "content must be a str"),
+    (b'{"messages": [{"role": "user", "content": "hi", "name": "x"}]}', "unknown field"),
+    (json.dumps({"prompt": "word " * 40, "max_new_tokens": 200}).encode(), "exceeds max_seq_len"),
+    (json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode(), "the limit is"),
+]
+
+
+def test_each_bad_request_gets_400_and_the_server_keeps_serving(server: TorchServe) -> None:
+    for body, expected in BAD_REQUESTS:
+        reply = server.predict(body)
+        assert reply.status == 400, (body[:80], reply.status, reply.body)
+        error = reply.json()["error"]
+        assert expected in error, (body[:80], error)
+    form = server.predict(b"prompt=hi", content_type="application/x-www-form-urlencoded")
+    assert form.status == 400 and "application/json" in form.json()["error"]
+    reply = server.predict(greedy())
+    assert reply.status == 200, reply.body
+
+
+def test_bad_and_good_request_in_one_batch(server: TorchServe) -> None:
+    expected = server.predict(greedy()).json()
+    for _ in range(5):
+        seen = len(server.batches())
+        bad, good = _concurrently([lambda: server.predict(b'{"prompt": 1}'), lambda: server.predict(greedy())])
+        assert bad.status == 400 and "prompt must be a string" in bad.json()["error"]
+        assert good.status == 200 and good.json() == expected
+        if (1, 1) in server.batches()[seen:]:
+            return
+    pytest.fail("the bad and the good request never shared a batch")
+
+
+def test_server_stops_cleanly(server: TorchServe) -> None:
+    port = server.inference_port
+    outcome = server.stop()
+    assert outcome["returncode"] == 0, server.log_tail()
+    assert outcome["leftover"] == [], f"processes still alive after stop: {outcome['leftover']}"
+    assert not port_is_open(port)
