@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# Set up tp-llama-serve and, with --serve, run it: a tensor-parallel Llama on TorchServe.
+#
+#   ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve]
+#
+# Safe to run again: every step skips work that is already done.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="$REPO/.venv"
+PY="$VENV/bin/python"
+DEFAULT_CKPT="$REPO/checkpoints/synthetic-llama2"
+
+CKPT_DIR=""
+CKPT_ARG=""
+TP=2
+NAME="llama"
+MODEL_STORE="$REPO/model_store"
+SERVE=0
+INFERENCE_PORT="${INFERENCE_PORT:-8080}"
+MANAGEMENT_PORT="${MANAGEMENT_PORT:-8081}"
+METRICS_PORT="${METRICS_PORT:-8082}"
+GRPC_INFERENCE_PORT="${GRPC_INFERENCE_PORT:-7070}"
+GRPC_MANAGEMENT_PORT="${GRPC_MANAGEMENT_PORT:-7071}"
+READY_TIMEOUT="${READY_TIMEOUT:-1800}"
+
+usage() {
+  cat <<EOF
+Usage: ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve]
+
+  --ckpt-dir DIR     Meta Llama checkpoint folder (params.json, tokenizer.model,
+                     consolidated.NN.pth). Default: a small random-weight Llama 2
+                     checkpoint written to checkpoints/synthetic-llama2.
+  --tp N             tensor-parallel ranks per worker (torchrun nproc-per-node). Default 2.
+  --name NAME        model name in the URL /predictions/NAME. Default llama.
+  --model-store DIR  where the model folder NAME is written. Default model_store.
+  --serve            start TorchServe on 127.0.0.1, wait for the model, send a sample request.
+
+Ports (environment): INFERENCE_PORT=$INFERENCE_PORT MANAGEMENT_PORT=$MANAGEMENT_PORT METRICS_PORT=$METRICS_PORT
+GRPC_INFERENCE_PORT=$GRPC_INFERENCE_PORT GRPC_MANAGEMENT_PORT=$GRPC_MANAGEMENT_PORT READY_TIMEOUT=$READY_TIMEOUT (seconds)
+EOF
+}
+
+step() { printf '\n==> %s\n' "$*"; }
+die() { printf 'setup_model.sh: error: %s\n' "$*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ckpt-dir) [ $# -ge 2 ] || die "--ckpt-dir needs a value"; CKPT_DIR="$2"; CKPT_ARG="$2"; shift 2 ;;
+    --tp) [ $# -ge 2 ] || die "--tp needs a value"; TP="$2"; shift 2 ;;
+    --name) [ $# -ge 2 ] || die "--name needs a value"; NAME="$2"; shift 2 ;;
+    --model-store) [ $# -ge 2 ] || die "--model-store needs a value"; MODEL_STORE="$2"; shift 2 ;;
+    --serve) SERVE=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+done
+[[ "$TP" =~ ^[1-9][0-9]*$ ]] || die "--tp must be a positive integer, got '$TP'"
+[[ "$NAME" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || die "--name may use letters, digits, '_', '.', '-'"
+mkdir -p "$MODEL_STORE"
+MODEL_STORE="$(cd "$MODEL_STORE" && pwd)"
+
+setup_python() {
+  step "[1/4] Python environment ($VENV)"
+  if [ ! -x "$PY" ]; then
+    command -v python3 >/dev/null || die "python3 (3.10 or newer) is needed"
+    python3 -m venv "$VENV"
+  fi
+  local stamp="$VENV/.tp-llama-serve-installed"
+  local want
+  want="$(cat "$REPO/requirements.txt" "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "requirements already installed"
+  else
+    "$PY" -m pip install -r "$REPO/requirements.txt"
+    "$PY" -m pip install --no-deps -e "$REPO"
+    echo "$want" > "$stamp"
+  fi
+  "$PY" -c "import torch, ts, model_archiver, tp_llama; print('torch', torch.__version__)"
+}
+
+java_major() {
+  java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -n1
+}
+
+setup_java() {
+  step "[2/4] Java 17 for the TorchServe frontend"
+  local major=""
+  if command -v java >/dev/null; then major="$(java_major)"; fi
+  if [ -z "$major" ] || [ "$major" -lt 17 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "installing openjdk-17-jre-headless"
+      apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+      major="$(java_major)"
+    else
+      die "Java 17 is needed (found: ${major:-none}); install openjdk-17-jre-headless"
+    fi
+  fi
+  echo "java $major: $(command -v java)"
+}
+
+setup_checkpoint() {
+  step "[3/4] Checkpoint"
+  if [ -z "$CKPT_DIR" ]; then
+    CKPT_DIR="$DEFAULT_CKPT"
+    if [ -f "$CKPT_DIR/params.json" ]; then
+      echo "synthetic checkpoint already at $CKPT_DIR"
+    else
+      echo "writing a small random-weight Llama 2 checkpoint (2 shard files) to $CKPT_DIR"
+      "$PY" -m tp_llama.synthetic "$CKPT_DIR" --family llama2 --mp 2
+    fi
+  fi
+  [ -d "$CKPT_DIR" ] || die "checkpoint folder $CKPT_DIR does not exist"
+  CKPT_DIR="$(cd "$CKPT_DIR" && pwd)"
+  [ -f "$CKPT_DIR/params.json" ] || die "$CKPT_DIR has no params.json"
+  [ -f "$CKPT_DIR/tokenizer.model" ] || die "$CKPT_DIR has no tokenizer.model"
+  local shards
+  shards="$(find "$CKPT_DIR" -maxdepth 1 -name 'consolidated.*.pth' | wc -l)"
+  [ "$shards" -ge 1 ] || die "$CKPT_DIR has no consolidated.*.pth files"
+  echo "using $CKPT_DIR ($shards shard file(s)), served with tensor parallelism $TP"
+}
+
+build_archive() {
+  step "[4/4] Model archive $MODEL_STORE/$NAME (weights stay in $CKPT_DIR)"
+  "$PY" "$REPO/handler/make_archive.py" --ckpt-dir "$CKPT_DIR" --tp "$TP" --name "$NAME" --model-store "$MODEL_STORE"
+}
+
+write_server_config() {
+  CONFIG="$MODEL_STORE/config.properties"
+  cat > "$CONFIG" <<EOF
+# Written by setup_model.sh: every endpoint on loopback only.
+inference_address=http://127.0.0.1:$INFERENCE_PORT
+management_address=http://127.0.0.1:$MANAGEMENT_PORT
+metrics_address=http://127.0.0.1:$METRICS_PORT
+grpc_inference_address=127.0.0.1
+grpc_management_address=127.0.0.1
+grpc_inference_port=$GRPC_INFERENCE_PORT
+grpc_management_port=$GRPC_MANAGEMENT_PORT
+model_store=$MODEL_STORE
+# Hand request bodies to the handler as raw bytes, so it can validate them strictly.
+decode_input_request=false
+EOF
+}
+
+# True while the pid in TorchServe's pid file is a live (not zombie) process.
+server_running() {
+  local state
+  [ -f "$1" ] || return 1
+  state="$(ps -o stat= -p "$(cat "$1")" 2>/dev/null || true)"
+  [ -n "$state" ] && [[ "$state" != Z* ]]
+}
+
+port_busy() {
+  "$PY" - "$1" <<'EOF'
+import socket, sys
+with socket.socket() as s:
+    s.settimeout(1)
+    sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
+EOF
+}
+
+# Prints the worker status of the model ("READY" when it can answer), or nothing.
+model_status() {
+  "$PY" - "$MANAGEMENT_PORT" "$NAME" <<'EOF' 2>/dev/null || true
+import json, sys, urllib.request
+key = json.load(open("key_file.json"))["management"]["key"]
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/models/{sys.argv[2]}",
+                             headers={"Authorization": f"Bearer {key}"})
+with urllib.request.urlopen(req, timeout=5) as resp:
+    workers = json.load(resp)[0]["workers"]
+print(",".join(w["status"] for w in workers))
+EOF
+}
+
+sample_request() {
+  "$PY" - "$INFERENCE_PORT" "$NAME" <<'EOF'
+import json, sys, time, urllib.request
+key = json.load(open("key_file.json"))["inference"]["key"]
+body = {"prompt": "The capital of France is", "max_new_tokens": 32, "temperature": 0}
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/predictions/{sys.argv[2]}",
+                             data=json.dumps(body).encode(), method="POST",
+                             headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+started = time.monotonic()
+with urllib.request.urlopen(req, timeout=600) as resp:
+    reply = json.load(resp)
+print(f"request: {json.dumps(body)}")
+print(f"completion ({time.monotonic() - started:.2f} s): {reply['text']!r}")
+print(f"token_ids: {reply['token_ids']}")
+print(f"finish_reason: {reply['finish_reason']}, usage: {reply['usage']}")
+EOF
+}
+
+serve() {
+  step "Starting TorchServe on 127.0.0.1:$INFERENCE_PORT (token authorization on)"
+  export PATH="$VENV/bin:$PATH"
+  cd "$REPO"
+  local pid_file
+  pid_file="$("$PY" -c 'import os, tempfile; print(os.path.join(tempfile.gettempdir(), ".model_server.pid"))')"
+  if server_running "$pid_file"; then
+    echo "stopping the TorchServe already running (pid $(cat "$pid_file"))"
+    "$VENV/bin/torchserve" --stop >/dev/null 2>&1 || true
+  fi
+  local port waited
+  for port in "$INFERENCE_PORT" "$MANAGEMENT_PORT" "$METRICS_PORT" "$GRPC_INFERENCE_PORT" "$GRPC_MANAGEMENT_PORT"; do
+    waited=0
+    while port_busy "$port" && [ "$waited" -lt 30 ]; do sleep 1; waited=$((waited + 1)); done
+    if port_busy "$port"; then die "port $port on 127.0.0.1 is in use; free it or set the *_PORT variables (--help)"; fi
+  done
+  write_server_config
+  rm -f key_file.json
+  mkdir -p logs
+  "$VENV/bin/torchserve" --start --ncs --ts-config "$CONFIG" --model-store "$MODEL_STORE" \
+    --models "$NAME=$NAME" > logs/torchserve.out 2>&1
+  echo "config: $CONFIG; logs: $REPO/logs/ (model_log.log has the ranks' output)"
+
+  step "Waiting for the $TP-rank worker to load the checkpoint (up to $READY_TIMEOUT s)"
+  local started=$SECONDS status="" report=$((SECONDS + 15))
+  while [ $((SECONDS - started)) -lt "$READY_TIMEOUT" ]; do
+    status="$(model_status)"
+    if [[ "$status" == *READY* ]]; then break; fi
+    if ! server_running "$pid_file"; then
+      tail -n 40 logs/torchserve.out logs/model_log.log 2>/dev/null || true
+      die "TorchServe exited; see logs/"
+    fi
+    if [ "$SECONDS" -ge "$report" ]; then
+      echo "  ... still loading after $((SECONDS - started)) s"
+      report=$((SECONDS + 15))
+    fi
+    sleep 2
+  done
+  if [[ "$status" != *READY* ]]; then
+    tail -n 40 logs/model_log.log 2>/dev/null || true
+    "$VENV/bin/torchserve" --stop >/dev/null 2>&1 || true
+    die "model not ready after $READY_TIMEOUT s; TorchServe stopped; see logs/"
+  fi
+  echo "model $NAME ready after $((SECONDS - started)) s"
+
+  step "Sample request"
+  sample_request
+
+  cat <<EOF
+
+TorchServe is running (loopback only). The API keys are in $REPO/key_file.json.
+Query it:
+  KEY=\$($PY -c "import json; print(json.load(open('$REPO/key_file.json'))['inference']['key'])")
+  curl -s http://127.0.0.1:$INFERENCE_PORT/predictions/$NAME -H "Authorization: Bearer \$KEY" \\
+       -H 'Content-Type: application/json' -d '{"prompt": "Once upon a time", "max_new_tokens": 32}'
+  curl -sN http://127.0.0.1:$INFERENCE_PORT/predictions/$NAME -H "Authorization: Bearer \$KEY" \\
+       -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi!"}], "stream": true}'
+Stop it:
+  (cd $REPO && $VENV/bin/torchserve --stop)
+EOF
+}
+
+setup_python
+setup_java
+setup_checkpoint
+build_archive
+if [ "$SERVE" = 1 ]; then
+  serve
+else
+  printf '\nDone. To serve it: ./setup_model.sh%s --tp %s --name %s --model-store %s --serve\n' \
+    "${CKPT_ARG:+ --ckpt-dir $CKPT_DIR}" "$TP" "$NAME" "$MODEL_STORE"
+fi
