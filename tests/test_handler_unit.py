@@ -1,0 +1,239 @@
+"""The handler's request validation, settings and streaming, without TorchServe or a model.
+
+The end-to-end test covers the real server; these pin down each rule quickly and show that a
+batch mixing good, bad and streaming requests makes exactly one engine call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
+
+import llama_handler  # noqa: E402
+from llama_request import RequestError, parse_request  # noqa: E402
+from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml  # noqa: E402
+from llama_stream import StreamDecoder  # noqa: E402
+
+from tp_llama.generation import GenerationResult  # noqa: E402
+from tp_llama.tokenizer import load_tokenizer  # noqa: E402
+from tp_llama.tokenizer_train import build_tokenizer  # noqa: E402
+
+SETTINGS = HandlerSettings(ckpt_dir="/ckpt", max_seq_len=64, default_max_new_tokens=16, max_new_tokens_limit=32,
+                           temperature=0.6, top_p=0.9, max_request_bytes=512)
+
+
+class ByteTokenizer:
+    """One id per UTF-8 byte plus BOS=1000; chat joins the contents."""
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        return ([1000] if bos else []) + list(text.encode("utf-8"))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if messages[-1]["role"] != "user":
+            raise ValueError("the last message must be from the user")
+        return self.encode(" ".join(m["content"] for m in messages))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def parse(body: bytes | dict | str):
+    return parse_request({"body": body}, SETTINGS, ByteTokenizer())
+
+
+def test_defaults_come_from_the_yaml_settings() -> None:
+    job = parse(b'{"prompt": "hi"}')
+    assert job.prompt_ids == [1000, 104, 105]
+    assert (job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos, job.stream) == (
+        16, 0.6, 0.9, None, False, False)
+
+
+def test_all_fields_and_nulls() -> None:
+    job = parse(b'{"prompt": "hi", "max_new_tokens": 5, "temperature": 0, "top_p": 1, "seed": 7, '
+                b'"ignore_eos": true, "stream": true}')
+    assert (job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos, job.stream) == (
+        5, 0.0, 1.0, 7, True, True)
+    job = parse(b'{"prompt": "hi", "max_new_tokens": null, "seed": null, "stream": null}')
+    assert (job.max_new_tokens, job.seed, job.stream) == (16, None, False)
+
+
+def test_default_max_new_tokens_shrinks_to_fit_but_explicit_values_must_fit() -> None:
+    prompt = "x" * 55  # 56 tokens with BOS, 8 left of max_seq_len 64
+    assert parse(json.dumps({"prompt": prompt})).max_new_tokens == 8
+    with pytest.raises(RequestError, match="exceeds max_seq_len 64"):
+        parse(json.dumps({"prompt": prompt, "max_new_tokens": 9}))
+    with pytest.raises(RequestError, match="leaves no room"):
+        parse(json.dumps({"prompt": "x" * 63}))
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"", "not valid JSON"),
+        (b"{'prompt': 'hi'}", "not valid JSON"),
+        (b'{"prompt": "caf\xe9"}', "not valid UTF-8"),
+        (b'"hi"', "must be a JSON object, got string"),
+        (b'{"prompt": "hi", "prompt": "ho"}', "duplicate field 'prompt'"),
+        (b'{"prompt": "hi", "temperature": Infinity}', "not valid JSON"),
+        (b'{"prompt": "hi", "extra": 1}', "unknown field(s) ['extra']"),
+        (b'{"prompt": "hi", "max_new_tokens": 1.0}', "max_new_tokens must be an integer, got number"),
+        (b'{"prompt": "hi", "max_new_tokens": false}', "max_new_tokens must be an integer, got boolean"),
+        (b'{"prompt": "hi", "max_new_tokens": 33}', "exceeds the limit 32"),
+        (b'{"prompt": "hi", "max_new_tokens": -3}', "must be >= 1"),
+        (b'{"prompt": "hi", "temperature": "0.5"}', "temperature must be a number, got string"),
+        (b'{"prompt": "hi", "temperature": true}', "temperature must be a number, got boolean"),
+        (b'{"prompt": "hi", "temperature": 1e999}', "temperature must be finite"),
+        (b'{"prompt": "hi", "top_p": -0.1}', "top_p must be in (0, 1]"),
+        (b'{"prompt": "hi", "seed": 9223372036854775808}', "seed must be in [0, 2**63)"),
+        (b'{"prompt": "hi", "seed": 1.5}', "seed must be an integer"),
+        (b'{"prompt": "hi", "stream": 1}', "stream must be true or false, got integer"),
+        (b'{"prompt": null}', "prompt must be a string, got null"),
+        (b'{"prompt": ""}', "prompt must not be empty"),
+        (b"{}", "exactly one of"),
+        (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "exactly one of"),
+        (b'{"messages": {"role": "user"}}', "non-empty array"),
+        (b'{"messages": ["hi"]}', "messages[0] must be an object, got string"),
+        (b'{"messages": [{"role": "user", "content": "b", "x": 1}]}', "unknown field(s) ['x']"),
+        (b'{"messages": [{"role": "assistant", "content": "b"}]}', "invalid messages: the last message"),
+        (b'{"prompt": "' + b"y" * 600 + b'"}', "the limit is 512"),
+    ],
+)
+def test_invalid_requests_name_the_problem(body: bytes, message: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse(body)
+    assert message in str(info.value)
+
+
+def test_bodies_torchserve_already_decoded() -> None:
+    assert parse({"prompt": "hi"}).prompt_ids == [1000, 104, 105]
+    assert parse('{"prompt": "hi"}').prompt_ids == [1000, 104, 105]
+    with pytest.raises(RequestError, match="temperature must be finite"):
+        parse({"prompt": "hi", "temperature": float("nan")})
+    with pytest.raises(RequestError, match="must be a JSON object, got array"):
+        parse([1, 2])
+    with pytest.raises(RequestError, match="Content-Type: application/json"):
+        parse_request({"prompt": "hi"}, SETTINGS, ByteTokenizer())
+
+
+def test_settings_reject_typos_and_bad_values(tmp_path: Path) -> None:
+    assert settings_from_yaml({"ckpt_dir": "c"}) == HandlerSettings(ckpt_dir="c")
+    for block, message in [
+        ({}, "ckpt_dir"),
+        ({"ckpt_dir": "c", "max_seqlen": 5}, "unknown key"),
+        ({"ckpt_dir": "c", "mode": "pp"}, "handler.mode"),
+        ({"ckpt_dir": "c", "max_seq_len": "2048"}, "handler.max_seq_len"),
+        ({"ckpt_dir": "c", "max_batch_size": True}, "handler.max_batch_size"),
+        ({"ckpt_dir": "c", "top_p": 0}, "handler.top_p"),
+        ({"ckpt_dir": "c", "temperature": -1}, "handler.temperature"),
+        ({"ckpt_dir": "c", "default_max_new_tokens": 50, "max_new_tokens_limit": 10}, "must not exceed"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            settings_from_yaml(block)
+
+
+def test_relative_ckpt_dir_is_taken_from_the_real_model_folder(tmp_path: Path) -> None:
+    store = tmp_path / "model_store" / "llama"
+    store.mkdir(parents=True)
+    ckpt = tmp_path / "checkpoints" / "x"
+    ckpt.mkdir(parents=True)
+    link = tmp_path / "tmp-models" / "llama"
+    link.parent.mkdir()
+    link.symlink_to(store)
+    assert resolve_ckpt_dir("../../checkpoints/x", str(link)) == str(ckpt)
+    assert resolve_ckpt_dir(str(ckpt), "/nowhere") == str(ckpt)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_ckpt_dir("missing", str(link))
+
+
+@pytest.fixture(scope="module", params=["llama2", "llama3"])
+def real_tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp(request.param) / "tokenizer.model"
+    build_tokenizer(request.param, path, 512)
+    return load_tokenizer(path)
+
+
+def test_stream_pieces_never_split_a_character(real_tokenizer) -> None:
+    text = "Grüße aus Köln, 東京 and 🎉 naïve café — ok"
+    ids = real_tokenizer.encode(text, bos=False)
+    stream = StreamDecoder(real_tokenizer.decode)
+    pieces = [stream.push([i]) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == real_tokenizer.decode(ids)
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_stream_pieces_add_up_even_with_invalid_bytes() -> None:
+    tokenizer = ByteTokenizer()
+    ids = list("a€b".encode()) + [0xE2, 0x82] + list(b"c") + [0xF0]
+    stream = StreamDecoder(tokenizer.decode)
+    pieces = [stream.push([i]) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert pieces[:3] == ["a", "", ""] and pieces[3] == "€"
+
+
+class FakeEngine:
+    rank = 0
+    tokenizer = ByteTokenizer()
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+
+    def generate(self, requests, on_tokens=None):
+        self.calls.append(requests)
+        outputs = [list(b"ok!")[: r.max_new_tokens] for r in requests]
+        for step in range(3):
+            if on_tokens is not None:
+                on_tokens([out[step:step + 1] for out in outputs])
+        return [GenerationResult(out, "length") for out in outputs]
+
+
+class FakeContext:
+    def __init__(self, size: int) -> None:
+        self.request_ids = {i: f"req-{i}" for i in range(size)}
+        self.status: dict[int, int] = {}
+        self.content_types: dict[int, str] = {}
+        self.metrics = None
+
+    def set_response_status(self, code: int, phrase: str, idx: int) -> None:
+        self.status[idx] = code
+
+    def set_response_content_type(self, idx: int, value: str) -> None:
+        self.content_types[idx] = value
+
+
+def test_a_mixed_batch_makes_one_engine_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[dict] = []
+    monkeypatch.setattr(llama_handler, "send_intermediate_predict_response",
+                        lambda ret, ids, msg, code, ctx: sent.append({i: json.loads(ret[i]) for i in ids}))
+    handler = llama_handler.LlamaHandler()
+    handler.engine, handler.settings = FakeEngine(), SETTINGS
+    batch = [
+        {"body": b'{"prompt": "a", "max_new_tokens": 3}'},
+        {"body": b'{"prompt": 5}'},
+        {"body": b'{"prompt": "b", "max_new_tokens": 2, "stream": true}'},
+    ]
+    context = FakeContext(len(batch))
+    replies = handler.handle(batch, context)
+
+    assert len(handler.engine.calls) == 1 and len(handler.engine.calls[0]) == 2
+    assert context.status == {1: 400}
+    assert json.loads(replies[0]) == {"text": "ok!", "token_ids": list(b"ok!"), "finish_reason": "length",
+                                      "usage": {"prompt_tokens": 2, "completion_tokens": 3}}
+    assert json.loads(replies[1]) == {"error": "prompt must be a string, got integer"}
+    assert sent == [{2: {"text": "o", "token_ids": [ord("o")]}}, {2: {"text": "k", "token_ids": [ord("k")]}}]
+    assert json.loads(replies[2]) == {"text": "", "token_ids": [], "finish_reason": "length",
+                                      "usage": {"prompt_tokens": 2, "completion_tokens": 2}}
+    assert context.content_types == {0: "application/json", 1: "application/json", 2: "application/x-ndjson"}
+
+
+def test_a_batch_of_only_bad_requests_never_calls_the_engine() -> None:
+    handler = llama_handler.LlamaHandler()
+    handler.engine, handler.settings = FakeEngine(), SETTINGS
+    context = FakeContext(2)
+    replies = handler.handle([{"body": b"nope"}, {"body": b"{}"}], context)
+    assert handler.engine.calls == [] and context.status == {0: 400, 1: 400}
+    assert all("error" in json.loads(r) for r in replies)
