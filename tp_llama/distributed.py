@@ -64,7 +64,9 @@ def log(message: str, rank: int | None = None) -> None:
     """Progress goes to stderr (stdout is the CLI's JSON), tagged with the rank."""
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-    print(f"[tp_llama rank {rank}] {message}", file=sys.stderr, flush=True)
+    # One write() per line: ranks share the launcher's stderr pipe and must not interleave.
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"[tp_llama rank {rank}] {message}\n".encode())
 
 
 def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
@@ -95,3 +97,16 @@ def broadcast_from_rank0(values: torch.Tensor, device: torch.device) -> torch.Te
     on_device = values.to(device)
     dist.broadcast(on_device, src=0)
     return on_device.to(values.device)
+
+
+def wait_for_peers(seconds: float = 10.0) -> None:
+    """Best-effort barrier before a failing exit, so no rank is killed by the launcher mid-report."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=seconds))
+        else:
+            dist.barrier()
+    except RuntimeError:
+        pass

@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from tp_llama.distributed import log
+from tp_llama.distributed import log, wait_for_peers
 from tp_llama.engine import DTYPES, MODES, Engine
 from tp_llama.errors import CheckpointError
 from tp_llama.generation import GenerationRequest
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         run(a)
     except (CheckpointError, ValueError, RuntimeError) as exc:
         log(f"error: {exc}")
+        wait_for_peers()
         return 2
     finally:
         if dist.is_initialized():

@@ -56,6 +56,13 @@ def source_split_dim(
     if tuple(shard) == tuple(full):
         return None
     differing = [d for d in range(len(full)) if len(shard) == len(full) and shard[d] != full[d]]
+    if len(differing) == 1 and full[differing[0]] % shard[differing[0]] == 0:
+        parts = full[differing[0]] // shard[differing[0]]
+        if parts != mp:
+            raise CheckpointError(
+                f"{path}: tensor {key!r} has shape {tuple(shard)}, 1/{parts} of the expected {tuple(full)}: "
+                f"the checkpoint was split over {parts} files but {mp} consolidated.NN.pth file(s) were found"
+            )
     if len(differing) != 1 or shard[differing[0]] * mp != full[differing[0]]:
         raise CheckpointError(
             f"{path}: tensor {key!r} has shape {tuple(shard)}, which is no exact split of the "

@@ -136,6 +136,7 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
     try:
         path = paths[info.rank % mp]
         consolidated = load_shard(path)
+        check_keys(consolidated, full_shapes(args), path)
         for key, tensor in consolidated.items():
             consolidated[key] = tensor.to(dtype)
     except (CheckpointError, OSError, RuntimeError) as exc:

@@ -1,0 +1,106 @@
+"""Broken checkpoints fail fast on every rank with the file and tensor named, never a hang."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_util import launch_cli
+from tp_llama.synthetic import write_checkpoint
+
+FAIL_FAST_S = 45  # two interpreter start-ups and torchrun included; a hang would hit the 60 s collective timeout
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("good") / "ckpt", family="llama2", mp=2)
+
+
+@pytest.fixture
+def ckpt(good, tmp_path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(good, copy)
+    return copy
+
+
+def fails_on_every_rank(ckpt: Path, world: int, pattern: str, mode: str = "tp") -> str:
+    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2", "--mode", mode], world)
+    assert run.returncode != 0, run.stdout
+    assert run.seconds < FAIL_FAST_S, f"took {run.seconds:.1f} s"
+    errors = [line for line in run.stderr.splitlines() if "] error:" in line]
+    ranks = {int(m.group(1)) for line in errors if (m := re.search(r"rank (\d+)\] error:", line))}
+    assert ranks == set(range(world)), run.stderr
+    assert all(re.search(pattern, line) for line in errors), errors
+    return run.stderr
+
+
+def test_missing_shard_file(ckpt):
+    (ckpt / "consolidated.00.pth").unlink()
+    fails_on_every_rank(ckpt, 2, r"missing shard file\(s\) consolidated\.00\.pth")
+
+
+def test_missing_last_shard_file_is_seen_from_shapes(ckpt):
+    (ckpt / "consolidated.01.pth").unlink()
+    fails_on_every_rank(ckpt, 2, r"consolidated\.00\.pth: .*split over 2 files but 1 consolidated")
+
+
+def test_truncated_file_seen_by_one_rank_only(ckpt):
+    """MP 2 onto TP 2: only rank 1 opens file 01, yet rank 0 must fail too, naming it."""
+    path = ckpt / "consolidated.01.pth"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    fails_on_every_rank(ckpt, 2, r"rank 1: CheckpointError: .*consolidated\.01\.pth: cannot be read")
+
+
+def test_wrong_params_json_names_the_key(ckpt):
+    params = json.loads((ckpt / "params.json").read_text())
+    params["n_heads"] = "eight"
+    (ckpt / "params.json").write_text(json.dumps(params))
+    fails_on_every_rank(ckpt, 2, r"params\.json: key 'n_heads' has invalid value 'eight'")
+
+
+def test_params_that_disagree_with_the_tensors(ckpt):
+    params = json.loads((ckpt / "params.json").read_text())
+    params["dim"] = 256
+    (ckpt / "params.json").write_text(json.dumps(params))
+    fails_on_every_rank(ckpt, 2, r"consolidated\.0[01]\.pth: tensor 'tok_embeddings\.weight' has shape")
+
+
+def test_missing_tensor_is_named(ckpt):
+    path = ckpt / "consolidated.00.pth"
+    state = torch.load(path)
+    del state["layers.1.ffn_norm.weight"]
+    torch.save(state, path)
+    fails_on_every_rank(ckpt, 2, r"consolidated\.00\.pth: missing tensor 'layers\.1\.ffn_norm\.weight'", mode="fsdp")
+
+
+def test_tp_size_that_cuts_kv_heads(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=1, dim=96, n_heads=6, n_kv_heads=3, vocab_size=768)
+    fails_on_every_rank(ckpt, 2, r"tensor-parallel size 2 does not divide n_kv_heads \(3\)")
+
+
+def test_fsdp_world_size_not_multiple_of_mp(ckpt):
+    fails_on_every_rank(ckpt, 1, r"multiple of the checkpoint's MP size 2", mode="fsdp")
+
+
+class _Marker:
+    """Pickles to a call that would create a file; weights_only loading must refuse to run it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_pickled_callable_is_refused_and_never_run(ckpt, tmp_path):
+    marker = tmp_path / "executed"
+    state = torch.load(ckpt / "consolidated.00.pth")
+    state["payload"] = _Marker(marker)
+    torch.save(state, ckpt / "consolidated.00.pth")
+    fails_on_every_rank(ckpt, 2, r"consolidated\.00\.pth: cannot be read.*(Weights only load failed|Unsupported)")
+    assert not marker.exists()
