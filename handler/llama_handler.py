@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
+STATUS_PHRASES = {400: "Bad Request", 500: "Internal Server Error"}
 
 
 def _line(payload: dict[str, Any]) -> str:
@@ -97,6 +98,9 @@ class LlamaHandler(BaseHandler):
                 jobs.append(parse_request(request, self.settings, self.engine.tokenizer))
             except RequestError as exc:
                 jobs.append(exc)
+            except Exception as exc:  # a bug must fail this request only, not its whole batch
+                logger.exception("unexpected error while reading a request")
+                jobs.append(RequestError(f"internal error while reading the request: {type(exc).__name__}", 500))
         return jobs
 
     def inference(self, jobs: list[Job | RequestError]) -> list[GenerationResult | None]:
@@ -121,7 +125,7 @@ class LlamaHandler(BaseHandler):
         replies = []
         for idx, (job, result) in enumerate(zip(jobs, results)):
             if isinstance(job, RequestError):
-                self.context.set_response_status(400, "Bad Request", idx)
+                self.context.set_response_status(job.status, STATUS_PHRASES[job.status], idx)
                 self.context.set_response_content_type(idx, JSON_TYPE)
                 replies.append(_line({"error": str(job)}))
             elif job.stream:

@@ -20,7 +20,11 @@ SEED_LIMIT = 2**63
 
 
 class RequestError(ValueError):
-    """The request is invalid; the message is sent back to the client as is."""
+    """The request cannot be served; the message is sent back to the client as is."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ChatTokenizer(Protocol):
@@ -66,7 +70,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
     """Parse the body strictly: UTF-8 JSON object, no NaN/Infinity, no duplicate keys, bounded size."""
     if isinstance(body, str):
-        body = body.encode("utf-8")
+        body = body.encode("utf-8", errors="surrogatepass")
     if isinstance(body, (bytes, bytearray)):
         if len(body) > max_bytes:
             raise RequestError(f"body is {len(body)} bytes; the limit is {max_bytes}")
@@ -78,15 +82,28 @@ def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
             value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
         except json.JSONDecodeError as exc:
             raise RequestError(f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        except RecursionError:
+            raise RequestError("body is nested too deeply") from None
+        _utf8_size(value)
     else:
         # TorchServe already decoded an application/json body (decode_input_request=true).
         value = body
-        size = len(json.dumps(value, ensure_ascii=False, allow_nan=True).encode("utf-8"))
+        size = _utf8_size(value)
         if size > max_bytes:
             raise RequestError(f"body is about {size} bytes; the limit is {max_bytes}")
     if not isinstance(value, dict):
         raise RequestError(f"body must be a JSON object, got {_type_name(value)}")
     return value
+
+
+def _utf8_size(value: Any) -> int:
+    """Size of the value as UTF-8 JSON; JSON escapes can smuggle in lone surrogates, which tokenizers reject."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8"))
+    except UnicodeEncodeError:
+        raise RequestError("body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)") from None
+    except RecursionError:
+        raise RequestError("body is nested too deeply") from None
 
 
 def _type_name(value: Any) -> str:

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
 import llama_handler  # noqa: E402
-from llama_request import RequestError, parse_request  # noqa: E402
+from llama_request import RequestError, decode_body, parse_request  # noqa: E402
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml  # noqa: E402
 from llama_stream import StreamDecoder  # noqa: E402
 
@@ -101,12 +101,24 @@ def test_default_max_new_tokens_shrinks_to_fit_but_explicit_values_must_fit() ->
         (b'{"messages": [{"role": "user", "content": "b", "x": 1}]}', "unknown field(s) ['x']"),
         (b'{"messages": [{"role": "assistant", "content": "b"}]}', "invalid messages: the last message"),
         (b'{"prompt": "' + b"y" * 600 + b'"}', "the limit is 512"),
+        (b'{"prompt": "a\\ud800b"}', "unpaired UTF-16 surrogate"),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "unpaired UTF-16 surrogate"),
     ],
 )
 def test_invalid_requests_name_the_problem(body: bytes, message: str) -> None:
     with pytest.raises(RequestError) as info:
         parse(body)
     assert message in str(info.value)
+
+
+def test_deep_nesting_is_a_bad_request() -> None:
+    with pytest.raises(RequestError, match="nested too deeply"):
+        decode_body(b"[" * 100_000 + b"]" * 100_000, 1_000_000)
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(RequestError, match="nested too deeply"):
+        decode_body({"prompt": deep}, 1_000_000)
 
 
 def test_bodies_torchserve_already_decoded() -> None:
@@ -228,6 +240,23 @@ def test_a_mixed_batch_makes_one_engine_call(monkeypatch: pytest.MonkeyPatch) ->
     assert json.loads(replies[2]) == {"text": "", "token_ids": [], "finish_reason": "length",
                                       "usage": {"prompt_tokens": 2, "completion_tokens": 2}}
     assert context.content_types == {0: "application/json", 1: "application/json", 2: "application/x-ndjson"}
+
+
+def test_an_unexpected_error_fails_only_its_own_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Fragile(ByteTokenizer):
+        def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+            if text == "boom":
+                raise RuntimeError("tokenizer bug")
+            return super().encode(text, bos, eos)
+
+    handler = llama_handler.LlamaHandler()
+    handler.engine, handler.settings = FakeEngine(), SETTINGS
+    handler.engine.tokenizer = Fragile()
+    context = FakeContext(2)
+    replies = handler.handle([{"body": b'{"prompt": "boom"}'}, {"body": b'{"prompt": "fine"}'}], context)
+    assert context.status == {0: 500}
+    assert "internal error" in json.loads(replies[0])["error"]
+    assert json.loads(replies[1])["text"] == "ok!"
 
 
 def test_a_batch_of_only_bad_requests_never_calls_the_engine() -> None:

@@ -40,21 +40,28 @@ def _run(command: list[str], timeout: float, cwd: Path = REPO) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="module", params=["llama2", "llama3"])
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp(f"ckpt-{request.param}")
-    _run([sys.executable, "-m", "tp_llama.synthetic", str(out), "--family", request.param, "--mp", "2"], 120)
+@pytest.fixture(scope="module", params=[("llama2", "tp"), ("llama3", "fsdp")], ids=["llama2-tp", "llama3-fsdp"])
+def setup(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """Tokenizer family and loading mode: each family once, each mode once."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(setup: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, _ = setup
+    out = tmp_path_factory.mktemp(f"ckpt-{family}")
+    _run([sys.executable, "-m", "tp_llama.synthetic", str(out), "--family", family, "--mp", "2"], 120)
     return out
 
 
 @pytest.fixture(scope="module")
-def cli_reference(checkpoint: Path) -> dict:
+def cli_reference(checkpoint: Path, setup: tuple[str, str]) -> dict:
     """The offline CLI's greedy output, torchrun with 2 ranks like the server."""
     stdout = _run(
         [
             str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "tp_llama.generate",
             "--ckpt-dir", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW),
-            "--temperature", "0", "--max-seq-len", str(MAX_SEQ_LEN),
+            "--temperature", "0", "--max-seq-len", str(MAX_SEQ_LEN), "--mode", setup[1],
         ],
         CLI_TIMEOUT,
     )
@@ -62,7 +69,7 @@ def cli_reference(checkpoint: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+def server(checkpoint: Path, setup: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("serve")
     (rdzv_port,) = free_ports(1)
     build_archive(
@@ -75,9 +82,10 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
             f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
             f"handler.default_max_new_tokens={MAX_NEW}",
             f"handler.max_request_bytes={MAX_BODY}",
+            f"handler.mode={setup[1]}",
             "handler.max_batch_size=4",
             "batchSize=8",
-            "maxBatchDelay=300",
+            "maxBatchDelay=100",
             "responseTimeout=120",
             f"startupTimeout={STARTUP_TIMEOUT}",
             f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
@@ -210,6 +218,7 @@ BAD_REQUESTS = [
     (b'{"messages": [{"role": "user", "content": "hi", "name": "x"}]}', "unknown field"),
     (json.dumps({"prompt": "word " * 40, "max_new_tokens": 200}).encode(), "exceeds max_seq_len"),
     (json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode(), "the limit is"),
+    (b'{"prompt": "\\ud83d"}', "unpaired UTF-16 surrogate"),
 ]
 
 
