@@ -1,0 +1,62 @@
+"""params.json parsing: every key Meta ships, flat or nested, and clear errors naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tp_llama.errors import CheckpointError
+from tp_llama.params import read_params
+
+LLAMA2_7B = {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}
+LLAMA3_8B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,
+             "multiple_of": 1024, "ffn_dim_multiplier": 1.3, "norm_eps": 1e-05, "rope_theta": 500000.0,
+             "use_scaled_rope": True}
+LLAMA2_70B = {"dim": 8192, "multiple_of": 4096, "ffn_dim_multiplier": 1.3, "n_heads": 64, "n_kv_heads": 8,
+              "n_layers": 80, "norm_eps": 1e-05, "vocab_size": -1}
+
+
+def write(tmp_path, params) -> str:
+    (tmp_path / "params.json").write_text(json.dumps(params))
+    return str(tmp_path)
+
+
+def test_llama2_7b_takes_vocab_from_tokenizer(tmp_path):
+    args = read_params(write(tmp_path, LLAMA2_7B), tokenizer_vocab=32000)
+    assert (args.vocab_size, args.n_kv_heads, args.ffn_dim, args.family) == (32000, 32, 11008, "llama2")
+    assert args.rope_theta == 10000.0 and not args.use_scaled_rope
+
+
+def test_llama3_8b_published_sizes(tmp_path):
+    args = read_params(write(tmp_path, {"model": LLAMA3_8B}), tokenizer_vocab=128256)
+    assert (args.vocab_size, args.n_kv_heads, args.ffn_dim, args.family) == (128256, 8, 14336, "llama3")
+    assert args.rope_theta == 500000.0 and args.use_scaled_rope
+
+
+def test_llama2_70b_ffn_width(tmp_path):
+    assert read_params(write(tmp_path, LLAMA2_70B), tokenizer_vocab=32000).ffn_dim == 28672
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("n_heads", "32", "key 'n_heads' has invalid value"),
+    ("dim", True, "key 'dim' has invalid value"),
+    ("n_kv_heads", 3, "not divisible by n_kv_heads"),
+    ("norm_eps", -1.0, "'norm_eps' must be positive"),
+    ("ffn_dim_multiplier", "1.3", "key 'ffn_dim_multiplier' has invalid value"),
+    ("use_scaled_rope", 1, "key 'use_scaled_rope' has invalid value"),
+    ("n_layers", 0, "'n_layers' must be positive"),
+])
+def test_bad_values_name_the_key(tmp_path, key, value, message):
+    with pytest.raises(CheckpointError, match=message):
+        read_params(write(tmp_path, {**LLAMA2_7B, key: value}), tokenizer_vocab=32000)
+
+
+def test_missing_key_and_bad_json(tmp_path):
+    params = dict(LLAMA2_7B)
+    del params["n_layers"]
+    with pytest.raises(CheckpointError, match="missing required key 'n_layers'"):
+        read_params(write(tmp_path, params), tokenizer_vocab=32000)
+    (tmp_path / "params.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="params.json: not valid JSON"):
+        read_params(str(tmp_path), tokenizer_vocab=32000)
