@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -102,15 +103,13 @@ class Engine:
         results: list[GenerationResult] = []
         for first in range(0, len(requests), self.max_batch_size):
             chunk = requests[first : first + self.max_batch_size]
-            offset = first
-
-            def forward_tokens(new_tokens: list[list[int]], offset: int = offset, size: int = len(chunk)) -> None:
-                if on_tokens is not None:
-                    padded: list[list[int]] = [[] for _ in requests]
-                    padded[offset : offset + size] = new_tokens
-                    on_tokens(padded)
-
-            results += generate(
-                self.model, chunk, self.tokenizer.stop_ids, self.device, self.rank, forward_tokens, self.stats
-            )
+            relay = None if on_tokens is None else partial(_relay, on_tokens, len(requests), first)
+            results += generate(self.model, chunk, self.tokenizer.stop_ids, self.device, self.rank, relay, self.stats)
         return results
+
+
+def _relay(on_tokens: Callable[[list[list[int]]], None], total: int, offset: int, new_tokens: list[list[int]]) -> None:
+    """Report a chunk's step in the caller's numbering: one list per request of the whole call."""
+    padded: list[list[int]] = [[] for _ in range(total)]
+    padded[offset : offset + len(new_tokens)] = new_tokens
+    on_tokens(padded)
