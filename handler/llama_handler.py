@@ -121,7 +121,7 @@ class LlamaHandler(BaseHandler):
         return results
 
     def postprocess(self, jobs: list[Job | RequestError], results: list[GenerationResult | None]) -> list[str]:
-        """One reply per request: the completion, the last stream chunk, or the 400 error."""
+        """One reply per request: the completion, the last stream chunk, or the error."""
         replies = []
         for idx, (job, result) in enumerate(zip(jobs, results)):
             if isinstance(job, RequestError):

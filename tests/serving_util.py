@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 VENV_BIN = Path(sys.executable).parent
+ERROR_LINE = re.compile(r"error|Error|Exception|Traceback|\[tp_llama rank")
 BATCH_LINE = re.compile(r"rank 0: batch of \d+ requests: (\d+) generated, (\d+) rejected")
 
 
@@ -133,6 +134,8 @@ class TorchServe:
         while time.monotonic() - started < timeout:
             if self.process.poll() is not None:
                 raise RuntimeError(f"torchserve exited with {self.process.returncode}\n{self.log_tail()}")
+            if self.log_path.exists() and "Load model failed" in self.log_path.read_text(errors="replace"):
+                raise RuntimeError(f"the worker failed to load the model\n{self.log_tail()}")
             self._remember_tree()
             if (self.workdir / "key_file.json").exists() and port_is_open(self.management_port):
                 reply = self.request("GET", f"/models/{self.name}", port=self.management_port, key="management")
@@ -179,11 +182,13 @@ class TorchServe:
         finally:
             conn.close()
 
-    def log_tail(self, chars: int = 6000) -> str:
+    def log_tail(self, chars: int = 4000) -> str:
+        """The frontend log's end plus the workers' error lines, which are easy to miss in the noise."""
         parts = []
-        for path in (self.log_path, self.workdir / "logs" / "model_log.log"):
-            if path.exists():
-                parts.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-chars:]}")
+        if self.log_path.exists():
+            parts.append(f"--- {self.log_path.name} (end) ---\n{self.log_path.read_text(errors='replace')[-chars:]}")
+        errors = [line for line in self.model_log().splitlines() if ERROR_LINE.search(line)]
+        parts.append("--- model_log.log (error lines) ---\n" + "\n".join(errors[-40:]))
         return "\n".join(parts)
 
     def model_log(self) -> str:

@@ -252,3 +252,18 @@ def test_server_stops_cleanly(server: TorchServe) -> None:
     assert outcome["returncode"] == 0, server.log_tail()
     assert outcome["leftover"] == [], f"processes still alive after stop: {outcome['leftover']}"
     assert not port_is_open(port)
+
+
+def test_a_bad_checkpoint_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _run([sys.executable, "-m", "tp_llama.synthetic", str(ckpt), "--family", "llama2", "--mp", "2"], 120)
+    (ckpt / "consolidated.01.pth").unlink()
+    (rdzv_port,) = free_ports(1)
+    build_archive(ckpt, tmp_path / "model_store", overrides=[f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}"])
+    with TorchServe(tmp_path, tmp_path / "model_store", "llama") as ts:
+        ts.start()
+        with pytest.raises(RuntimeError, match="failed to load") as info:
+            ts.wait_ready(STARTUP_TIMEOUT)
+        assert "1 consolidated.NN.pth file(s) were found" in str(info.value)
+        outcome = ts.stop()
+    assert outcome["leftover"] == []
