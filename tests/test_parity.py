@@ -165,6 +165,9 @@ def run_cli(ckpt: Path, prompts: list[str], mode: str, world: int, ignore_eos: b
         os.killpg(proc.pid, signal.SIGKILL)  # the session we started: torchrun and its workers
         stdout, stderr = proc.communicate()
         pytest.fail(f"CLI timed out after {RUN_TIMEOUT_S} s: {' '.join(command)}\n{stderr[-3000:]}")
+    except BaseException:  # Ctrl-C: take the launched workers down with the test
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     lines = [json.loads(line) for line in stdout.splitlines() if line.strip()]
     assert len(lines) == len(prompts), (
         f"rc {proc.returncode}, expected {len(prompts)} JSON lines: {' '.join(command)}\n{stdout}\n{stderr[-3000:]}"
