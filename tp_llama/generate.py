@@ -77,16 +77,17 @@ def run(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    status = 0
     try:
         run(a)
     except (CheckpointError, ValueError, RuntimeError) as exc:
         log(f"error: {exc}")
-        wait_for_peers()
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        status = 2
+    # Tear down together: a rank that leaves the group while another still uses it aborts.
+    wait_for_peers()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return status
 
 
 if __name__ == "__main__":
