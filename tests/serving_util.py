@@ -207,10 +207,13 @@ class TorchServe:
         if self.process is None:
             return {"returncode": None, "leftover": []}
         self._remember_tree()
-        subprocess.run(
-            [str(VENV_BIN / "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout,
-        )
+        try:
+            subprocess.run(
+                [str(VENV_BIN / "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            pass  # the kills below still run
         try:
             returncode = self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
