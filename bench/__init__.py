@@ -1,0 +1,1 @@
+"""Benchmarks: loading, generation and serving, against the floor and the alternatives."""

@@ -1,0 +1,251 @@
+"""Generation benchmark: prefill and decode tokens/s of our engine (TP 1, TP 2) and of transformers.
+
+    python -m bench.bench_generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
+
+float32 on CPU, greedy, stop tokens ignored, the same random prompts for every engine. Both
+engines are timed the same way, from the moments new tokens reach the caller: prefill ends
+when the first new token of the batch is out, decode covers the remaining new tokens. The
+bandwidth floor is the weight bytes one decode step must read (every parameter except the
+embedding table) over the copy bandwidth measured at the start of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.checkpoint import PRESETS, ensure_checkpoint
+from bench.common import copy_bandwidth_gbs, last_json, table, torchrun, write_json
+from tp_llama.checkpoint import find_shards, load_shard
+from tp_llama.engine import Engine, GenerationRequest
+from tp_llama.layout import full_shapes
+from tp_llama.params import ModelArgs, read_params
+from tp_llama.tokenizer import load_tokenizer
+
+
+def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
+    """Fixed random ids below the special tokens, different for every row."""
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(3, args.vocab_size - 256, (batch, length), generator=gen).tolist()
+
+
+def rates(batch: int, prompt_len: int, new_tokens: int, started: float, first: float, last: float) -> dict:
+    return {
+        "batch": batch,
+        "prefill_tok_s": batch * prompt_len / (first - started),
+        "decode_tok_s": batch * (new_tokens - 1) / (last - first),
+    }
+
+
+def decode_weight_bytes(args: ModelArgs, elt: int = 4) -> int:
+    """Bytes of weights one decode step reads: all of them but the embedding table (B rows only)."""
+    return sum(torch.Size(s).numel() * elt for k, s in full_shapes(args).items() if k != "tok_embeddings.weight")
+
+
+def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+    """Engine.generate on every rank; per-step times come from the on_tokens callback."""
+    engine = Engine.load(ckpt, "tp", "float32", max_seq_len=prompt_len + new_tokens, max_batch_size=max(batches))
+    warm = prompts(engine.args, 1, 16)[0]
+    engine.generate([GenerationRequest(warm, 4, ignore_eos=True)])
+    results = []
+    for batch in batches:
+        stamps: list[float] = []
+        requests = [GenerationRequest(p, new_tokens, ignore_eos=True) for p in prompts(engine.args, batch, prompt_len)]
+        started = time.perf_counter()
+        out = engine.generate(requests, on_tokens=lambda _: stamps.append(time.perf_counter()))
+        results.append({**rates(batch, prompt_len, new_tokens, started, stamps[0], stamps[-1]),
+                        "tokens": [r.token_ids for r in out]})
+    return {"load_s": engine.load_s, "threads": torch.get_num_threads(), "results": results}
+
+
+def hf_config(args: ModelArgs, max_len: int):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.use_scaled_rope:
+        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=max_len, rms_norm_eps=args.norm_eps, rope_parameters=rope,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0, dtype=torch.float32,
+    )
+
+
+def to_hf_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta rotates adjacent pairs (2i, 2i+1); transformers rotates (i, i + head_dim/2) of each head.
+
+    Reordering each head's output rows from [pair, 2] to [2, pair] makes the two the same model.
+    """
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def meta_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Meta names and rotary layout -> LlamaForCausalLM's, in float32."""
+    hf = {
+        "model.embed_tokens.weight": state["tok_embeddings.weight"],
+        "model.norm.weight": state["norm.weight"],
+        "lm_head.weight": state["output.weight"],
+    }
+    for i in range(args.n_layers):
+        meta, ours = f"layers.{i}.", f"model.layers.{i}."
+        hf[ours + "self_attn.q_proj.weight"] = to_hf_rotary(state[meta + "attention.wq.weight"], args.n_heads)
+        hf[ours + "self_attn.k_proj.weight"] = to_hf_rotary(state[meta + "attention.wk.weight"], args.n_kv_heads)
+        hf[ours + "self_attn.v_proj.weight"] = state[meta + "attention.wv.weight"]
+        hf[ours + "self_attn.o_proj.weight"] = state[meta + "attention.wo.weight"]
+        hf[ours + "mlp.gate_proj.weight"] = state[meta + "feed_forward.w1.weight"]
+        hf[ours + "mlp.down_proj.weight"] = state[meta + "feed_forward.w2.weight"]
+        hf[ours + "mlp.up_proj.weight"] = state[meta + "feed_forward.w3.weight"]
+        hf[ours + "input_layernorm.weight"] = state[meta + "attention_norm.weight"]
+        hf[ours + "post_attention_layernorm.weight"] = state[meta + "ffn_norm.weight"]
+    return {k: v.float().contiguous() for k, v in hf.items()}
+
+
+class StepTimes:
+    """A transformers streamer that only notes when each batch of tokens comes out."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+    """LlamaForCausalLM.generate, greedy, exactly new_tokens tokens per row."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    started = time.perf_counter()
+    args = read_params(ckpt, load_tokenizer(ckpt / "tokenizer.model").n_words)
+    paths = find_shards(ckpt)
+    if len(paths) != 1:
+        raise ValueError("the transformers baseline reads an MP 1 checkpoint")
+    model = LlamaForCausalLM(hf_config(args, prompt_len + new_tokens)).eval()
+    model.load_state_dict(meta_to_hf(load_shard(paths[0]), args), strict=True)
+    load_s = time.perf_counter() - started
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts(args, 1, 16)), generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
+        results = []
+        for batch in batches:
+            ids = torch.tensor(prompts(args, batch, prompt_len))
+            timer = StepTimes()
+            started = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=timer)
+            # stamps[0] is the prompt being handed over; stamps[1] the first new token.
+            results.append({**rates(batch, prompt_len, new_tokens, started, timer.stamps[1], timer.stamps[-1]),
+                            "tokens": out[:, prompt_len:].tolist()})
+    return {"load_s": load_s, "threads": torch.get_num_threads(), "results": results}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> int:
+    """Shortest common prefix over the rows: how long two greedy runs produce the same tokens."""
+    def common(x: list[int], y: list[int]) -> int:
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        return n
+    return min(common(x, y) for x, y in zip(a, b))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quarter")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+    a = parser.parse_args(argv)
+    if a.worker:
+        run = run_ours if a.worker == "ours" else run_hf
+        result = run(a.ckpt, a.batches, a.prompt_len, a.new_tokens)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+        return
+
+    ckpt = ensure_checkpoint(PRESETS[a.preset], mp=1)
+    args = read_params(ckpt)
+    bandwidth = copy_bandwidth_gbs()
+    weight_bytes = decode_weight_bytes(args)
+    floor_tok_s = bandwidth * 1e9 / weight_bytes
+    print(f"copy bandwidth {bandwidth:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of float32 weights per decode step "
+          f"-> batch-1 decode floor {floor_tok_s:.1f} tok/s", flush=True)
+    common = ["--ckpt", str(ckpt), "--batches", *map(str, a.batches),
+              "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens)]
+    engines = {}
+    for name, worker, nproc in (("ours TP1", "ours", 1), ("ours TP2", "ours", 2), ("transformers", "hf", 1)):
+        engines[name] = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common], nproc, timeout=900))
+        print(f"{name}: " + ", ".join(f"batch {r['batch']} prefill {r['prefill_tok_s']:.0f} decode "
+                                      f"{r['decode_tok_s']:.1f} tok/s" for r in engines[name]["results"]), flush=True)
+
+    agree = {n: [agreement(engines["ours TP1"]["results"][i]["tokens"], engines[n]["results"][i]["tokens"])
+                 for i in range(len(a.batches))] for n in ("ours TP2", "transformers")}
+    for engine in engines.values():
+        for r in engine["results"]:
+            del r["tokens"]
+    data = {
+        "preset": a.preset, "ckpt": str(ckpt), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+        "copy_bandwidth_gbs": bandwidth, "decode_weight_bytes": weight_bytes, "floor_tok_s": floor_tok_s,
+        "agreement_with_tp1": agree, "engines": engines,
+    }
+    path = write_json("generate", data)
+    print(report(data))
+    print(f"raw numbers: {path}")
+
+
+def report(data: dict) -> str:
+    """The generation table and its notes, from the JSON."""
+    engines, floor = data["engines"], data["floor_tok_s"]
+    rows = []
+    for i, tp1 in enumerate(engines["ours TP1"]["results"]):
+        for name, engine in engines.items():
+            r = engine["results"][i]
+            rows.append([
+                r["batch"], name, r["prefill_tok_s"], r["decode_tok_s"], r["prefill_tok_s"] / tp1["prefill_tok_s"],
+                r["decode_tok_s"] / tp1["decode_tok_s"], r["decode_tok_s"] / (r["batch"] * floor),
+            ])
+    headers = ["batch", "engine", "prefill tok/s", "decode tok/s", "prefill / TP1", "decode / TP1",
+               "decode / (batch x floor)"]
+    notes = [
+        f"- Copy bandwidth {data['copy_bandwidth_gbs']:.1f} GB/s (read + write, 2 threads); one decode step reads "
+        f"{data['decode_weight_bytes'] / 1e6:.0f} MB of float32 weights, so batch-1 decode cannot beat "
+        f"{floor:.1f} tok/s.",
+        f"- Prompt {data['prompt_len']} tokens, {data['new_tokens']} new tokens, greedy. Greedy tokens identical to "
+        f"ours TP1 for the first N tokens (per batch size): {data['agreement_with_tp1']}.",
+    ]
+    return table(headers, rows) + "\n\n" + "\n".join(notes)
+
+
+def targets(data: dict) -> list[tuple[str, str, bool]]:
+    """(target, measured, met): TP1 vs transformers, batch-1 decode vs the floor, TP2 vs TP1."""
+    engines = data["engines"]
+    out = []
+    for i, tp1 in enumerate(engines["ours TP1"]["results"]):
+        hf, tp2, batch = engines["transformers"]["results"][i], engines["ours TP2"]["results"][i], tp1["batch"]
+        for phase in ("prefill", "decode"):
+            key = f"{phase}_tok_s"
+            out.append((f"generate batch {batch} {phase}: TP1 at least as fast as transformers",
+                        f"{tp1[key] / hf[key]:.2f}x", tp1[key] >= hf[key]))
+            out.append((f"generate batch {batch} {phase}: TP2 no slower than 0.9x TP1",
+                        f"{tp2[key] / tp1[key]:.2f}x", tp2[key] >= 0.9 * tp1[key]))
+        if batch == 1:
+            share = tp1["decode_tok_s"] / data["floor_tok_s"]
+            out.append(("generate batch 1 decode: TP1 at 50% or more of the bandwidth floor",
+                        f"{share:.0%}", share >= 0.5))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Measurement helpers shared by the benchmarks: I/O and memory counters, page cache, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+OUT = BENCH / "out"
+
+
+def read_bytes() -> int:
+    """Bytes this process made the block layer fetch (page-cache hits cost nothing here)."""
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no read_bytes")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set (anonymous memory plus touched file-backed pages) of this process."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def drop_file_cache(paths: list[Path]) -> None:
+    """Evict these files from the page cache, so the next read comes from disk.
+
+    posix_fadvise(DONTNEED) works per file without root and leaves other users' cache alone.
+    """
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def copy_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
+    """Best of a few large tensor copies, counted STREAM-style (bytes read + bytes written).
+
+    The buffer is far larger than the last-level cache, so this is main-memory bandwidth with
+    the threads this process runs with.
+    """
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def machine() -> dict[str, object]:
+    """What the numbers were measured on, for the JSON and BENCHMARKS.md."""
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as info:
+        mem_kb = int(info.readline().split()[1])
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        # Other users' work shows here: 1, 5 and 15 minute load averages when the numbers were written.
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def write_json(name: str, data: dict) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")
+    return path
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """A markdown table, readable in a terminal and pasteable into BENCHMARKS.md."""
+    cells = [[_fmt(v) for v in row] for row in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def torchrun(module: str, args: list[str], nproc: int, timeout: float, env: dict | None = None) -> str:
+    """Run `python -m module` on nproc ranks (a plain process for 1); returns the stdout.
+
+    The whole process tree is killed at the deadline, so a hung collective never hangs the run.
+    """
+    if nproc == 1:
+        command = [sys.executable, "-m", module, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", module, *args]
+    # The cores are split between the ranks, as TorchServe and torchrun do.
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=threads, **(env or {}))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise TimeoutError(f"{module} on {nproc} rank(s) ran past {timeout} s")
+    if proc.returncode:
+        raise RuntimeError(f"{module} {' '.join(args)} failed ({proc.returncode}):\n{stderr[-4000:]}")
+    return stdout
+
+
+def last_json(stdout: str) -> dict:
+    """Workers print one JSON line last; logs and warnings may come before it."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError(f"no JSON line in output:\n{stdout[-2000:]}")

@@ -1,0 +1,124 @@
+"""Turn bench/out/*.json into the plot and the results section of BENCHMARKS.md.
+
+    python -m bench.report
+
+Only the text between the two markers in BENCHMARKS.md is replaced, so the written analysis
+around it stays as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench import bench_generate, bench_load, bench_serve  # noqa: E402
+from bench.common import BENCH, OUT, REPO, table  # noqa: E402
+
+DOC = REPO / "BENCHMARKS.md"
+PLOT = BENCH / "benchmarks.png"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+COMMAND = "bench/run_all.sh"
+METHOD_COLORS = {"floor": "#888888", "direct": "#1f77b4", "seed": "#d62728", "merge": "#ff7f0e"}
+
+
+def load_results() -> dict[str, dict]:
+    return {name: json.loads((OUT / f"{name}.json").read_text()) for name in ("load", "generate", "serve")}
+
+
+def plot(results: dict[str, dict], path: Path = PLOT) -> None:
+    """Left: serving tokens/s against concurrency. Right: load seconds per method against the floor."""
+    fig, (serve_ax, load_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+
+    levels = [lv for lv in results["serve"]["levels"] if lv["stream"]]
+    clients = [lv["clients"] for lv in levels]
+    tokens = [lv["tokens_per_s"] for lv in levels]
+    serve_ax.plot(clients, tokens, "o-", label="TorchServe, streaming")
+    serve_ax.plot(clients, [tokens[0] * c for c in clients], ":", color="gray", label="linear in clients")
+    serve_ax.axhline(4 * tokens[0], ls="--", color="green", label="target at 16: 4x one client")
+    serve_ax.set_xscale("log", base=2)
+    serve_ax.set_xticks(clients, [str(c) for c in clients])
+    serve_ax.set_ylim(0, max(tokens) * 1.6)
+    serve_ax.set_xlabel("concurrent clients")
+    serve_ax.set_ylabel("generated tokens/s (all clients)")
+    serve_ax.set_title(f"Serving, TP {results['serve']['tp']}")
+    serve_ax.legend(loc="upper left")
+
+    pairs = results["load"]["results"]
+    width = 0.2
+    for i, res in enumerate(pairs):
+        floor = res["methods"]["floor"]["wall_s"]
+        for j, method in enumerate(METHOD_COLORS):
+            s = res["methods"].get(method, {})
+            x = i + (j - 1.5) * width
+            if "wall_s" in s:
+                load_ax.bar(x, s["wall_s"], width, color=METHOD_COLORS[method], label=method if i == 0 else None)
+            else:
+                load_ax.text(x, 0.2, "n/a" if not s else "failed", rotation=90, ha="center", fontsize=8)
+        load_ax.hlines(1.5 * floor, i - 2 * width, i + 2 * width, colors="black", linestyles="--",
+                       label="target: 1.5x floor" if i == 0 else None)
+    load_ax.set_xticks(range(len(pairs)), [f"MP {r['mp']} -> TP {r['tp']}" for r in pairs])
+    load_ax.set_ylabel("seconds to load (slowest rank, cold cache)")
+    load_ax.set_title(f"Loading {results['load']['preset']} ({results['load']['dtype'].split('.')[-1]})")
+    load_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def results_section(results: dict[str, dict]) -> str:
+    m = results["load"]["machine"]
+    loads = "; ".join(f"{name} {r['machine']['load_avg']}" for name, r in results.items())
+    rows = []
+    for module, name in ((bench_load, "load"), (bench_generate, "generate"), (bench_serve, "serve")):
+        rows += [[target, measured, "met" if met else "**missed**"] for target, measured, met in module.targets(
+            results[name])]
+    return "\n".join([
+        START,
+        f"Command: `{COMMAND}`. Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, no GPU; "
+        f"Python {m['python']}, torch {m['torch']}. Load averages (1/5/15 min) when each part finished, "
+        f"from other users of the machine: {loads}.",
+        "",
+        "### Targets",
+        "",
+        table(["target", "measured", ""], rows),
+        "",
+        f"![tokens/s against concurrency, and load seconds against the floor]({PLOT.relative_to(REPO)})",
+        "",
+        "### 1. Loading",
+        "",
+        bench_load.report(results["load"]),
+        "",
+        "### 2. Generation",
+        "",
+        bench_generate.report(results["generate"]),
+        "",
+        "### 3. Serving",
+        "",
+        bench_serve.report(results["serve"]),
+        END,
+    ])
+
+
+def update_doc(results: dict[str, dict], doc: Path = DOC) -> None:
+    text = doc.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{doc} needs the markers {START} and {END}")
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    doc.write_text(head + results_section(results) + tail)
+
+
+def main() -> None:
+    results = load_results()
+    plot(results)
+    update_doc(results)
+    print(f"wrote {PLOT} and the results section of {DOC}")
+
+
+if __name__ == "__main__":
+    main()
