@@ -16,7 +16,6 @@ joined: the fixed cost) plus the peak a method added on top of it."""
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -190,8 +189,13 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def measure(method: str, ckpt: Path, args: ModelArgs, info: DistInfo) -> dict:
-    """One cold load on this rank, timed from a barrier; memory counted above what the rank held before."""
+def measure(method: str, ckpt: Path, args: ModelArgs, info: DistInfo, keep: list) -> dict:
+    """One cold load on this rank, timed from a barrier; memory counted above what the rank held before.
+
+    The loaded model goes into `keep`: freeing a tensor-parallel model mid-run drops its device
+    mesh's gloo groups, which intermittently aborts the process ("terminate called without an
+    active exception"), so nothing is freed until the worker exits.
+    """
     rank, tp = info.rank, info.world_size
     plan = plan_reads(ckpt, args, rank, tp) if method == "floor" else {}
     dist.barrier()
@@ -211,14 +215,12 @@ def measure(method: str, ckpt: Path, args: ModelArgs, info: DistInfo) -> dict:
             loaded = merge_then_shard(ckpt, args, rank, tp)
     except Exception as exc:  # a failing path is a result too; the table shows why
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
-    result = {
+    keep.append(loaded)
+    return {
         "wall_s": time.perf_counter() - started,
         "read_bytes": read_bytes() - bytes_before,
         "extra_rss_mb": _status_mb("VmHWM") - rss_before,
     }
-    del loaded
-    gc.collect()
-    return result
 
 
 def worker(methods: list[str], ckpt: Path) -> None:
@@ -228,12 +230,14 @@ def worker(methods: list[str], ckpt: Path) -> None:
     args = read_params(ckpt)
     mine = {"rank": rank, "empty_rss_mb": _status_mb("VmRSS"), "share_bytes": share_bytes(args, tp)}
     mine["planned_bytes"] = sum(n for runs in plan_reads(ckpt, args, rank, tp).values() for _, n in runs)
-    mine["methods"] = {method: measure(method, ckpt, args, info) for method in methods}
+    keep: list = []
+    mine["methods"] = {method: measure(method, ckpt, args, info, keep) for method in methods}
     ranks: list[dict | None] = [None] * tp
     dist.all_gather_object(ranks, mine)
-    dist.destroy_process_group()
     if rank == 0:
         print(json.dumps({"ranks": ranks}), flush=True)
+    dist.barrier()
+    os._exit(0)  # the numbers are out; skip tearing down the kept models and their groups
 
 
 def summarize(runs: list[dict], method: str) -> dict:

@@ -1,6 +1,6 @@
 """Serving benchmark: a real TorchServe on loopback, 1, 4 and 16 concurrent streaming clients.
 
-    python -m bench.bench_serve [--preset small] [--tp 2] [--clients 1 4 16] [--requests-per-client 3]
+    python -m bench.bench_serve [--preset small] [--tp 2] [--clients 1 4 16] [--requests-per-client 2]
 
 Each client sends its requests one after another (greedy, stop tokens ignored, so every reply
 has exactly --new-tokens tokens) and times the first streamed chunk (TTFT) and the last one.
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     a = parser.parse_args(argv)
