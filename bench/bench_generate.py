@@ -1,6 +1,7 @@
 """Generation benchmark: prefill and decode tokens/s of our engine (TP 1, TP 2) and of transformers.
 
     python -m bench.bench_generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
+                                   [--repeats 3]
 
 float32 on CPU, greedy, stop tokens ignored, the same random prompts for every engine. Both
 engines are timed the same way, from the moments new tokens reach the caller: prefill ends
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,10 +38,25 @@ def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
 
 def rates(batch: int, prompt_len: int, new_tokens: int, started: float, first: float, last: float) -> dict:
     return {
-        "batch": batch,
         "prefill_tok_s": batch * prompt_len / (first - started),
         "decode_tok_s": batch * (new_tokens - 1) / (last - first),
     }
+
+
+def measure(run_once: Callable[[int], tuple[float, float, float, list[list[int]]]], batches: list[int],
+            prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
+    """Median rates over repeats per batch size; run_once(batch) -> (start, first token, last token, tokens)."""
+    results = []
+    for batch in batches:
+        runs = [run_once(batch) for _ in range(repeats)]
+        samples = [rates(batch, prompt_len, new_tokens, *run[:3]) for run in runs]
+        results.append({
+            "batch": batch,
+            **{key: statistics.median(s[key] for s in samples) for key in samples[0]},
+            "samples": samples,
+            "tokens": runs[-1][3],
+        })
+    return results
 
 
 def decode_weight_bytes(args: ModelArgs, elt: int = 4) -> int:
@@ -46,19 +64,20 @@ def decode_weight_bytes(args: ModelArgs, elt: int = 4) -> int:
     return sum(torch.Size(s).numel() * elt for k, s in full_shapes(args).items() if k != "tok_embeddings.weight")
 
 
-def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> dict:
     """Engine.generate on every rank; per-step times come from the on_tokens callback."""
     engine = Engine.load(ckpt, "tp", "float32", max_seq_len=prompt_len + new_tokens, max_batch_size=max(batches))
     warm = prompts(engine.args, 1, 16)[0]
     engine.generate([GenerationRequest(warm, 4, ignore_eos=True)])
-    results = []
-    for batch in batches:
+
+    def run_once(batch: int) -> tuple[float, float, float, list[list[int]]]:
         stamps: list[float] = []
         requests = [GenerationRequest(p, new_tokens, ignore_eos=True) for p in prompts(engine.args, batch, prompt_len)]
         started = time.perf_counter()
         out = engine.generate(requests, on_tokens=lambda _: stamps.append(time.perf_counter()))
-        results.append({**rates(batch, prompt_len, new_tokens, started, stamps[0], stamps[-1]),
-                        "tokens": [r.token_ids for r in out]})
+        return started, stamps[0], stamps[-1], [r.token_ids for r in out]
+
+    results = measure(run_once, batches, prompt_len, new_tokens, repeats)
     return {"load_s": engine.load_s, "threads": torch.get_num_threads(), "results": results}
 
 
@@ -120,7 +139,7 @@ class StepTimes:
         pass
 
 
-def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> dict:
     """LlamaForCausalLM.generate, greedy, exactly new_tokens tokens per row."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
@@ -137,15 +156,16 @@ def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int) -> 
     with torch.inference_mode():
         model.generate(torch.tensor(prompts(args, 1, 16)), generation_config=GenerationConfig(
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
-        results = []
-        for batch in batches:
+
+        def run_once(batch: int) -> tuple[float, float, float, list[list[int]]]:
             ids = torch.tensor(prompts(args, batch, prompt_len))
             timer = StepTimes()
             started = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=timer)
             # stamps[0] is the prompt being handed over; stamps[1] the first new token.
-            results.append({**rates(batch, prompt_len, new_tokens, started, timer.stamps[1], timer.stamps[-1]),
-                            "tokens": out[:, prompt_len:].tolist()})
+            return started, timer.stamps[1], timer.stamps[-1], out[:, prompt_len:].tolist()
+
+        results = measure(run_once, batches, prompt_len, new_tokens, repeats)
     return {"load_s": load_s, "threads": torch.get_num_threads(), "results": results}
 
 
@@ -165,12 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="generations per batch size; medians are shown")
     parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.worker:
         run = run_ours if a.worker == "ours" else run_hf
-        result = run(a.ckpt, a.batches, a.prompt_len, a.new_tokens)
+        result = run(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(json.dumps(result), flush=True)
         return
@@ -183,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy bandwidth {bandwidth:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of float32 weights per decode step "
           f"-> batch-1 decode floor {floor_tok_s:.1f} tok/s", flush=True)
     common = ["--ckpt", str(ckpt), "--batches", *map(str, a.batches),
-              "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens)]
+              "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
     engines = {}
     for name, worker, nproc in (("ours TP1", "ours", 1), ("ours TP2", "ours", 2), ("transformers", "hf", 1)):
         engines[name] = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common], nproc, timeout=900))
@@ -197,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             del r["tokens"]
     data = {
         "preset": a.preset, "ckpt": str(ckpt), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+        "repeats": a.repeats,
         "copy_bandwidth_gbs": bandwidth, "decode_weight_bytes": weight_bytes, "floor_tok_s": floor_tok_s,
         "agreement_with_tp1": agree, "engines": engines,
     }
@@ -222,7 +244,8 @@ def report(data: dict) -> str:
         f"- Copy bandwidth {data['copy_bandwidth_gbs']:.1f} GB/s (read + write, 2 threads); one decode step reads "
         f"{data['decode_weight_bytes'] / 1e6:.0f} MB of float32 weights, so batch-1 decode cannot beat "
         f"{floor:.1f} tok/s.",
-        f"- Prompt {data['prompt_len']} tokens, {data['new_tokens']} new tokens, greedy. Greedy tokens identical to "
+        f"- Prompt {data['prompt_len']} tokens, {data['new_tokens']} new tokens, greedy; medians of "
+        f"{data.get('repeats', 1)} generations per batch size. Greedy tokens identical to "
         f"ours TP1 for the first N tokens (per batch size): {data['agreement_with_tp1']}.",
     ]
     return table(headers, rows) + "\n\n" + "\n".join(notes)

@@ -180,7 +180,7 @@ def report(data: dict) -> str:
         f"greedy; TorchServe came up (checkpoint loaded, one warm-up token) in {data['ready_s']:.0f} s.",
         f"- Offline CLI on the same ranks: {cli['generate_s']:.2f} s for the same request "
         f"({cli['tokens_per_s']:.1f} tok/s). Through TorchServe at concurrency 1: p50 {plain['p50_s']:.2f} s without "
-        f"streaming (x{plain['p50_s'] / cli['generate_s']:.2f}, +{plain['p50_s'] - cli['generate_s']:.2f} s), "
+        f"streaming (x{plain['p50_s'] / cli['generate_s']:.2f}, {plain['p50_s'] - cli['generate_s']:+.2f} s), "
         f"{single['p50_s']:.2f} s streaming (x{single['p50_s'] / cli['generate_s']:.2f}).",
     ]
     return table(headers, rows) + "\n\n" + "\n".join(notes)
