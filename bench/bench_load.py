@@ -327,7 +327,7 @@ def report(data: dict) -> str:
              f"the weights is {r['share_mb']:.0f} MB. Not in the wall times: the process's one-time import of "
              f"torch._dynamo ({r['dynamo_import_s']:.2f} s), which the direct, seed and merge paths all trigger."
              for r in data["results"]]
-    notes += [f"- {r['mp']} -> {r['tp']} {m} failed: {s['error']}"
+    notes += [f"- {r['mp']} -> {r['tp']} {m} failed: {s['error'][:400]}"
               for r in data["results"] for m, s in r["methods"].items() if "error" in s]
     return table(headers, rows) + "\n\n" + "\n".join(notes)
 
