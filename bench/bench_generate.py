@@ -1,7 +1,7 @@
 """Generation benchmark: prefill and decode tokens/s of our engine (TP 1, TP 2) and of transformers.
 
     python -m bench.bench_generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
-                                   [--repeats 3]
+                                   [--rounds 3] [--repeats 1]
 
 float32 on CPU, greedy, stop tokens ignored, the same random prompts for every engine. Both
 engines are timed the same way, from the moments new tokens reach the caller: prefill ends
@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from tp_llama.layout import full_shapes
 from tp_llama.params import ModelArgs, read_params
 from tp_llama.tokenizer import load_tokenizer
 
+if TYPE_CHECKING:  # transformers is a bench-only dependency, imported where the baseline runs
+    from transformers import LlamaConfig
+
 
 def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
     """Fixed random ids below the special tokens, different for every row."""
@@ -37,6 +41,7 @@ def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
 
 
 def rates(batch: int, prompt_len: int, new_tokens: int, started: float, first: float, last: float) -> dict:
+    """Prompt tokens/s up to the first new token, and new tokens/s after it (the same for every engine)."""
     return {
         "prefill_tok_s": batch * prompt_len / (first - started),
         "decode_tok_s": batch * (new_tokens - 1) / (last - first),
@@ -57,6 +62,20 @@ def measure(run_once: Callable[[int], tuple[float, float, float, list[list[int]]
             "tokens": runs[-1][3],
         })
     return results
+
+
+def pooled(launches: list[dict]) -> dict:
+    """One engine's launches merged: medians over every generation of every launch, per batch size."""
+    results = []
+    for i, first in enumerate(launches[0]["results"]):
+        samples = [s for launch in launches for s in launch["results"][i]["samples"]]
+        results.append({
+            "batch": first["batch"],
+            **{key: statistics.median(s[key] for s in samples) for key in samples[0]},
+            "samples": samples,
+            "tokens": first["tokens"],
+        })
+    return {"load_s": [launch["load_s"] for launch in launches], "threads": launches[0]["threads"], "results": results}
 
 
 def decode_weight_bytes(args: ModelArgs, elt: int = 4) -> int:
@@ -81,7 +100,7 @@ def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, r
     return {"load_s": engine.load_s, "threads": torch.get_num_threads(), "results": results}
 
 
-def hf_config(args: ModelArgs, max_len: int):
+def hf_config(args: ModelArgs, max_len: int) -> LlamaConfig:
     from transformers import LlamaConfig
 
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
@@ -185,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="generations per batch size; medians are shown")
+    parser.add_argument("--rounds", type=int, default=3, help="launches of each engine, taking turns")
+    parser.add_argument("--repeats", type=int, default=1, help="generations per batch size in each launch")
     parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
@@ -205,11 +225,14 @@ def main(argv: list[str] | None = None) -> None:
           f"-> batch-1 decode floor {floor_tok_s:.1f} tok/s", flush=True)
     common = ["--ckpt", str(ckpt), "--batches", *map(str, a.batches),
               "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
-    engines = {}
-    for name, worker, nproc in (("ours TP1", "ours", 1), ("ours TP2", "ours", 2), ("transformers", "hf", 1)):
-        engines[name] = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common], nproc, timeout=900))
-        print(f"{name}: " + ", ".join(f"batch {r['batch']} prefill {r['prefill_tok_s']:.0f} decode "
-                                      f"{r['decode_tok_s']:.1f} tok/s" for r in engines[name]["results"]), flush=True)
+    launches: dict[str, list[dict]] = {"ours TP1": [], "ours TP2": [], "transformers": []}
+    for _ in range(a.rounds):  # engines take turns, so a change in the machine's load hits all of them
+        for name, worker, nproc in (("ours TP1", "ours", 1), ("ours TP2", "ours", 2), ("transformers", "hf", 1)):
+            out = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common], nproc, timeout=900))
+            launches[name].append(out)
+            print(f"{name}: " + ", ".join(f"batch {r['batch']} prefill {r['prefill_tok_s']:.0f} decode "
+                                          f"{r['decode_tok_s']:.1f} tok/s" for r in out["results"]), flush=True)
+    engines = {name: pooled(outs) for name, outs in launches.items()}
 
     agree = {n: [agreement(engines["ours TP1"]["results"][i]["tokens"], engines[n]["results"][i]["tokens"])
                  for i in range(len(a.batches))] for n in ("ours TP2", "transformers")}
@@ -218,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             del r["tokens"]
     data = {
         "preset": a.preset, "ckpt": str(ckpt), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-        "repeats": a.repeats,
+        "rounds": a.rounds, "repeats": a.repeats,
         "copy_bandwidth_gbs": bandwidth, "decode_weight_bytes": weight_bytes, "floor_tok_s": floor_tok_s,
         "agreement_with_tp1": agree, "engines": engines,
     }
@@ -245,7 +268,8 @@ def report(data: dict) -> str:
         f"{data['decode_weight_bytes'] / 1e6:.0f} MB of float32 weights, so batch-1 decode cannot beat "
         f"{floor:.1f} tok/s.",
         f"- Prompt {data['prompt_len']} tokens, {data['new_tokens']} new tokens, greedy; medians of "
-        f"{data.get('repeats', 1)} generations per batch size. Greedy tokens identical to "
+        f"{data['rounds'] * data['repeats']} generations per batch size ({data['rounds']} launches of each engine, "
+        f"taking turns). Greedy tokens identical to "
         f"ours TP1 for the first N tokens (per batch size): {data['agreement_with_tp1']}.",
     ]
     return table(headers, rows) + "\n\n" + "\n".join(notes)

@@ -10,8 +10,8 @@ and resetting the kernel's peak-RSS counter:
   seed    tp_llama.loader.load_fsdp_model (converter + FSDP1), only where MP divides TP;
   merge   rank 0 torch.loads every file, concatenates them into the full state dict and
           scatters each rank its slice (what a user would otherwise write).
-Memory is reported as the rank's resident set before any load (torch imported, process group
-joined: the fixed cost) plus the peak a method added on top of it."""
+Memory is reported as the rank's resident set before any load (torch and torch._dynamo imported,
+process group joined: the fixed cost) plus the peak a method added on top of it."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ FRESH_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def local_box(full: tuple[int, ...], dim: int | None, rank: int, tp: int) -> list[tuple[int, int]]:
+    """[start, end) per dim of part `rank` of `tp` along `dim` (the whole tensor for None)."""
     box = [(0, size) for size in full]
     if dim is not None:
         step = full[dim] // tp
@@ -234,7 +235,6 @@ def worker(methods: list[str], ckpt: Path) -> None:
     import torch._dynamo  # noqa: F401
     mine = {"rank": rank, "empty_rss_mb": _status_mb("VmRSS"), "share_bytes": share_bytes(args, tp),
             "dynamo_import_s": time.perf_counter() - started}
-    mine["planned_bytes"] = sum(n for runs in plan_reads(ckpt, args, rank, tp).values() for _, n in runs)
     keep: list = []
     mine["methods"] = {method: measure(method, ckpt, args, info, keep) for method in methods}
     ranks: list[dict | None] = [None] * tp
@@ -294,7 +294,6 @@ def main(argv: list[str] | None = None) -> None:
             "mp": mp, "tp": tp, "ckpt": str(ckpt),
             "empty_rss_mb": max(r["empty_rss_mb"] for r in first),
             "share_mb": max(r["share_bytes"] for r in first) / 1e6,
-            "planned_mb": sum(r["planned_bytes"] for r in first) / 1e6,
             "dynamo_import_s": statistics.median(r["dynamo_import_s"] for run in runs for r in run["ranks"]),
             "methods": summary,
         })
