@@ -68,8 +68,8 @@ def plot(results: dict[str, dict], path: Path = PLOT) -> None:
         load_ax.hlines(1.5 * floor, i - 2 * width, i + 2 * width, colors="black", linestyles="--")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in METHOD_COLORS.values()]
     handles.append(plt.Line2D([], [], color="black", ls="--"))
-    load_ax.legend(handles, [*METHOD_COLORS, "target: 1.5x floor"], loc="upper left")
-    load_ax.set_ylim(0, top)
+    load_ax.legend(handles, [*METHOD_COLORS, "target: 1.5x floor"], loc="upper center", ncol=3, fontsize=8)
+    load_ax.set_ylim(0, 1.3 * top)  # room for the legend above the bars
     load_ax.set_xticks(range(len(pairs)), [f"MP {r['mp']} -> TP {r['tp']}" for r in pairs])
     load_ax.set_ylabel("seconds to load (slowest rank, cold cache)")
     load_ax.set_title(f"Loading {results['load']['preset']} ({results['load']['dtype'].split('.')[-1]})")
