@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from llama_request import Job, RequestError, parse_request
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
@@ -34,6 +36,22 @@ def _line(payload: dict[str, Any]) -> str:
 
 def _usage(job: Job, result: GenerationResult) -> dict[str, int]:
     return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(result.token_ids)}
+
+
+def _stop_worker(rank: int, error: Exception) -> NoReturn:
+    """End this rank's process after a failure mid-batch.
+
+    The other ranks are waiting in a collective this rank will never join. Exiting closes its
+    connections, so they fail at once instead of at the collective timeout, and TorchServe
+    answers the batch with an error and restarts the whole worker: the only way back to ranks
+    that are in step.
+    """
+    logger.critical("rank %d: generation failed; stopping the worker so TorchServe restarts it", rank, exc_info=error)
+    for log_handler in logging.getLogger().handlers:
+        log_handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 class LlamaHandler(BaseHandler):
@@ -76,17 +94,22 @@ class LlamaHandler(BaseHandler):
         self.context = context
         started = time.perf_counter()
         jobs = self.preprocess(data)
-        results = self.inference(jobs)
+        try:
+            results = self.inference(jobs)
+        except Exception as exc:
+            _stop_worker(self.engine.rank, exc)
         replies = self.postprocess(jobs, results)
         valid = sum(isinstance(job, Job) for job in jobs)
         logger.info(
-            "rank %d: batch of %d requests: %d generated, %d rejected, %d new tokens in %.3f s",
+            "rank %d: batch of %d requests: %d generated, %d rejected, %d new tokens in %.3f s; kv slots busy %d/%d",
             self.engine.rank,
             len(data),
             valid,
             len(data) - valid,
             sum(len(r.token_ids) for r in results if r is not None),
             time.perf_counter() - started,
+            self.engine.busy_slots,
+            self.engine.max_batch_size,
         )
         return replies
 

@@ -126,9 +126,13 @@ def _number(body: dict[str, Any], key: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{key} must be a number, got {_type_name(value)}")
-    if not math.isfinite(value):
-        raise RequestError(f"{key} must be finite, got {value}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal with hundreds of digits
+        raise RequestError(f"{key} is out of range") from None
+    if not math.isfinite(number):
+        raise RequestError(f"{key} must be finite, got {number}")
+    return number
 
 
 def _boolean(body: dict[str, Any], key: str) -> bool:

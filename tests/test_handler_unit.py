@@ -19,6 +19,9 @@ from llama_request import RequestError, decode_body, parse_request  # noqa: E402
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml  # noqa: E402
 from llama_stream import StreamDecoder  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hostile_corpus import hostile_corpus  # noqa: E402
+
 from tp_llama.generation import GenerationResult  # noqa: E402
 from tp_llama.tokenizer import load_tokenizer  # noqa: E402
 from tp_llama.tokenizer_train import build_tokenizer  # noqa: E402
@@ -190,6 +193,8 @@ def test_stream_pieces_add_up_even_with_invalid_bytes() -> None:
 class FakeEngine:
     rank = 0
     tokenizer = ByteTokenizer()
+    busy_slots = 0
+    max_batch_size = 8
 
     def __init__(self) -> None:
         self.calls: list[list] = []
@@ -266,3 +271,22 @@ def test_a_batch_of_only_bad_requests_never_calls_the_engine() -> None:
     replies = handler.handle([{"body": b"nope"}, {"body": b"{}"}], context)
     assert handler.engine.calls == [] and context.status == {0: 400, 1: 400}
     assert all("error" in json.loads(r) for r in replies)
+
+
+def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
+    """Every hostile body is a 400 (never an internal error); the valid ones parse to their own prompt."""
+    settings = HandlerSettings(ckpt_dir="/ckpt", max_seq_len=256, default_max_new_tokens=8, max_request_bytes=65536)
+    corpus = hostile_corpus(seed=1, max_seq_len=256, max_body=65536, server_cap=262144)
+    assert len(corpus) >= 500
+    for case in corpus:
+        try:
+            job = parse_request({"body": case.body}, settings, real_tokenizer)
+        except RequestError as exc:
+            assert not case.valid and exc.status == 400, (case.category, case.body[:120], exc.status, str(exc))
+            continue
+        assert case.valid, (case.category, case.body[:120], "accepted")
+        payload = case.payload
+        expected = (real_tokenizer.encode(payload["prompt"]) if "prompt" in payload
+                    else real_tokenizer.encode_chat(payload["messages"]))
+        assert job.prompt_ids == expected
+        assert job.max_new_tokens == (payload.get("max_new_tokens") or settings.default_max_new_tokens)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from tp_llama.errors import CheckpointError
 from tp_llama.distributed import raise_if_any_rank_failed
+from tp_llama.faults import inject_fault
 from tp_llama.layout import IGNORED_KEYS, source_split_dim
 
 
@@ -130,6 +131,7 @@ def build_distributed_state_dict_from_consolidated(
 
     dist_state_dict: Dict[str, Union[Tensor, DTensor, ShardedTensor]] = {}
     for fqn, tensor in consolidated_state_dict.items():
+        inject_fault("convert", rank, compute_device)
         if fqn in IGNORED_KEYS:
             dist_state_dict[fqn] = tensor.clone()
             continue

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tp_llama.distributed import DistInfo, init_distributed, log, raise_if_any_rank_failed
-from tp_llama.errors import CheckpointError
+from tp_llama.faults import inject_fault
 from tp_llama.generation import GenerationRequest, GenerationResult, GenerationStats, generate
 from tp_llama.loader import load_fsdp_model, load_tp_model
 from tp_llama.params import ModelArgs, read_params
@@ -43,6 +43,7 @@ class Engine:
     max_batch_size: int
     load_s: float
     stats: GenerationStats = field(default_factory=GenerationStats)
+    busy_slots: int = 0  # KV-cache rows held by the generate call in progress
 
     @property
     def rank(self) -> int:
@@ -76,10 +77,11 @@ class Engine:
             if max_seq_len < 2 or max_batch_size < 1:
                 raise ValueError("max_seq_len must be >= 2 and max_batch_size >= 1")
             torch_dtype = resolve_dtype(dtype, info.device)
+            inject_fault("load", info.rank, info.device)
             tokenizer = load_tokenizer(Path(ckpt_dir) / "tokenizer.model")
             args = read_params(ckpt_dir, tokenizer.n_words)
             setup = (torch_dtype, tokenizer, args)
-        except (CheckpointError, ValueError, OSError) as exc:
+        except Exception as exc:  # every rank must hear of it, or the others wait in the next collective
             error = exc
         raise_if_any_rank_failed(error)
         torch_dtype, tokenizer, args = setup
@@ -104,7 +106,11 @@ class Engine:
         for first in range(0, len(requests), self.max_batch_size):
             chunk = requests[first : first + self.max_batch_size]
             relay = None if on_tokens is None else partial(_relay, on_tokens, len(requests), first)
-            results += generate(self.model, chunk, self.tokenizer.stop_ids, self.device, self.rank, relay, self.stats)
+            self.busy_slots += len(chunk)
+            try:
+                results += generate(self.model, chunk, self.tokenizer.stop_ids, self.device, self.rank, relay, self.stats)
+            finally:
+                self.busy_slots -= len(chunk)
         return results
 
 

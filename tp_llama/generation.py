@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tp_llama.distributed import broadcast_from_rank0
+from tp_llama.faults import inject_fault
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def generate(
     finish: list[str | None] = [None] * batch
     positions = torch.tensor([len(r.prompt_ids) for r in requests], device=device)
     while True:
+        inject_fault("decode", rank, device)
         picked = torch.zeros(batch, dtype=torch.long)
         if rank == 0:
             host_logits = logits.float().cpu()

@@ -114,7 +114,7 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
             _progress(start, i, len(expected), rank)
         log(f"read {len(files.files_read())} of {len(files)} shard files: {[p.name for p in files.files_read()]}", rank)
         del files
-    except (CheckpointError, OSError, RuntimeError) as exc:
+    except Exception as exc:  # forwarded to every rank below
         error = exc
     raise_if_any_rank_failed(error)
     model.load_state_dict(state, strict=True, assign=True)
@@ -139,7 +139,7 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
         check_keys(consolidated, full_shapes(args), path)
         for key, tensor in consolidated.items():
             consolidated[key] = tensor.to(dtype)
-    except (CheckpointError, OSError, RuntimeError) as exc:
+    except Exception as exc:  # forwarded to every rank below
         error = exc
     raise_if_any_rank_failed(error)
     start = time.perf_counter()
