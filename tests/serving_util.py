@@ -2,7 +2,9 @@
 
 Everything the server writes (pid file, worker sockets, key_file.json, logs) goes under its
 own work folder, and every port is a fresh free one, so the test never collides with another
-TorchServe on the machine (including a demo started by setup_model.sh).
+TorchServe on the machine (including a demo started by setup_model.sh). The config comes from
+handler/server_config.py, as setup_model.sh's does: loopback only, token authorization on, the
+management API on a unix socket in the work folder unless `management=True` asks for a port.
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
+from server_config import UNIX_PATH_MAX, connection, read_properties, write_config  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 ERROR_LINE = re.compile(r"error|Error|Exception|Traceback|\[tp_llama rank")
@@ -36,6 +43,13 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _socket_path(preferred: Path) -> Path:
+    """preferred, or a short path under /tmp when preferred is too long for a unix socket."""
+    if len(os.fsencode(preferred.resolve())) <= UNIX_PATH_MAX:
+        return preferred.resolve()
+    return Path(tempfile.mkdtemp(prefix="ts-mgmt-")) / "management.sock"
 
 
 def port_is_open(port: int) -> bool:
@@ -57,34 +71,44 @@ class Reply:
 class TorchServe:
     """One TorchServe process tree serving MODEL_STORE/NAME; use as a context manager."""
 
-    def __init__(self, workdir: Path, model_store: Path, name: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        model_store: Path,
+        name: str,
+        *,
+        management: bool = False,
+        extra_config: Iterable[str] = (),
+    ) -> None:
+        """`management=True` puts the management API on a free 127.0.0.1 port with the model API on
+        (setup_model.sh --management); by default it is on a unix socket, as setup_model.sh does.
+        `extra_config`: further config.properties lines, e.g. "max_request_size=4096"."""
         self.workdir = workdir
         self.model_store = model_store
         self.name = name
-        (self.inference_port, self.management_port, self.metrics_port, grpc_inference, grpc_management,
-         worker_port, distribution_port) = free_ports(7)
+        (self.inference_port, self.metrics_port, self.grpc_inference_port, self.grpc_management_port,
+         worker_port, distribution_port, management_port) = free_ports(7)
+        self.management_port: int | None = management_port if management else None
+        self.management_socket: Path | None = None if management else _socket_path(workdir / "management.sock")
         self.tmp = workdir / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
-        self.config = workdir / "config.properties"
-        self.config.write_text(
-            "\n".join(
-                [
-                    f"inference_address=http://127.0.0.1:{self.inference_port}",
-                    f"management_address=http://127.0.0.1:{self.management_port}",
-                    f"metrics_address=http://127.0.0.1:{self.metrics_port}",
-                    "grpc_inference_address=127.0.0.1",
-                    "grpc_management_address=127.0.0.1",
-                    f"grpc_inference_port={grpc_inference}",
-                    f"grpc_management_port={grpc_management}",
-                    f"initial_worker_port={worker_port}",
-                    f"initial_distribution_port={distribution_port}",
-                    f"model_store={model_store}",
-                    "decode_input_request=false",
-                    "disable_system_metrics=true",
-                ]
-            )
-            + "\n"
+        self.config = write_config(
+            workdir / "config.properties",
+            model_store=Path(model_store).resolve(),
+            inference_port=self.inference_port,
+            metrics_port=self.metrics_port,
+            grpc_inference_port=self.grpc_inference_port,
+            grpc_management_port=self.grpc_management_port,
+            management_socket=self.management_socket,
+            management_port=self.management_port,
+            extra=[
+                f"initial_worker_port={worker_port}",
+                f"initial_distribution_port={distribution_port}",
+                "disable_system_metrics=true",
+                *extra_config,
+            ],
         )
+        self.management_address = read_properties(self.config)["management_address"]
         self.env = dict(
             os.environ,
             PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -137,9 +161,13 @@ class TorchServe:
             if self.log_path.exists() and "Load model failed" in self.log_path.read_text(errors="replace"):
                 raise RuntimeError(f"the worker failed to load the model\n{self.log_tail()}")
             self._remember_tree()
-            if (self.workdir / "key_file.json").exists() and port_is_open(self.management_port):
-                reply = self.request("GET", f"/models/{self.name}", port=self.management_port, key="management")
-                if reply.status == 200 and any(w.get("status") == "READY" for w in reply.json()[0]["workers"]):
+            if (self.workdir / "key_file.json").exists() and self._management_listening():
+                try:
+                    reply = self.management("GET", f"/models/{self.name}", timeout=10.0)
+                    workers = reply.json()[0]["workers"] if reply.status == 200 else []
+                except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException):
+                    workers = []  # not listening yet, or key_file.json half written: ask again
+                if any(w.get("status") == "READY" for w in workers):
                     self._remember_tree()
                     return time.monotonic() - started
             time.sleep(1.0)
@@ -165,6 +193,25 @@ class TorchServe:
             return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
         finally:
             conn.close()
+
+    def management(
+        self, method: str, path: str, body: bytes | None = None, key: str | None = "management",
+        timeout: float = 60.0,
+    ) -> Reply:
+        """A management API request, over the unix socket or the TCP port, whichever it is on."""
+        conn = connection(self.management_address, timeout=timeout)
+        headers = {} if key is None else {"Authorization": f"Bearer {self.keys()[key]}"}
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+        finally:
+            conn.close()
+
+    def _management_listening(self) -> bool:
+        if self.management_port is not None:
+            return port_is_open(self.management_port)
+        return self.management_socket is not None and self.management_socket.is_socket()
 
     def predict(self, payload: dict | bytes, timeout: float = 120.0, content_type: str = "application/json") -> Reply:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()

@@ -7,6 +7,7 @@ Every wait has a fixed timeout and the server fixture stops every process it sta
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -244,6 +246,36 @@ def test_bad_and_good_request_in_one_batch(server: TorchServe) -> None:
         if (1, 1) in server.batches()[seen:]:
             return
     pytest.fail("the bad and the good request never shared a batch")
+
+
+def test_secure_defaults_no_token_no_tcp_management(server: TorchServe) -> None:
+    """Loopback only, token authorization on, management on the unix socket, bodies capped."""
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+        status = _post_with(server, headers)
+        assert 400 <= status < 500, (headers, status)
+    assert server.management_port is None and server.management_socket.is_socket()
+    assert server.management("GET", "/models", key=None).status in (400, 401, 403)
+    assert server.management("GET", "/models").status == 200
+    assert "Management API bind to: unix:" in server.log_path.read_text(errors="replace")
+    frontend = [p for p in server.tree.values() if p.is_running() and p.name() == "java"]
+    assert len(frontend) == 1
+    listening = [c.laddr for c in frontend[0].net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert {a.ip for a in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+    assert {a.port for a in listening} == {server.inference_port, server.metrics_port,
+                                           server.grpc_inference_port, server.grpc_management_port}
+    assert server.predict(b'{"prompt": "' + b"x" * (2 * 1024 * 1024) + b'"}').status == 413
+
+
+def _post_with(server: TorchServe, headers: dict[str, str]) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", server.inference_port, timeout=60)
+    try:
+        conn.request("POST", f"/predictions/{server.name}", body=json.dumps(greedy()).encode(),
+                     headers={"Content-Type": "application/json", **headers})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
 
 
 def test_server_stops_cleanly(server: TorchServe) -> None:
