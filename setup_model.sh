@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up tp-llama-serve and, with --serve, run it: a tensor-parallel Llama on TorchServe.
 #
-#   ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve]
+#   ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve] [--management]
 #
 # Safe to run again: every step skips work that is already done.
 set -euo pipefail
@@ -17,8 +17,10 @@ TP=2
 NAME="llama"
 MODEL_STORE="$REPO/model_store"
 SERVE=0
+MANAGEMENT=0
 INFERENCE_PORT="${INFERENCE_PORT:-8080}"
 MANAGEMENT_PORT="${MANAGEMENT_PORT:-8081}"
+MANAGEMENT_SOCKET="${MANAGEMENT_SOCKET:-}"
 METRICS_PORT="${METRICS_PORT:-8082}"
 GRPC_INFERENCE_PORT="${GRPC_INFERENCE_PORT:-7070}"
 GRPC_MANAGEMENT_PORT="${GRPC_MANAGEMENT_PORT:-7071}"
@@ -26,7 +28,7 @@ READY_TIMEOUT="${READY_TIMEOUT:-1800}"
 
 usage() {
   cat <<EOF
-Usage: ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve]
+Usage: ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve] [--management]
 
   --ckpt-dir DIR     Meta Llama checkpoint folder (params.json, tokenizer.model,
                      consolidated.NN.pth). Default: a small random-weight Llama 2
@@ -35,9 +37,17 @@ Usage: ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store D
   --name NAME        model name in the URL /predictions/NAME. Default llama.
   --model-store DIR  where the model folder NAME is written. Default model_store.
   --serve            start TorchServe on 127.0.0.1, wait for the model, send a sample request.
+  --management       with --serve: put the management API on 127.0.0.1:MANAGEMENT_PORT and turn
+                     on its model API (register/unregister models). Without it the management
+                     API listens only on the unix socket MODEL_STORE/management.sock (no TCP
+                     port) and the model API is off.
 
-Ports (environment): INFERENCE_PORT=$INFERENCE_PORT MANAGEMENT_PORT=$MANAGEMENT_PORT METRICS_PORT=$METRICS_PORT
-GRPC_INFERENCE_PORT=$GRPC_INFERENCE_PORT GRPC_MANAGEMENT_PORT=$GRPC_MANAGEMENT_PORT READY_TIMEOUT=$READY_TIMEOUT (seconds)
+Every listener is on 127.0.0.1 and token authorization stays on (keys in key_file.json);
+handler/server_config.py writes MODEL_STORE/config.properties. See README.md, Security.
+
+Ports (environment): INFERENCE_PORT=$INFERENCE_PORT MANAGEMENT_PORT=$MANAGEMENT_PORT (only with --management)
+METRICS_PORT=$METRICS_PORT GRPC_INFERENCE_PORT=$GRPC_INFERENCE_PORT GRPC_MANAGEMENT_PORT=$GRPC_MANAGEMENT_PORT
+MANAGEMENT_SOCKET=${MANAGEMENT_SOCKET:-MODEL_STORE/management.sock} READY_TIMEOUT=$READY_TIMEOUT (seconds)
 EOF
 }
 
@@ -51,14 +61,17 @@ while [ $# -gt 0 ]; do
     --name) [ $# -ge 2 ] || die "--name needs a value"; NAME="$2"; shift 2 ;;
     --model-store) [ $# -ge 2 ] || die "--model-store needs a value"; MODEL_STORE="$2"; shift 2 ;;
     --serve) SERVE=1; shift ;;
+    --management) MANAGEMENT=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
 done
 [[ "$TP" =~ ^[1-9][0-9]*$ ]] || die "--tp must be a positive integer, got '$TP'"
 [[ "$NAME" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || die "--name may use letters, digits, '_', '.', '-'"
+if [ "$MANAGEMENT" = 1 ] && [ "$SERVE" = 0 ]; then die "--management only makes sense with --serve"; fi
 mkdir -p "$MODEL_STORE"
 MODEL_STORE="$(cd "$MODEL_STORE" && pwd)"
+MANAGEMENT_SOCKET="${MANAGEMENT_SOCKET:-$MODEL_STORE/management.sock}"
 
 setup_python() {
   step "[1/4] Python environment ($VENV)"
@@ -126,21 +139,15 @@ build_archive() {
   "$PY" "$REPO/handler/make_archive.py" --ckpt-dir "$CKPT_DIR" --tp "$TP" --name "$NAME" --model-store "$MODEL_STORE"
 }
 
+# Loopback only, token authorization on, management on a unix socket unless --management.
 write_server_config() {
   CONFIG="$MODEL_STORE/config.properties"
-  cat > "$CONFIG" <<EOF
-# Written by setup_model.sh: every endpoint on loopback only.
-inference_address=http://127.0.0.1:$INFERENCE_PORT
-management_address=http://127.0.0.1:$MANAGEMENT_PORT
-metrics_address=http://127.0.0.1:$METRICS_PORT
-grpc_inference_address=127.0.0.1
-grpc_management_address=127.0.0.1
-grpc_inference_port=$GRPC_INFERENCE_PORT
-grpc_management_port=$GRPC_MANAGEMENT_PORT
-model_store=$MODEL_STORE
-# Hand request bodies to the handler as raw bytes, so it can validate them strictly.
-decode_input_request=false
-EOF
+  local where=(--management-socket "$MANAGEMENT_SOCKET")
+  if [ "$MANAGEMENT" = 1 ]; then where=(--management-port "$MANAGEMENT_PORT"); fi
+  "$PY" "$REPO/handler/server_config.py" write --model-store "$MODEL_STORE" --out "$CONFIG" \
+    --inference-port "$INFERENCE_PORT" --metrics-port "$METRICS_PORT" \
+    --grpc-inference-port "$GRPC_INFERENCE_PORT" --grpc-management-port "$GRPC_MANAGEMENT_PORT" \
+    "${where[@]}" >/dev/null || die "could not write $CONFIG"
 }
 
 # True while the pid in TorchServe's pid file is a live (not zombie) process.
@@ -160,17 +167,20 @@ with socket.socket() as s:
 EOF
 }
 
-# Prints the worker status of the model ("READY" when it can answer), or nothing.
-model_status() {
-  "$PY" - "$MANAGEMENT_PORT" "$NAME" <<'EOF' 2>/dev/null || true
-import json, sys, urllib.request
-key = json.load(open("key_file.json"))["management"]["key"]
-req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/models/{sys.argv[2]}",
-                             headers={"Authorization": f"Bearer {key}"})
-with urllib.request.urlopen(req, timeout=5) as resp:
-    workers = json.load(resp)[0]["workers"]
-print(",".join(w["status"] for w in workers))
+unix_socket_answers() {
+  "$PY" - "$1" <<'EOF'
+import socket, sys
+with socket.socket(socket.AF_UNIX) as s:
+    s.settimeout(2)
+    sys.exit(0 if s.connect_ex(sys.argv[1]) == 0 else 1)
 EOF
+}
+
+# Prints the worker states of the model ("READY" when it can answer), or nothing; asks the
+# management API wherever the config put it (the unix socket, or the port with --management).
+model_status() {
+  "$PY" "$REPO/handler/server_config.py" model-status --config "$CONFIG" --name "$NAME" \
+    --key-file "$REPO/key_file.json" 2>/dev/null || true
 }
 
 sample_request() {
@@ -192,7 +202,9 @@ EOF
 }
 
 serve() {
-  step "Starting TorchServe on 127.0.0.1:$INFERENCE_PORT (token authorization on)"
+  local management_where="unix socket $MANAGEMENT_SOCKET, model API off"
+  if [ "$MANAGEMENT" = 1 ]; then management_where="127.0.0.1:$MANAGEMENT_PORT, model API on"; fi
+  step "Starting TorchServe on 127.0.0.1:$INFERENCE_PORT (token authorization on; management: $management_where)"
   export PATH="$VENV/bin:$PATH"
   cd "$REPO"
   local pid_file
@@ -201,13 +213,22 @@ serve() {
     echo "stopping the TorchServe already running (pid $(cat "$pid_file"))"
     "$VENV/bin/torchserve" --stop >/dev/null 2>&1 || true
   fi
-  local port waited
-  for port in "$INFERENCE_PORT" "$MANAGEMENT_PORT" "$METRICS_PORT" "$GRPC_INFERENCE_PORT" "$GRPC_MANAGEMENT_PORT"; do
+  local port waited ports=("$INFERENCE_PORT" "$METRICS_PORT" "$GRPC_INFERENCE_PORT" "$GRPC_MANAGEMENT_PORT")
+  if [ "$MANAGEMENT" = 1 ]; then ports+=("$MANAGEMENT_PORT"); fi
+  for port in "${ports[@]}"; do
     waited=0
     while port_busy "$port" && [ "$waited" -lt 30 ]; do sleep 1; waited=$((waited + 1)); done
     if port_busy "$port"; then die "port $port on 127.0.0.1 is in use; free it or set the *_PORT variables (--help)"; fi
   done
   write_server_config
+  # A socket file left by a server that did not stop cleanly would block the bind; one that
+  # still answers belongs to a TorchServe started elsewhere, which is left alone.
+  if [ -S "$MANAGEMENT_SOCKET" ]; then
+    if unix_socket_answers "$MANAGEMENT_SOCKET"; then
+      die "a server is listening on $MANAGEMENT_SOCKET; stop it, or set MANAGEMENT_SOCKET (--help)"
+    fi
+    rm -f "$MANAGEMENT_SOCKET"
+  fi
   rm -f key_file.json
   mkdir -p logs
   "$VENV/bin/torchserve" --start --ncs --ts-config "$CONFIG" --model-store "$MODEL_STORE" \
@@ -239,15 +260,26 @@ serve() {
   step "Sample request"
   sample_request
 
+  local management_url="--unix-socket $MANAGEMENT_SOCKET http://localhost"
+  if [ "$MANAGEMENT" = 1 ]; then management_url="http://127.0.0.1:$MANAGEMENT_PORT"; fi
+  local token_url="--unix-socket $MANAGEMENT_SOCKET 'http://localhost/token?type=inference'"
+  if [ "$MANAGEMENT" = 1 ]; then token_url="'http://127.0.0.1:$MANAGEMENT_PORT/token?type=inference'"; fi
   cat <<EOF
 
-TorchServe is running (loopback only). The API keys are in $REPO/key_file.json.
+TorchServe is running, on loopback only, with token authorization. Keys: $REPO/key_file.json
 Query it:
   KEY=\$($PY -c "import json; print(json.load(open('$REPO/key_file.json'))['inference']['key'])")
   curl -s http://127.0.0.1:$INFERENCE_PORT/predictions/$NAME -H "Authorization: Bearer \$KEY" \\
        -H 'Content-Type: application/json' -d '{"prompt": "Once upon a time", "max_new_tokens": 32}'
   curl -sN http://127.0.0.1:$INFERENCE_PORT/predictions/$NAME -H "Authorization: Bearer \$KEY" \\
        -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi!"}], "stream": true}'
+Management API ($management_where):
+  MKEY=\$($PY -c "import json; print(json.load(open('$REPO/key_file.json'))['management']['key'])")
+  curl -s $management_url/models/$NAME -H "Authorization: Bearer \$MKEY"
+The inference key expires after 60 minutes. A new one (the old one stops working at once;
+key_file.json gets the new one, read KEY again):
+  AKEY=\$($PY -c "import json; print(json.load(open('$REPO/key_file.json'))['API']['key'])")
+  curl -s -X POST $token_url -H "Authorization: Bearer \$AKEY"
 Stop it:
   (cd $REPO && $VENV/bin/torchserve --stop)
 EOF
