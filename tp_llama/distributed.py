@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +38,21 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def die_with_launcher() -> None:
+    """Have Linux SIGKILL this rank when its launcher (torchrun) dies.
+
+    TorchServe restarts a worker by killing torchrun outright; its ranks would otherwise live
+    on as orphans, holding the model's memory, and a rank stuck in a collective never exits.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the launcher was already gone before the request took effect
+        os._exit(1)
+
+
 def init_distributed(require_group: bool = False) -> DistInfo:
     """Join torchrun's process group (nccl on CUDA, gloo on CPU), or run alone without torchrun.
 
@@ -46,6 +63,8 @@ def init_distributed(require_group: bool = False) -> DistInfo:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     launched = int(os.environ.get("WORLD_SIZE", 1)) > 1 or "MASTER_ADDR" in os.environ
+    if launched:
+        die_with_launcher()
     if not dist.is_initialized() and (launched or require_group):
         backend = "nccl" if device.type == "cuda" else "gloo"
         device_id = device if device.type == "cuda" else None

@@ -1,0 +1,298 @@
+"""Reliability of a real TorchServe with a 2-rank tensor-parallel worker.
+
+One server, in this order: a hostile corpus of 500+ bodies, a short mixed-client soak, then
+ranks killed mid-request and faults injected (TP_LLAMA_FAULT_FILE) during inference and
+during load. Every fault must fail fast, with its cause in the log, and the worker must come
+back once the fault is gone. Timings are printed (pytest -s) for the README.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
+
+from hostile_corpus import hostile_corpus  # noqa: E402
+from make_archive import build_archive  # noqa: E402
+from reliability_util import rank_processes, run_corpus, run_soak, stray_ranks  # noqa: E402
+from serving_util import TorchServe, free_ports  # noqa: E402
+
+from tp_llama.synthetic import write_checkpoint  # noqa: E402
+from tp_llama.tokenizer import load_tokenizer  # noqa: E402
+
+MAX_SEQ_LEN = 256
+MAX_BODY = 65536
+SERVER_CAP = 262144
+DEFAULT_NEW = 8
+COLLECTIVE_TIMEOUT_S = 15
+STARTUP_TIMEOUT = 180
+FAIL_FAST_S = 30  # a fault must end the batch or the load attempt well within this
+RECOVER_S = 90  # TorchServe's restart back-off plus a reload
+SOAK_S = 30
+LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("rel") / "ckpt", family="llama2", mp=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint: Path):
+    return load_tokenizer(checkpoint / "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("rel-serve")
+    (rdzv_port,) = free_ports(1)
+    build_archive(
+        checkpoint,
+        work / "model_store",
+        overrides=[
+            f"handler.max_seq_len={MAX_SEQ_LEN}",
+            f"handler.max_request_bytes={MAX_BODY}",
+            f"handler.default_max_new_tokens={DEFAULT_NEW}",
+            "handler.max_new_tokens_limit=200",
+            "handler.max_batch_size=8",
+            "batchSize=8",
+            "maxBatchDelay=20",
+            "responseTimeout=120",
+            f"startupTimeout={STARTUP_TIMEOUT}",
+            f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
+        ],
+    )
+    ts = TorchServe(work, work / "model_store", "llama", extra_config=[f"max_request_size={SERVER_CAP}"])
+    ts.fault_file = work / "faults.json"
+    ts.env.update(TP_LLAMA_FAULT_FILE=str(ts.fault_file), TP_LLAMA_COLLECTIVE_TIMEOUT_S=str(COLLECTIVE_TIMEOUT_S))
+    with ts:
+        ts.start()
+        ts.wait_ready(STARTUP_TIMEOUT)
+        yield ts
+
+
+def greedy(prompt: str, new_tokens: int = 12) -> dict:
+    return {"prompt": prompt, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def set_faults(ts: TorchServe, faults: list[dict]) -> None:
+    if faults:
+        ts.fault_file.write_text(json.dumps(faults))
+    else:
+        ts.fault_file.unlink(missing_ok=True)
+
+
+def wait_for_log(ts: TorchServe, text: str, after: int, timeout: float) -> float:
+    """Seconds until `text` occurs in the model log more than `after` times."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if ts.model_log().count(text) > after:
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise TimeoutError(f"{text!r} not logged within {timeout} s\n{ts.log_tail()}")
+
+
+def wait_recovered(ts: TorchServe, old_pids: set[int], probe: dict, expected: dict) -> float:
+    """Seconds until new rank processes answer `probe` with `expected`."""
+    started = time.monotonic()
+    while time.monotonic() - started < RECOVER_S:
+        pids = {p.pid for p in rank_processes(ts).values()}
+        if pids and not pids & old_pids:
+            try:
+                reply = ts.predict(probe, timeout=60)
+            except OSError:
+                reply = None
+            if reply is not None and reply.status == 200:
+                assert reply.json() == expected
+                recovered = time.monotonic() - started
+                _no_strays(ts)
+                return recovered
+        time.sleep(0.5)
+    raise TimeoutError(f"worker not back within {RECOVER_S} s\n{ts.log_tail()}")
+
+
+def _no_strays(ts: TorchServe, grace: float = 10.0) -> None:
+    """Ranks of earlier attempts must be gone, not left as orphans holding the model's memory."""
+    deadline = time.monotonic() + grace
+    while stray_ranks(ts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not stray_ranks(ts), f"orphaned rank processes {stray_ranks(ts)}"
+
+
+@pytest.fixture(scope="module")
+def reference(server: TorchServe) -> dict:
+    probe = greedy("Reliability probe: the weather in Köln")
+    reply = server.predict(probe)
+    assert reply.status == 200, reply.body
+    return {"probe": probe, "expected": reply.json()}
+
+
+def test_hostile_corpus_is_refused_without_restarts(server: TorchServe, tokenizer, reference: dict) -> None:
+    cases = hostile_corpus(seed=7, max_seq_len=MAX_SEQ_LEN, max_body=MAX_BODY, server_cap=SERVER_CAP)
+    pids = {p.pid for p in rank_processes(server).values()}
+
+    def prompt_tokens(payload: dict) -> int:
+        if "prompt" in payload:
+            return len(tokenizer.encode(payload["prompt"]))
+        return len(tokenizer.encode_chat(payload["messages"]))
+
+    def probe() -> str | None:
+        reply = server.predict(reference["probe"])
+        ok = reply.status == 200 and reply.json() == reference["expected"]
+        return None if ok else f"probe got {reply.status} {reply.body[:200]!r}"
+
+    started = time.monotonic()
+    report = run_corpus(server, cases, prompt_tokens, DEFAULT_NEW, probe)
+    elapsed = time.monotonic() - started
+    print(f"\nhostile corpus: {report.sent} bodies in {elapsed:.1f} s, statuses {dict(report.by_status)}, "
+          f"{report.valid_ok} valid ones answered correctly")
+    assert report.sent == len(cases) >= 500
+    assert not report.problems, "\n".join(report.problems[:20])
+    assert not any(status >= 500 for status in report.by_status)
+    assert {p.pid for p in rank_processes(server).values()} == pids, "a rank was restarted"
+
+
+def test_soak_mixed_clients_memory_flat_and_slots_released(server: TorchServe) -> None:
+    report = run_soak(server, seconds=SOAK_S, clients=6, warmup=SOAK_S / 4)
+    bands = {rank: report.rss_band(rank) for rank in report.rss_mb}
+    print(f"\nsoak: {dict(report.completed)} requests in {report.seconds:.0f} s, {report.tokens} tokens, "
+          f"failures {len(report.failures)}, rss band after warm-up "
+          + ", ".join(f"rank {r}: {b:.1%}" for r, b in sorted(bands.items()))
+          + f", kv slots busy at end {report.slots_busy_at_end}")
+    assert not report.failures, report.failures[:10]
+    assert min(report.completed[k] for k in ("plain", "stream", "disconnect")) > 0, report.completed
+    assert sorted(bands) == [0, 1]
+    assert all(band <= 0.05 for band in bands.values()), bands
+    assert report.slots_busy_at_end == 0
+
+
+def _in_flight(ts: TorchServe, payloads: list[dict]) -> tuple[list[threading.Thread], dict]:
+    outcomes: dict = {}
+
+    def send(i: int) -> None:
+        started = time.monotonic()
+        try:
+            reply = ts.predict(payloads[i], timeout=150)
+            outcomes[i] = (reply.status, reply.body, time.monotonic() - started)
+        except OSError as exc:
+            outcomes[i] = (None, repr(exc).encode(), time.monotonic() - started)
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(payloads))]
+    for thread in threads:
+        thread.start()
+    return threads, outcomes
+
+
+def _expect_errors(threads: list[threading.Thread], outcomes: dict, started: float) -> float:
+    """Every in-flight request ends with an error status, soon; returns the slowest end after `started`."""
+    for thread in threads:
+        thread.join(timeout=FAIL_FAST_S + 30)
+    assert len(outcomes) == len(threads), "a request hung"
+    ended = time.monotonic() - started
+    for status, body, _ in outcomes.values():
+        assert status is not None and status >= 500, (status, body[:300])
+        assert b"text" not in body, body[:300]
+    return ended
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_rank_fails_in_flight_requests_and_the_worker_comes_back(server: TorchServe, reference: dict,
+                                                                         victim: int) -> None:
+    prompts = [f"Killed-rank request {i}: once upon a time" for i in range(3)]
+    alone = [server.predict(greedy(p)).json() for p in prompts]
+    ranks = rank_processes(server)
+    threads, outcomes = _in_flight(server, [{"prompt": p, **LONG} for p in prompts])
+    time.sleep(2.0)  # the batch is decoding its 200 tokens by now
+    killed = time.monotonic()
+    ranks[victim].kill()
+    failed_after = _expect_errors(threads, outcomes, killed)
+    recovered_after = wait_recovered(server, {p.pid for p in ranks.values()}, reference["probe"], reference["expected"])
+    replies = [server.predict(greedy(p)) for p in prompts]
+    assert [r.json() for r in replies] == alone, "a request got another request's text"
+    print(f"\nkilled rank {victim}: in-flight requests failed {failed_after:.1f} s after the kill, "
+          f"worker serving again {recovered_after:.1f} s later")
+    assert failed_after < FAIL_FAST_S
+
+
+@pytest.mark.parametrize("kind,rank,cause", [
+    ("exception", 1, "injected fault at decode on rank 1"),
+    ("hang", 1, "injected fault: hanging at decode on rank 1"),
+])
+def test_inference_fault_fails_the_batch_fast_and_recovers(server: TorchServe, reference: dict, kind: str, rank: int,
+                                                           cause: str) -> None:
+    old = {p.pid for p in rank_processes(server).values()}
+    seen = server.model_log().count(cause)
+    set_faults(server, [{"point": "decode", "kind": kind, "rank": rank}])
+    try:
+        started = time.monotonic()
+        threads, outcomes = _in_flight(server, [{"prompt": "fault victim", **LONG}])
+        failed_after = _expect_errors(threads, outcomes, started)
+        wait_for_log(server, cause, seen, timeout=10)
+    finally:
+        set_faults(server, [])
+    recovered_after = wait_recovered(server, old, reference["probe"], reference["expected"])
+    print(f"\ndecode fault {kind} on rank {rank}: request failed after {failed_after:.1f} s, "
+          f"serving again {recovered_after:.1f} s after the fault was removed")
+    limit = COLLECTIVE_TIMEOUT_S + FAIL_FAST_S if kind == "hang" else FAIL_FAST_S
+    assert failed_after < limit
+
+
+def _corrupt_rank1_shard(ckpt: Path) -> tuple[Path, bytes]:
+    path = ckpt / "consolidated.01.pth"
+    original = path.read_bytes()
+    path.write_bytes(original[: len(original) // 2])
+    return path, original
+
+
+LOAD_FAULTS = [
+    ("corrupt shard on rank 1", None, "consolidated.01.pth: cannot be read"),
+    ("oom on rank 1", {"point": "load", "kind": "oom", "rank": 1}, "rank 1: RuntimeError"),
+    ("rank 1 exits", {"point": "load", "kind": "exit", "rank": 1}, "injected fault: process exits at load on rank 1"),
+    ("rank 1 hangs", {"point": "load", "kind": "hang", "rank": 1}, "injected fault: hanging at load on rank 1"),
+]
+
+
+def _wait_gone(pids: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(p.is_running() and p.status() != "zombie" for p in pids):
+        assert time.monotonic() < deadline, f"ranks {[p.pid for p in pids]} still alive after {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("name,fault,cause", LOAD_FAULTS, ids=[f[0] for f in LOAD_FAULTS])
+def test_load_fault_fails_fast_and_recovers_when_removed(server: TorchServe, checkpoint: Path, reference: dict,
+                                                         name: str, fault: dict | None, cause: str) -> None:
+    """A restart (rank 0 killed) reloads into the fault: every rank of that attempt must be gone
+    soon after the cause is logged, and the next attempt after the fault is removed must serve."""
+    ranks = rank_processes(server)
+    seen = server.model_log().count(cause)
+    backup = None
+    if fault is None:
+        backup = _corrupt_rank1_shard(checkpoint)
+    else:
+        set_faults(server, [fault])
+    limit = FAIL_FAST_S + (COLLECTIVE_TIMEOUT_S if "hang" in name else 0)
+    try:
+        ranks[0].kill()  # the restart that follows loads the checkpoint again, into the fault
+        killed = time.monotonic()
+        cause_after = wait_for_log(server, cause, seen, timeout=limit + 30)
+        attempt = list(rank_processes(server).values())
+        _wait_gone(attempt, limit)
+        failed_after = time.monotonic() - killed
+    finally:
+        if backup is not None:
+            backup[0].write_bytes(backup[1])
+        set_faults(server, [])
+    recovered_after = wait_recovered(server, {p.pid for p in ranks.values()}, reference["probe"], reference["expected"])
+    print(f"\nload fault '{name}': cause logged {cause_after:.1f} s and every rank of that attempt gone "
+          f"{failed_after:.1f} s after the restart began; serving again {recovered_after:.1f} s after the fault "
+          "was removed")
+    assert failed_after < limit, f"took {failed_after:.1f} s"
