@@ -26,7 +26,7 @@ def launch_cli(cli_args: list[str], world: int, timeout: float = 120.0, env: dic
         # Port 0: the c10d store picks a free port, so concurrent runs never collide.
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *cli]
-    full_env = dict(os.environ, TP_LLAMA_COLLECTIVE_TIMEOUT_S="60", OMP_NUM_THREADS="1", **(env or {}))
+    full_env = {**os.environ, "TP_LLAMA_COLLECTIVE_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1", **(env or {})}
     started = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                             start_new_session=True)

@@ -1,4 +1,4 @@
-"""Broken checkpoints fail fast on every rank with the file and tensor named, never a hang."""
+"""Broken checkpoints, and faults injected on one rank, fail fast on every rank with the cause named."""
 
 from __future__ import annotations
 
@@ -28,10 +28,15 @@ def ckpt(good, tmp_path) -> Path:
     return copy
 
 
-def fails_on_every_rank(ckpt: Path, world: int, pattern: str, mode: str = "tp") -> str:
-    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2", "--mode", mode], world)
+def failed_run(ckpt: Path, world: int, mode: str, env: dict | None = None):
+    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2", "--mode", mode], world, env=env)
     assert run.returncode != 0, run.stdout
     assert run.seconds < FAIL_FAST_S, f"took {run.seconds:.1f} s"
+    return run
+
+
+def fails_on_every_rank(ckpt: Path, world: int, pattern: str, mode: str = "tp", env: dict | None = None) -> str:
+    run = failed_run(ckpt, world, mode, env)
     errors = [line for line in run.stderr.splitlines() if "] error:" in line]
     ranks = {int(m.group(1)) for line in errors if (m := re.search(r"rank (\d+)\] error:", line))}
     assert ranks == set(range(world)), run.stderr
@@ -104,3 +109,21 @@ def test_pickled_callable_is_refused_and_never_run(ckpt, tmp_path):
     torch.save(state, ckpt / "consolidated.00.pth")
     fails_on_every_rank(ckpt, 2, r"consolidated\.00\.pth: cannot be read.*(Weights only load failed|Unsupported)")
     assert not marker.exists()
+
+
+def _fault_env(tmp_path: Path, fault: dict) -> dict:
+    path = tmp_path / "faults.json"
+    path.write_text(json.dumps([fault]))
+    return {"TP_LLAMA_FAULT_FILE": str(path)}
+
+
+def test_out_of_memory_on_one_rank_fails_every_rank(ckpt, tmp_path):
+    env = _fault_env(tmp_path, {"point": "load", "kind": "oom", "rank": 1})
+    fails_on_every_rank(ckpt, 2, r"rank 1: RuntimeError: .*can't allocate memory", env=env)
+
+
+def test_exception_in_the_converter_on_one_rank_ends_the_group(ckpt, tmp_path):
+    """Rank 1 fails inside the FSDP converter while rank 0 waits in its all-gather: no hang."""
+    env = _fault_env(tmp_path, {"point": "convert", "kind": "exception", "rank": 1})
+    run = failed_run(ckpt, 2, "fsdp", env)
+    assert re.search(r"rank 1\] error: injected fault at convert on rank 1", run.stderr), run.stderr[-3000:]

@@ -106,7 +106,27 @@ def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGro
         return
     summary = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
     all_checkpoint = all(msg.startswith(CheckpointError.__name__) for _, msg in failed)
-    raise (CheckpointError if all_checkpoint else RuntimeError)(summary) from error
+    shared = (CheckpointError if all_checkpoint else RuntimeError)(summary)
+    shared.every_rank = True  # see leave_group
+    raise shared from error
+
+
+def leave_group(error: BaseException | None) -> None:
+    """Shut this rank's process group down after a run, successful or not.
+
+    Ranks that fail together (raise_if_any_rank_failed) or finish together meet at a barrier
+    first, so no rank tears the group down under another. A rank that failed alone leaves at
+    once without any teardown: its peers are inside a collective it will never join, and its
+    exit closes their connections so they fail now rather than at the collective timeout.
+    """
+    if not dist.is_initialized():
+        return
+    if error is not None and not getattr(error, "every_rank", False) and dist.get_world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    wait_for_peers()
+    dist.destroy_process_group()
 
 
 def broadcast_from_rank0(values: torch.Tensor, device: torch.device) -> torch.Tensor:

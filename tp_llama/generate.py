@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from tp_llama.distributed import log, wait_for_peers
+from tp_llama.distributed import leave_group, log
 from tp_llama.engine import DTYPES, MODES, Engine
 from tp_llama.errors import CheckpointError
 from tp_llama.generation import GenerationRequest
@@ -77,17 +77,14 @@ def run(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    status = 0
+    error = None
     try:
         run(a)
     except (CheckpointError, ValueError, RuntimeError) as exc:
         log(f"error: {exc}")
-        status = 2
-    # Tear down together: a rank that leaves the group while another still uses it aborts.
-    wait_for_peers()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return status
+        error = exc
+    leave_group(error)
+    return 0 if error is None else 2
 
 
 if __name__ == "__main__":
