@@ -36,4 +36,7 @@ def launch_cli(cli_args: list[str], world: int, timeout: float = 120.0, env: dic
         os.killpg(proc.pid, signal.SIGKILL)  # our own session: torchrun and every worker
         stdout, stderr = proc.communicate()
         raise TimeoutError(f"CLI ran past {timeout} s: {' '.join(command)}\n{stderr[-3000:]}")
+    except BaseException:  # Ctrl-C: take the launched workers down with the test
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return CliRun(proc.returncode, stdout, stderr, time.monotonic() - started)

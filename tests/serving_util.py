@@ -187,12 +187,7 @@ class TorchServe:
         headers = {"Content-Type": content_type}
         if key is not None:
             headers["Authorization"] = f"Bearer {self.keys()[key]}"
-        try:
-            conn.request(method, path, body=body, headers=headers)
-            response = conn.getresponse()
-            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
-        finally:
-            conn.close()
+        return _send(conn, method, path, body, headers)
 
     def management(
         self, method: str, path: str, body: bytes | None = None, key: str | None = "management",
@@ -201,12 +196,7 @@ class TorchServe:
         """A management API request, over the unix socket or the TCP port, whichever it is on."""
         conn = connection(self.management_address, timeout=timeout)
         headers = {} if key is None else {"Authorization": f"Bearer {self.keys()[key]}"}
-        try:
-            conn.request(method, path, body=body, headers=headers)
-            response = conn.getresponse()
-            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
-        finally:
-            conn.close()
+        return _send(conn, method, path, body, headers)
 
     def _management_listening(self) -> bool:
         if self.management_port is not None:
@@ -281,6 +271,15 @@ class TorchServe:
             self.process.wait(timeout=10)
         self.process = None
         return {"returncode": returncode, "leftover": leftover}
+
+
+def _send(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, headers: dict) -> Reply:
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+    finally:
+        conn.close()
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ from tp_llama.synthetic import write_checkpoint
 from tp_llama.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_util import launch_cli  # noqa: E402
 from reference import ReferenceModel, ReferenceResult, greedy, reassemble, read_config  # noqa: E402
 
 MAX_NEW_TOKENS = 12
@@ -135,44 +134,28 @@ def store(tmp_path_factory) -> Store:
 
 
 @dataclass
-class CliRun:
-    command: list[str]
+class ParityRun:
+    cli_args: list[str]
     returncode: int
     outputs: list[dict]  # rank 0's JSON lines, one per prompt
     stderr: str
 
 
-def run_cli(ckpt: Path, prompts: list[str], mode: str, world: int, ignore_eos: bool) -> CliRun:
+def run_cli(ckpt: Path, prompts: list[str], mode: str, world: int, ignore_eos: bool) -> ParityRun:
     """Run the generate CLI on `world` processes and collect rank 0's JSON lines."""
-    cli = ["-m", "tp_llama.generate", "--ckpt-dir", str(ckpt), "--mode", mode, "--dtype", "float32",
-           "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-seq-len", "128"]
+    cli_args = ["--ckpt-dir", str(ckpt), "--mode", mode, "--dtype", "float32",
+                "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-seq-len", "128"]
     for prompt in prompts:
-        cli += ["--prompt", prompt]
+        cli_args += ["--prompt", prompt]
     if ignore_eos:
-        cli.append("--ignore-eos")
-    if world == 1:
-        command = [sys.executable, *cli]
-    else:
-        # Port 0: the c10d store picks a free port, so parallel runs never collide.
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *cli]
-    env = dict(os.environ, TP_LLAMA_COLLECTIVE_TIMEOUT_S="60", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session we started: torchrun and its workers
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"CLI timed out after {RUN_TIMEOUT_S} s: {' '.join(command)}\n{stderr[-3000:]}")
-    except BaseException:  # Ctrl-C: take the launched workers down with the test
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    lines = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+        cli_args.append("--ignore-eos")
+    run = launch_cli(cli_args, world, timeout=RUN_TIMEOUT_S)
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(prompts), (
-        f"rc {proc.returncode}, expected {len(prompts)} JSON lines: {' '.join(command)}\n{stdout}\n{stderr[-3000:]}"
+        f"rc {run.returncode}, expected {len(prompts)} JSON lines: {cli_args} on {world}\n{run.stdout}\n"
+        f"{run.stderr[-3000:]}"
     )
-    return CliRun(command, proc.returncode, lines, stderr)
+    return ParityRun(cli_args, run.returncode, lines, run.stderr)
 
 
 def describe_mismatch(got: list[int], ref: ReferenceResult) -> str:
@@ -214,7 +197,7 @@ def test_cli_greedy_matches_reference(store: Store, mode: str, family: str, mp: 
         assert stop_ref.finish_reason == "stop" and stop_ref.token_ids
     # Checked after the tokens, so a crash on the way out is told apart from a wrong answer.
     assert run.returncode == 0, (
-        f"CLI printed matching results but exited with rc {run.returncode}: {' '.join(run.command)}\n"
+        f"CLI printed matching results but exited with rc {run.returncode}: {run.cli_args} on {world}\n"
         f"{run.stderr[-3000:]}"
     )
 
