@@ -58,14 +58,16 @@ PAIRS = [
     ("tp", 1, 4),
     ("tp", 2, 2),
     ("tp", 4, 4),
+    ("fsdp", 1, 1),
     ("fsdp", 1, 2),
     ("fsdp", 2, 2),
     ("fsdp", 2, 4),
     ("fsdp", 4, 4),
 ]
 # Which family runs each pair by default. Each family gets MP > TP, MP < TP and MP == TP in tp mode,
-# fsdp at world 2 and 4, and MP 1, 2 and 4 files; llama2 also runs the plain (world 1) process.
-DEFAULT_FAMILY = ["llama3", "llama2", "llama2", "llama3", "llama2", "llama3", "llama2", "llama3", "llama2", "llama2", "llama3"]
+# fsdp at world 1, 2 and 4, and MP 1, 2 and 4 files; llama2 also runs the plain (world 1) process.
+DEFAULT_FAMILY = ["llama3", "llama2", "llama2", "llama3", "llama2", "llama3", "llama2", "llama3", "llama3", "llama2",
+                  "llama2", "llama3"]
 
 
 def _cases() -> list:

@@ -146,6 +146,8 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
     state = build_distributed_state_dict_from_consolidated(model, consolidated, mp, use_dtensor=True)
     del consolidated
     log(f"converted {len(state)} tensors to DTensor FSDP shards ({time.perf_counter() - start:.1f} s)", info.rank)
+    if info.world_size == 1:  # FSDP1 runs NO_SHARD alone and wants plain tensors
+        state = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
     wrapped = apply_fsdp(model, make_mesh(info.device, info.world_size), info.device)
     with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
         wrapped.load_state_dict(state)
