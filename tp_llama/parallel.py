@@ -90,7 +90,7 @@ def _sharded_output_dim(module: nn.Module) -> int:
 
 
 class LocalLinear(nn.Module):
-    """A Linear on this rank's shard of the weight, then the collective its split needs.
+    """A Linear on this rank's shard of the weight, then the collective its split needs (inference only).
 
     comm: "none" (the output stays sharded on the features: column parallel, feeding local
     attention heads or FFN rows), "all_reduce" (row parallel: partial sums over the input
@@ -115,7 +115,7 @@ class LocalLinear(nn.Module):
 
 
 class LocalEmbedding(nn.Module):
-    """An Embedding on this rank's shard of the table, then the collective its split needs.
+    """An Embedding on this rank's shard of the table, then the collective its split needs (inference only).
 
     comm "all_gather": the table is split on the embedding dim (Llama 1/2), every rank looks up
     every id and the [.., dim/tp] pieces are gathered. comm "all_reduce": the table is split on
@@ -129,12 +129,13 @@ class LocalEmbedding(nn.Module):
         self.comm, self.group, self.vocab_start = comm, group, vocab_start
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.comm == "all_gather":
-            return all_gather_last_dim(F.embedding(ids, self.weight), self.group)
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce_sum(out.masked_fill_(outside.unsqueeze(-1), 0), self.group)
+        if self.comm == "all_reduce":
+            local = ids - self.vocab_start
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            return all_reduce_sum(out.masked_fill_(outside.unsqueeze(-1), 0), self.group)
+        out = F.embedding(ids, self.weight)
+        return all_gather_last_dim(out, self.group) if self.comm == "all_gather" else out
 
     def extra_repr(self) -> str:
         return f"local {tuple(self.weight.shape)}, {self.comm}, vocab_start={self.vocab_start}"
