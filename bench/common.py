@@ -105,8 +105,9 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def torchrun(module: str, args: list[str], nproc: int, timeout: float, env: dict | None = None) -> str:
-    """Run `python -m module` on nproc ranks (a plain process for 1); returns the stdout.
+def torchrun(module: str, args: list[str], nproc: int, timeout: float, env: dict | None = None,
+             repo: Path = REPO) -> str:
+    """Run `python -m module` on nproc ranks (a plain process for 1) from `repo`'s code; returns the stdout.
 
     The whole process tree is killed at the deadline, so a hung collective never hangs the run.
     """
@@ -117,9 +118,9 @@ def torchrun(module: str, args: list[str], nproc: int, timeout: float, env: dict
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", module, *args]
     # The cores are split between the ranks, as TorchServe and torchrun do.
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=threads, **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS=threads, **(env or {}))
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            cwd=REPO, start_new_session=True)
+                            cwd=repo, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -15,6 +15,7 @@ from tp_llama.distributed import DistInfo, init_distributed, log, raise_if_any_r
 from tp_llama.faults import inject_fault
 from tp_llama.generation import GenerationRequest, GenerationResult, GenerationStats, generate
 from tp_llama.loader import load_fsdp_model, load_tp_model
+from tp_llama.parallel import localize
 from tp_llama.params import ModelArgs, read_params
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
 
@@ -86,7 +87,8 @@ class Engine:
         raise_if_any_rank_failed(error)
         torch_dtype, tokenizer, args = setup
         if mode == "tp":
-            model = load_tp_model(ckpt_dir, args, info, torch_dtype)
+            # Loaded as DTensors, run as plain local shards with explicit collectives (much faster).
+            model = localize(load_tp_model(ckpt_dir, args, info, torch_dtype))
         else:
             model = load_fsdp_model(ckpt_dir, args, info, torch_dtype)
         tp_size = info.world_size if mode == "tp" else 1
