@@ -9,7 +9,6 @@ import http.client
 import json
 import random
 import re
-import statistics
 import threading
 import time
 from collections import Counter
@@ -217,7 +216,3 @@ def run_soak(ts: TorchServe, seconds: float, clients: int, warmup: float, new_to
     last = {int(m[1]): int(m[2]) for m in SLOTS_LINE.finditer(ts.model_log())}
     report.slots_busy_at_end = max(last.values()) if last else None
     return report
-
-
-def median_rss(report: SoakReport) -> dict[int, float]:
-    return {rank: statistics.median(samples) for rank, samples in report.rss_mb.items()}

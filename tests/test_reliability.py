@@ -9,7 +9,6 @@ back once the fault is gone. Timings are printed (pytest -s) for the README.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import threading
 import time
