@@ -15,7 +15,6 @@ import argparse
 import http.client
 import json
 import shutil
-import statistics
 import sys
 import threading
 import time
