@@ -208,10 +208,14 @@ def test_killed_rank_fails_in_flight_requests_and_the_worker_comes_back(server: 
     prompts = [f"Killed-rank request {i}: once upon a time" for i in range(3)]
     alone = [server.predict(greedy(p)).json() for p in prompts]
     ranks = rank_processes(server)
-    threads, outcomes = _in_flight(server, [{"prompt": p, **LONG} for p in prompts])
-    time.sleep(2.0)  # the batch is decoding its 200 tokens by now
-    killed = time.monotonic()
-    ranks[victim].kill()
+    set_faults(server, [{"point": "decode", "kind": "delay", "seconds": 0.05}])  # 200 tokens take 10 s or more
+    try:
+        threads, outcomes = _in_flight(server, [{"prompt": p, **LONG} for p in prompts])
+        time.sleep(2.0)  # the batch is decoding by now, far from done
+        killed = time.monotonic()
+        ranks[victim].kill()
+    finally:
+        set_faults(server, [])
     failed_after = _expect_errors(threads, outcomes, killed)
     recovered_after = wait_recovered(server, {p.pid for p in ranks.values()}, reference["probe"], reference["expected"])
     replies = [server.predict(greedy(p)) for p in prompts]

@@ -4,7 +4,8 @@ The reliability tests use it to make one rank fail at a chosen point of a live s
 take the fault away and watch TorchServe's worker restart bring the model back. The file is
 read again at every fault point, so writing or deleting it changes the next attempt. It holds
 a JSON list of faults: {"point": "load" | "convert" | "decode", "kind": "exception" | "oom" |
-"exit" | "hang", "rank": N (all ranks when absent)}.
+"exit" | "hang" | "delay", "rank": N (all ranks when absent), "seconds": S (delay only)}.
+"delay" only slows the point down, so a test can keep a request in flight on any machine.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 FAULT_FILE_ENV = "TP_LLAMA_FAULT_FILE"
 POINTS = ("load", "convert", "decode")
-KINDS = ("exception", "oom", "exit", "hang")
+KINDS = ("exception", "oom", "exit", "hang", "delay")
 
 
 class InjectedFault(RuntimeError):
@@ -54,6 +55,8 @@ def inject_fault(point: str, rank: int, device: torch.device) -> None:
         if kind == "exit":
             os.write(2, f"[tp_llama rank {rank}] injected fault: process exits at {where}\n".encode())
             os._exit(43)
+        if kind == "delay":
+            time.sleep(float(fault.get("seconds", 0.05)))
         if kind == "hang":
             os.write(2, f"[tp_llama rank {rank}] injected fault: hanging at {where}\n".encode())
             while True:
