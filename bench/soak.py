@@ -51,19 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = [f"max_request_size={SERVER_CAP}", f"token_expiration_min={expiry}"]
     probe_payload = {"prompt": "Soak probe", "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
-    def prompt_tokens(payload: dict) -> int:
-        if "prompt" in payload:
-            return len(tokenizer.encode(payload["prompt"]))
-        return len(tokenizer.encode_chat(payload["messages"]))
-
     with TorchServe(work, store, "llama", extra_config=extra) as server:
         server.start()
         print(f"TorchServe ready after {server.wait_ready(600):.1f} s", flush=True)
         expected = server.predict(probe_payload).json()
-
-        def probe() -> str | None:
-            reply = server.predict(probe_payload)
-            return None if reply.status == 200 and reply.json() == expected else f"probe got {reply.status}"
 
         pids = {p.pid for p in rank_processes(server).values()}
         rounds = []
@@ -71,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         def corpus_round(seed: int) -> None:
             cases = hostile_corpus(seed=seed, max_seq_len=MAX_SEQ_LEN, max_body=MAX_BODY, server_cap=SERVER_CAP)
             started = time.monotonic()
-            rounds.append((run_corpus(server, cases, prompt_tokens, DEFAULT_NEW, probe), time.monotonic() - started))
+            rounds.append((run_corpus(server, cases, tokenizer, DEFAULT_NEW, probe_payload, expected), time.monotonic() - started))
             print(f"hostile corpus: {rounds[-1][0].sent} bodies in {rounds[-1][1]:.1f} s", flush=True)
 
         corpus_round(seed=100)

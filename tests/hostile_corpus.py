@@ -33,6 +33,12 @@ class Case:
     def valid(self) -> bool:
         return self.payload is not None
 
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        """The prompt a valid case asks for, encoded the way the request names it."""
+        if "prompt" in self.payload:
+            return tokenizer.encode(self.payload["prompt"])
+        return tokenizer.encode_chat(self.payload["messages"])
+
 
 def _json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False).encode("utf-8", errors="surrogatepass")

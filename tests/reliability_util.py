@@ -12,9 +12,9 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 from hostile_corpus import Case
@@ -75,11 +75,11 @@ class FuzzReport:
     problems: list[str] = field(default_factory=list)
 
 
-def run_corpus(ts: TorchServe, cases: list[Case], prompt_tokens: Callable[[dict], int], default_new: int,
-               probe: Callable[[], str | None], concurrency: int = 8) -> FuzzReport:
-    """Send the corpus one category (burst) at a time, several at once; after each burst, `probe`
-    checks that a valid request still succeeds. Every refusal must be a 4xx with a JSON message,
-    except the frontend's bare 413 for bodies over max_request_size."""
+def run_corpus(ts: TorchServe, cases: list[Case], tokenizer: Any, default_new: int, probe: dict, expected: dict,
+               concurrency: int = 8) -> FuzzReport:
+    """Send the corpus one category (burst) at a time, several at once; after each burst the
+    greedy `probe` request must still get `expected`. Every refusal must be a 4xx with a JSON
+    message, except the frontend's bare 413 for bodies over max_request_size."""
     report = FuzzReport()
     bursts: dict[str, list[Case]] = {}
     for case in cases:
@@ -97,7 +97,7 @@ def run_corpus(ts: TorchServe, cases: list[Case], prompt_tokens: Callable[[dict]
                 report.problems.append(f"{case.category}: valid {case.body[:60]!r} got {reply.status} {reply.body[:200]!r}")
                 return
             wanted = case.payload.get("max_new_tokens") or default_new
-            why = check_completion(reply.json(), prompt_tokens(case.payload), wanted)
+            why = check_completion(reply.json(), len(case.prompt_ids(tokenizer)), wanted)
             if why:
                 report.problems.append(f"{case.category}: {case.body[:60]!r}: {why}")
             else:
@@ -116,9 +116,9 @@ def run_corpus(ts: TorchServe, cases: list[Case], prompt_tokens: Callable[[dict]
         for category, burst in bursts.items():
             list(pool.map(one, burst))
             report.sent += len(burst)
-            failure = probe()
-            if failure:
-                report.problems.append(f"after the {category!r} burst: {failure}")
+            reply = ts.predict(probe)
+            if reply.status != 200 or reply.json() != expected:
+                report.problems.append(f"after the {category!r} burst: probe got {reply.status} {reply.body[:200]!r}")
     return report
 
 

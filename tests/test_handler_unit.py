@@ -286,7 +286,5 @@ def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
             continue
         assert case.valid, (case.category, case.body[:120], "accepted")
         payload = case.payload
-        expected = (real_tokenizer.encode(payload["prompt"]) if "prompt" in payload
-                    else real_tokenizer.encode_chat(payload["messages"]))
-        assert job.prompt_ids == expected
+        assert job.prompt_ids == case.prompt_ids(real_tokenizer)
         assert job.max_new_tokens == (payload.get("max_new_tokens") or settings.default_max_new_tokens)

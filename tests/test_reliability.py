@@ -138,18 +138,8 @@ def test_hostile_corpus_is_refused_without_restarts(server: TorchServe, tokenize
     cases = hostile_corpus(seed=7, max_seq_len=MAX_SEQ_LEN, max_body=MAX_BODY, server_cap=SERVER_CAP)
     pids = {p.pid for p in rank_processes(server).values()}
 
-    def prompt_tokens(payload: dict) -> int:
-        if "prompt" in payload:
-            return len(tokenizer.encode(payload["prompt"]))
-        return len(tokenizer.encode_chat(payload["messages"]))
-
-    def probe() -> str | None:
-        reply = server.predict(reference["probe"])
-        ok = reply.status == 200 and reply.json() == reference["expected"]
-        return None if ok else f"probe got {reply.status} {reply.body[:200]!r}"
-
     started = time.monotonic()
-    report = run_corpus(server, cases, prompt_tokens, DEFAULT_NEW, probe)
+    report = run_corpus(server, cases, tokenizer, DEFAULT_NEW, reference["probe"], reference["expected"])
     elapsed = time.monotonic() - started
     print(f"\nhostile corpus: {report.sent} bodies in {elapsed:.1f} s, statuses {dict(report.by_status)}, "
           f"{report.valid_ok} valid ones answered correctly")
