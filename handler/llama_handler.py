@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import time
 from typing import Any, NoReturn
 
@@ -21,6 +19,7 @@ from llama_stream import StreamDecoder
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
+from tp_llama.distributed import exit_now
 from tp_llama.engine import Engine, GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -49,9 +48,7 @@ def _stop_worker(rank: int, error: Exception) -> NoReturn:
     logger.critical("rank %d: generation failed; stopping the worker so TorchServe restarts it", rank, exc_info=error)
     for log_handler in logging.getLogger().handlers:
         log_handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    exit_now(1)
 
 
 class LlamaHandler(BaseHandler):

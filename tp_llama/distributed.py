@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 from datetime import timedelta
 
 import torch
@@ -122,11 +123,16 @@ def leave_group(error: BaseException | None) -> None:
     if not dist.is_initialized():
         return
     if error is not None and not getattr(error, "every_rank", False) and dist.get_world_size() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        exit_now(2)
     wait_for_peers()
     dist.destroy_process_group()
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process without tearing the process group down (peers may be mid-collective)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def broadcast_from_rank0(values: torch.Tensor, device: torch.device) -> torch.Tensor:
