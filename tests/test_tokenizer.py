@@ -16,7 +16,14 @@ import pytest
 import regex
 
 import tp_llama
-from tp_llama.tokenizer import LLAMA3_SPLIT_PATTERN, Tokenizer, _bounded_chunks, load_tokenizer
+from tp_llama.tokenizer import (
+    LLAMA3_MAX_RUN_CHARS,
+    LLAMA3_SLICE_CHARS,
+    LLAMA3_SPLIT_PATTERN,
+    Tokenizer,
+    _llama3_pieces,
+    load_tokenizer,
+)
 from tp_llama.tokenizer_train import build_tokenizer
 
 LLAMA2_VOCAB = 512
@@ -191,39 +198,6 @@ def test_huge_runs_stay_fast_and_round_trip(tokenizers: dict[str, Tokenizer]) ->
         assert tok.decode(ids) == text
 
 
-def test_cuts_are_safe_when_possible_and_then_exact(tokenizers: dict[str, Tokenizer]) -> None:
-    tok = tokenizers["llama3"]
-    rng = random.Random(7)
-    alphabet = list("ab Sé1!'.,-\n\r\t\x0b\x0c\xa0\u3000\u2028🦙") + [" the", "'s", ".\n"]
-    checked = 0
-    for _ in range(1500):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 200)))
-        pieces = list(_bounded_chunks(text, 40))
-        assert "".join(pieces) == text and all(len(p) <= 40 for p in pieces)
-        start, all_safe = 0, True
-        for piece in pieces[:-1]:
-            cut = start + len(piece)
-            # The cut is the last safe one in its window; a blind cut means there was none.
-            assert not any(_is_safe_cut(text, i) for i in range(cut + 1, start + 41))
-            if not _is_safe_cut(text, cut):
-                assert not any(_is_safe_cut(text, i) for i in range(start + 1, cut))
-                all_safe = False
-            start = cut
-        if all_safe:
-            checked += 1
-            joined = [i for piece in pieces for i in tok.encode(piece, bos=False)]
-            assert joined == tok.encode(text, bos=False), repr(text)
-    assert checked > 300
-
-
-def _is_safe_cut(text: str, i: int) -> bool:
-    """A cut that cannot split a Llama 3 pre-token, stated independently of the module."""
-    if i >= len(text):
-        return False
-    before, after = text[i - 1], text[i]
-    return (not before.isspace() and after in " \t") or (before == "\n" and not after.isspace())
-
-
 def test_llama3_pre_tokenizer_pattern() -> None:
     text = "I'LL pay $1234.50 for 2 cafés!!\n\n  Okay?\tyes  no   "
     expected = [
@@ -364,3 +338,255 @@ def test_bad_calls_raise(tok: Tokenizer) -> None:
         tok.decode([-1])
     with pytest.raises(ValueError):
         tok.encode(b"bytes")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta's own Llama 3 tokenizer as the oracle: the real 128,256-id tokenizer.model shipped in the
+# llama-models package, read by both Meta's reference Tokenizer/ChatFormat and ours.
+
+
+@pytest.fixture(scope="module")
+def meta():
+    try:
+        from meta_reference import load_meta_reference
+
+        return load_meta_reference()
+    except ImportError as err:  # a missing oracle is a failure, never a skip
+        pytest.fail(str(err))
+
+
+@pytest.fixture(scope="module")
+def real(meta) -> Tokenizer:
+    tok = load_tokenizer(meta.model_path)
+    assert (tok.family, tok.n_words) == ("llama3", 128_256)
+    return tok
+
+
+META_TEXTS = TEXTS + [
+    "Hello, world!",
+    " ",
+    "\n",
+    "Ünïcödé: ß ẞ İstanbul ǅ ﬁ Å (A+\u030a) e\u0301 ça",
+    "مرحبا بالعالم — שלום עולם — नमस्ते दुनिया — สวัสดีชาวโลก — 안녕하세요 세계",
+    "你好，世界！這是一個測試。東京タワーの高さは333メートルです。",
+    "中文没有空格的长句子里面混合了English和数字12345以及标点符号。",
+    "👨‍👩‍👧‍👦 family, 🏳️‍🌈 flag, 👍🏽 tone, 🇯🇵🇺🇸 flags, 1️⃣ keycap, 🦙🦙🦙",
+    "1234567890 3.14159265358979 0000000 12,345,678 1e-10 0x7fff_ffff",
+    "١٢٣٤٥ ٦٧٨ — ½ ² ³ Ⅻ ① — ۱۲۳",
+    "x = 10**100 + 123456789012345678901234567890",
+    "def f(x):\n    return {'a': [1, 2, 3], \"b\": x ** 2}  # comment\n\n\nprint(f(3))\n",
+    '{"key": "value", "list": [true, false, null], "n": -0.5e+3}',
+    "<html><body class=\"x\">&amp; &lt;tag&gt;</body></html>",
+    "int main(void) {\n\tfor (int i = 0; i < 10; ++i) {\n\t\tputs(\"hi\");\n\t}\n}\n",
+    "a  b   c    d     e",
+    "\n\n\n\n\nx\n\n",
+    "\t\t\tindented\t\ttabs\t",
+    " " * 17 + "x" + " " * 17,
+    "line\r\n\r\nline\rline",
+    "\u00a0\u2003\u3000 mixed \u2009 spaces \u200b zero-width",
+    "odd\x0b\x0c\x1c\x1d\x1e\x1f\x85\u2028\u2029whitespace",
+    "\x00\x01\x07\x7f control",
+    "I'm, you're, THEY'LL, it'S, don't, we'd, I've '''' 's",
+    "<|eot_id|>",
+    "<|begin_of_text|>Hello<|end_of_text|>",
+    "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|eom_id|>",
+    "<|image|> <|python_tag|> <|finetune_right_pad_id|> <|step_id|>",
+    "<|reserved_special_token_0|><|reserved_special_token_250|>",
+    "<|eot_id <| eot_id |> <|EOT_ID|> <<|eot_id|>>",
+    "<s>[INST] <<SYS>>\nsys\n<</SYS>>\n\nhi [/INST]</s>",
+    "supercalifragilisticexpialidocious" * 3,
+    "The quick brown fox. " * 2000,
+]
+
+
+def _fuzz_texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = list("aZé1 9!'.,-_\n\r\t\x0b\xa0\u3000\u2028\x1c<|>🦙👍🏽\u200d日本ßİ") + [
+        " the", "'s", "'LL", ".\n", "<|eot_id|>", "  ", "123", "\r\n",
+    ]  # fmt: skip
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("text", META_TEXTS, ids=[f"text{i}" for i in range(len(META_TEXTS))])
+def test_encode_and_decode_match_meta(meta, real: Tokenizer, text: str) -> None:
+    for bos in (False, True):
+        for eos in (False, True):
+            expected = meta.encode(text, bos=bos, eos=eos)
+            assert real.encode(text, bos=bos, eos=eos) == expected, (bos, eos)
+    ids = meta.encode(text, bos=False, eos=False)
+    assert real.decode(ids) == meta.decode(ids) == text
+
+
+def test_fuzzed_texts_match_meta(meta, real: Tokenizer) -> None:
+    for text in _fuzz_texts(400, seed=11):
+        assert real.encode(text, bos=False) == meta.encode(text, bos=False, eos=False), repr(text)
+
+
+def test_special_token_look_alikes_stay_text_like_meta(meta, real: Tokenizer) -> None:
+    text = "<|eot_id|><|begin_of_text|><|start_header_id|>"
+    ids = real.encode(text, bos=False)
+    assert ids == meta.encode(text, bos=False, eos=False)
+    assert not set(ids) & set(meta.tokenizer.special_tokens.values())
+
+
+def test_decode_of_partial_and_special_ids_matches_meta(meta, real: Tokenizer) -> None:
+    emoji = meta.encode("🦙 ok", bos=False, eos=False)
+    specials = [meta.tokenizer.bos_id, meta.tokenizer.eot_id, meta.tokenizer.eom_id]
+    for ids in [emoji[:1], emoji[1:], emoji[::-1], specials + emoji, [0, 255, 127_999]]:
+        assert real.decode(ids) == meta.decode(ids), ids
+
+
+def test_special_ids_and_stop_tokens_match_meta(meta, real) -> None:
+    ref = meta.tokenizer
+    assert real.n_words == ref.n_words == 128_256
+    assert (real.bos_id, real.eos_id) == (ref.bos_id, ref.eos_id) == (128_000, 128_001)
+    assert real.special_ids["<|eot_id|>"] == ref.eot_id == 128_009
+    assert real.special_ids["<|eom_id|>"] == ref.eom_id == 128_008
+    assert real.stop_ids == frozenset(ref.stop_tokens)
+    for name in ["<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>",
+                 "<|finetune_right_pad_id|>", "<|step_id|>"]:  # fmt: skip
+        assert real.special_ids[name] == ref.special_tokens[name], name
+    # The first eleven special ids carry the same names in both.
+    for i in range(128_000, 128_011):
+        assert real.decode([i]) == meta.decode([i]), i
+
+
+def test_reserved_special_names_differ_from_llama_models_0_3(meta, real) -> None:
+    """Documented difference: llama-models 0.3.0 names id 128011 ``<|image|>`` (Llama 3.2 vision)
+    and numbers the reserved tokens after it one higher than Llama 3.1's list, which we keep.
+    Only decoding a reserved id can show it; no id that text or chat encoding produces differs.
+    """
+    assert meta.decode([128_011]) == "<|image|>"
+    assert real.decode([128_011]) == "<|reserved_special_token_2|>"
+    for i in range(128_012, 128_256):
+        assert meta.decode([i]) == real.decode([i - 1]), i
+
+
+def _letters(n: int, seed: int) -> str:
+    """``n`` letters: one pre-token, so a cut inside it shows in the ids."""
+    rng = random.Random(seed)
+    return "".join(rng.choices("abcdefghijklmnopqrstuvwxyzé", k=n))
+
+
+def _prose(n: int) -> str:
+    words = "the lamp turns every fifteen seconds, café 1234 — naïve 日本 🦙 don't".split()
+    text = " ".join(words[i % len(words)] for i in range(n // 4))
+    return text[:n]
+
+
+def _long_cases() -> dict[str, str]:
+    """Long inputs around Meta's thresholds (runs of 25,000 characters, slices of 400,000)."""
+    run, slice_ = LLAMA3_MAX_RUN_CHARS, LLAMA3_SLICE_CHARS
+    # Runs of 20,000 to 25,000 characters are not cut (we used to cut them at 20,000).
+    cases = {"22000 letters": _letters(22_000, 1), "22000 digits": "7" * 22_000}
+    for n in (run - 1, run, run + 1, 30_000, 2 * run + 1):
+        cases[f"{n} non-whitespace"] = "Start: " + _letters(n, n) + " end."
+        cases[f"{n} digits"] = "n = " + "7" * n
+        cases[f"{n} spaces"] = "a" + " " * n + "b"
+        cases[f"{n} mixed whitespace"] = "a" + (" \t\n\u3000\x1c" * n)[:n] + "b"
+    cases["400000 spaces"] = " " * slice_
+    # The 400,000-character slice is cut blindly: mid-word, mid-digit-group, between spaces.
+    for offset in (0, 1, 2, 3):
+        cases[f"slice cut in prose +{offset}"] = _prose(slice_ + offset + 10_000)[offset:]
+    cases["slice cut in digits"] = _prose(slice_ - 5) + "1234567890" + _prose(1000)
+    cases["slice cut in spaces"] = _prose(slice_ - 5) + " " * 10 + _prose(1000)
+    # Run counting restarts at the slice: 20,000 + 10,000 digits of one run, no run cut.
+    cases["run across the slice"] = _prose(slice_ - 20_001) + " " + "7" * 30_000 + " x"
+    cases["two slices"] = _prose(2 * slice_ + 77)
+    return cases
+
+
+LONG_CASES = _long_cases()
+
+
+@pytest.mark.parametrize("name", list(LONG_CASES))
+def test_long_inputs_match_meta(meta, real: Tokenizer, name: str) -> None:
+    text = LONG_CASES[name]
+    expected = meta.encode(text, bos=True, eos=True)
+    assert real.encode(text, bos=True, eos=True) == expected
+    assert real.decode(expected) == meta.decode(expected)
+    assert meta.decode(expected[1:-1]) == text
+
+
+def _runs_counted_across_slices(text: str) -> list[str]:
+    """A plausible mistake: 25,000-character run cuts counted over the whole text, plus the
+    400,000-character slice cuts."""
+    pieces = _llama3_pieces(text, slice_chars=len(text) + 1)
+    cuts, at = set(range(LLAMA3_SLICE_CHARS, len(text), LLAMA3_SLICE_CHARS)), 0
+    for piece in pieces:
+        at += len(piece)
+        cuts.add(at)
+    bounds = [0] + sorted(cuts | {len(text)})
+    return [text[i:j] for i, j in zip(bounds, bounds[1:]) if i < j]
+
+
+def test_long_cases_catch_plausible_mistakes(meta) -> None:
+    """Each wrong rule gives other ids than Meta's on one of the long cases above, so those
+    cases would catch an implementation that followed it."""
+    run, slice_ = LLAMA3_MAX_RUN_CHARS, LLAMA3_SLICE_CHARS
+    mistakes = {
+        "no cuts at all": ("30000 digits", lambda t: [t]),
+        "old rule: runs cut at 20,000": (
+            "22000 digits", lambda t: _llama3_pieces(t, max_run=20_000)
+        ),
+        "runs cut at 24,999": ("30000 digits", lambda t: _llama3_pieces(t, max_run=run - 1)),
+        "runs cut at 25,001": ("25001 digits", lambda t: _llama3_pieces(t, max_run=run + 1)),
+        "no 400,000 slices": (
+            "slice cut in digits", lambda t: _llama3_pieces(t, slice_chars=len(t) + 1)
+        ),
+        "slices of 400,001": (
+            "slice cut in prose +0", lambda t: _llama3_pieces(t, slice_chars=slice_ + 1)
+        ),
+        "run counting across slices": ("run across the slice", _runs_counted_across_slices),
+    }
+    for mistake, (case, split) in mistakes.items():
+        text = LONG_CASES[case]
+        wrong = [i for piece in split(text) for i in meta.tokenizer.model.encode(piece)]
+        assert wrong != meta.encode(text, bos=False, eos=False), mistake
+
+
+def test_run_splitter_matches_meta_with_small_thresholds(meta) -> None:
+    rng = random.Random(3)
+    alphabet = ["a", "b", "é", "🦙", " ", "\t", "\n", "\x1c", "\x85", "\u3000", "\u200b", "  "]
+    for _ in range(2000):
+        text = "".join(rng.choices(alphabet, weights=[6, 6, 1, 1, 4, 1, 1, 1, 1, 1, 1, 2],
+                                   k=rng.randint(0, 120)))  # fmt: skip
+        slice_chars, max_run = rng.randint(5, 60), rng.randint(1, 12)
+        ours = list(_llama3_pieces(text, slice_chars, max_run))
+        assert ours == [p for p in meta.split(text, slice_chars, max_run) if p], (text, slice_chars)
+        assert "".join(ours) == text and all(ours)
+
+
+META_DIALOGS = [
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": "Name a prime."},
+     {"role": "assistant", "content": "7"},
+     {"role": "user", "content": "Another one, please.\nThanks"}],
+    [{"role": "system", "content": "Réponds en français. 日本語も OK 🦙"},
+     {"role": "user", "content": "¿Qué tal? 你好 👍🏽 — مرحبا"},
+     {"role": "assistant", "content": "Très bien ! 😀"},
+     {"role": "user", "content": "Écris «42» en chiffres romains: XLII?"}],
+    [{"role": "user", "content": "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nhi"}],
+    [{"role": "user", "content": "```python\ndef f():\n    return 1\n```\n\nExplain."}],
+    [{"role": "system", "content": "only rules"}],
+    [{"role": "user", "content": ""}],
+    [{"role": "user", "content": "  padded  "}, {"role": "assistant", "content": "\n ok \t"},
+     {"role": "user", "content": "\u3000full-width space\u3000"}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("messages", META_DIALOGS)
+def test_chat_prompt_matches_meta_on_stripped_content(meta, real, messages: list) -> None:
+    stripped = [{**m, "content": m["content"].strip()} for m in messages]
+    assert real.encode_chat(messages) == meta.encode_dialog(stripped)
+
+
+def test_chat_strips_content_where_llama_models_does_not(meta, real) -> None:
+    """Documented difference: meta-llama/llama3 and Hugging Face's template strip message
+    content, llama-models 0.3.0 does not; we strip."""
+    ours = real.encode_chat([{"role": "user", "content": "  hi  "}])
+    assert ours == meta.encode_dialog([{"role": "user", "content": "hi"}])
+    assert ours != meta.encode_dialog([{"role": "user", "content": "  hi  "}])

@@ -15,7 +15,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import regex
 import sentencepiece as spm
 import tiktoken
 
@@ -53,11 +52,15 @@ LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED_SPECIALS + [
 
 CHAT_ROLES = ("system", "user", "assistant")
 
-# tiktoken slows down sharply on very long pieces, so long inputs are cut into bounded chunks.
-_MAX_CHUNK_CHARS = 20_000
-# A cut here never splits a Llama 3 pre-token: before a space or tab that follows a
-# non-space, or after a line break that precedes a non-space.
-_SAFE_CUT = regex.compile(r"(?r)(?<=\S)(?=[ \t])|(?<=\n)(?=\S)")
+# Long inputs are cut exactly where Meta's reference tokenizer (llama-models) cuts them, so the
+# ids match Meta's for any input: the text is taken in slices of 400,000 characters, cut blindly
+# (tiktoken can fail on longer calls), and inside a slice any run of more than 25,000 consecutive
+# whitespace or non-whitespace characters is cut every 25,000 characters (BPE on one huge
+# pre-token is slow). Whitespace is ``str.isspace``, which is what ``re``'s ``\s`` matches
+# (the ``regex`` module's ``\s`` differs on U+001C..U+001F).
+LLAMA3_SLICE_CHARS = 400_000
+LLAMA3_MAX_RUN_CHARS = 25_000
+_RUN = re.compile(r"\s+|\S+")
 _TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} [0-9]+")
 
 
@@ -171,8 +174,8 @@ class TiktokenTokenizer(Tokenizer):
 
     def _encode_text(self, text: str) -> list[int]:
         ids: list[int] = []
-        for chunk in _bounded_chunks(text, _MAX_CHUNK_CHARS):
-            ids += self._enc.encode(chunk, allowed_special=set(), disallowed_special=())
+        for piece in _llama3_pieces(text):
+            ids += self._enc.encode(piece, allowed_special=set(), disallowed_special=())
         return ids
 
     def _decode_ids(self, ids: list[int]) -> str:
@@ -241,20 +244,23 @@ def _parse_tiktoken_ranks(data: bytes, path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _bounded_chunks(text: str, max_chars: int) -> Iterator[str]:
-    """Split ``text`` into pieces of at most ``max_chars``, cutting at safe points if any.
+def _llama3_pieces(
+    text: str, slice_chars: int = LLAMA3_SLICE_CHARS, max_run: int = LLAMA3_MAX_RUN_CHARS
+) -> Iterator[str]:
+    """Cut ``text`` into the pieces that are encoded separately, by Meta's rule.
 
-    Cutting at a safe point leaves the encoding unchanged; only a single whitespace-free
-    run longer than ``max_chars`` has to be cut blindly.
+    Slices of ``slice_chars`` characters; within a slice, a whitespace or non-whitespace run
+    longer than ``max_run`` is cut after every ``max_run`` of its characters. Run counting
+    restarts at each slice. Pieces are non-empty; an empty text has none.
     """
-    start = 0
-    while len(text) - start > max_chars:
-        limit = start + max_chars
-        cut = _SAFE_CUT.search(text, start + 1, limit + 1)
-        end = cut.start() if cut else limit
-        yield text[start:end]
-        start = end
-    yield text[start:]
+    for base in range(0, len(text), slice_chars):
+        chunk = text[base : base + slice_chars]
+        start = 0
+        for run in _RUN.finditer(chunk):
+            for cut in range(run.start() + max_run, run.end(), max_run):
+                yield chunk[start:cut]
+                start = cut
+        yield chunk[start:]
 
 
 def _validate_messages(messages: list[dict]) -> list[tuple[str, str]]:
