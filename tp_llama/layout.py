@@ -1,9 +1,13 @@
 """Layout rules: the full shape of every tensor, how fairscale split it, how we shard it.
 
-One place decides all three so the loader, the converter and the parallel plan agree.
+One place decides all three so the loader, the local modules, the converter and the DTensor
+test oracle agree: TP_TABLE gives each tensor's shard dim and its module's collective.
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 from tp_llama.errors import CheckpointError
 from tp_llama.params import ModelArgs
@@ -11,8 +15,50 @@ from tp_llama.params import ModelArgs
 # Non-parameters some Meta files carry (Llama 2 writes the RoPE table); every loader drops them.
 IGNORED_KEYS = frozenset({"rope.freqs"})
 
-_COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-_ROW = ("attention.wo", "feed_forward.w2")
+# Collectives a tensor-parallel module runs on its output (see TP_TABLE).
+NONE, ALL_REDUCE, ALL_GATHER = "none", "all_reduce", "all_gather"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the `tp` mode holds one weight: its shard dim (None: a whole copy on every rank) and the
+    collective its module runs on the output ("none": the output stays sharded on the features).
+    """
+
+    dim: int | None
+    comm: str
+
+
+# The one table of the `tp` mode, keyed by module (Meta's name without "layers.N." and ".weight").
+# The shard dim is fairscale's split dim, so MP == TP loads are pure file slices. The collective
+# follows from it: a Linear [out, in] sharded on dim 1 (or an embedding on its vocabulary rows)
+# yields partial sums (all-reduce); one sharded on the output features yields a slice of them,
+# kept inside a block (attention and the FFN work on local heads and rows) and all-gathered at
+# the model's edges, where every rank needs whole activations and whole logits.
+TP_TABLE: dict[str, Sharding | dict[str, Sharding]] = {
+    "tok_embeddings": {"llama2": Sharding(1, ALL_GATHER), "llama3": Sharding(0, ALL_REDUCE)},
+    "attention.wq": Sharding(0, NONE),
+    "attention.wk": Sharding(0, NONE),
+    "attention.wv": Sharding(0, NONE),
+    "attention.wo": Sharding(1, ALL_REDUCE),
+    "feed_forward.w1": Sharding(0, NONE),
+    "feed_forward.w3": Sharding(0, NONE),
+    "feed_forward.w2": Sharding(1, ALL_REDUCE),
+    "attention_norm": Sharding(None, NONE),
+    "ffn_norm": Sharding(None, NONE),
+    "norm": Sharding(None, NONE),
+    "output": Sharding(0, ALL_GATHER),
+}
+_LAYER = re.compile(r"layers\.\d+\.")
+
+
+def tp_sharding(key: str, family: str) -> Sharding:
+    """TP_TABLE's row for a parameter (`layers.3.attention.wo.weight`) or module (`layers.3.attention.wo`)."""
+    module = _LAYER.sub("", key, count=1).removesuffix(".weight")
+    if module not in TP_TABLE:
+        raise KeyError(f"{key!r} is not a parameter of the Llama model")
+    entry = TP_TABLE[module]
+    return entry[family] if isinstance(entry, dict) else entry
 
 
 def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -36,17 +82,8 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def shard_dim(key: str, family: str) -> int | None:
-    """The dim fairscale split a tensor along (None: every file holds all of it).
-
-    Our tensor-parallel plan shards along the same dims, so MP == TP loads are pure file reads.
-    """
-    if key == "tok_embeddings.weight":
-        return 0 if family == "llama3" else 1
-    if key == "output.weight" or any(name in key for name in _COLUMN):
-        return 0
-    if any(name in key for name in _ROW):
-        return 1
-    return None
+    """The dim fairscale split a tensor along (None: every file holds all of it); TP_TABLE's dim."""
+    return tp_sharding(key, family).dim
 
 
 def source_split_dim(

@@ -1,60 +1,76 @@
-"""Parallel plans: tensor parallel (parallelize_module) and FSDP, over one mesh of all ranks.
+"""Tensor-parallel modules with explicit collectives, and the DTensor / FSDP plans.
 
-Tensor parallelism loads into DTensor parameters (parallelize_module), then `localize` turns the
-model into plain local shards with explicit collectives for inference: DTensor's per-op Python
-dispatch costs more than the matmuls of a decode step on CPU.
+The `tp` mode runs plain local shards (LocalLinear, LocalEmbedding) with the collective each
+weight's split needs, all taken from layout.TP_TABLE; the loader builds them straight from the
+file slices (DTensor's per-op Python dispatch costs more than a CPU decode step's matmuls).
+
+The DTensor plan (tp_plan, apply_tensor_parallel) stays as a test oracle, and FSDP serves the
+`fsdp` mode: both import their torch.distributed packages (and with them torch._dynamo) only
+when called, so that importing this module (the serving start-up) stays cheap.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from tp_llama.layout import shard_dim
-from tp_llama.model import Transformer, TransformerBlock
+from tp_llama.layout import ALL_GATHER, ALL_REDUCE, NONE, tp_sharding
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor.parallel import ParallelStyle
 
-# The model's edges: whole activations go in after the embedding and whole logits come out.
-EDGES = ("tok_embeddings", "output")
+    from tp_llama.model import Transformer
 
 
 def make_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device.type, (world_size,))
 
 
 def tp_plan(model: Transformer) -> dict[str, ParallelStyle]:
-    """Module name -> style, derived from layout.shard_dim so files, loader and plan agree."""
+    """Module name -> DTensor style, from layout.TP_TABLE (the test oracle of the local modules)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     family = model.args.family
     plan: dict[str, ParallelStyle] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
-        dim = shard_dim(f"{name}.weight", family)
+        rule = tp_sharding(name, family)
         # torch names styles by the Linear's view: Colwise shards Linear rows but Embedding columns.
-        colwise = (dim == 0) == isinstance(module, nn.Linear)
-        if name in EDGES:
+        colwise = (rule.dim == 0) == isinstance(module, nn.Linear)
+        style = ColwiseParallel if colwise else RowwiseParallel
+        if rule.comm == ALL_GATHER or isinstance(module, nn.Embedding):
             # Gather at the edges so every rank sees whole activations and whole logits.
-            style = ColwiseParallel if colwise else RowwiseParallel
             plan[name] = style(input_layouts=Replicate(), output_layouts=Replicate())
         else:
-            plan[name] = ColwiseParallel() if colwise else RowwiseParallel()
+            plan[name] = style()
     return plan
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> Transformer:
+    from torch.distributed.tensor.parallel import parallelize_module
+
     return parallelize_module(model, mesh, tp_plan(model))
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, device: torch.device) -> FSDP:
     """FSDP1 with one unit per block; built over the mesh so it takes DTensor state dicts too."""
-    return FSDP(
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from tp_llama.model import TransformerBlock
+
+    return FullyShardedDataParallel(
         model,
         device_mesh=mesh,
         auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
@@ -68,13 +84,13 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, device: torch.device) -> FS
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum the ranks' partial results, in place."""
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
-def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate the ranks' [..., n] pieces, in rank order, into [..., tp * n]."""
     tp = dist.get_world_size(group)
     x = x.contiguous()
@@ -83,30 +99,24 @@ def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return gathered.unflatten(0, (tp, x.shape[0])).movedim(0, -2).flatten(-2)
 
 
-# What a module's output is when its weight is sharded along a dim (the other dim: partial sums).
-# Linear weight [out, in]: rows (dim 0) shard the output features. Embedding [vocab, dim]: columns do.
-def _sharded_output_dim(module: nn.Module) -> int:
-    return 0 if isinstance(module, nn.Linear) else 1
-
-
 class LocalLinear(nn.Module):
     """A Linear on this rank's shard of the weight, then the collective its split needs (inference only).
 
-    comm: "none" (the output stays sharded on the features: column parallel, feeding local
+    comm (layout.TP_TABLE): "none" (the output stays sharded on the features: column parallel, feeding local
     attention heads or FFN rows), "all_reduce" (row parallel: partial sums over the input
     features) or "all_gather" (column parallel at the model's edge: whole features wanted).
     """
 
-    def __init__(self, weight: torch.Tensor, comm: str, group: dist.ProcessGroup):
+    def __init__(self, weight: torch.Tensor, comm: str, group: dist.ProcessGroup | None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.comm, self.group = comm, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
-        if self.comm == "all_reduce":
+        if self.comm == ALL_REDUCE:
             return all_reduce_sum(out, self.group)
-        if self.comm == "all_gather":
+        if self.comm == ALL_GATHER:
             return all_gather_last_dim(out, self.group)
         return out
 
@@ -123,35 +133,51 @@ class LocalEmbedding(nn.Module):
     zeros here and their row on the rank that holds it, and the sum is the lookup.
     """
 
-    def __init__(self, weight: torch.Tensor, comm: str, group: dist.ProcessGroup, vocab_start: int = 0):
+    def __init__(self, weight: torch.Tensor, comm: str, group: dist.ProcessGroup | None, vocab_start: int = 0):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.comm, self.group, self.vocab_start = comm, group, vocab_start
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.comm == "all_reduce":
+        if self.comm == ALL_REDUCE:
             local = ids - self.vocab_start
             outside = (local < 0) | (local >= self.weight.shape[0])
             out = F.embedding(local.masked_fill(outside, 0), self.weight)
             return all_reduce_sum(out.masked_fill_(outside.unsqueeze(-1), 0), self.group)
         out = F.embedding(ids, self.weight)
-        return all_gather_last_dim(out, self.group) if self.comm == "all_gather" else out
+        return all_gather_last_dim(out, self.group) if self.comm == ALL_GATHER else out
 
     def extra_repr(self) -> str:
         return f"local {tuple(self.weight.shape)}, {self.comm}, vocab_start={self.vocab_start}"
 
 
+def local_module(name: str, weight: torch.Tensor, family: str, group: dist.ProcessGroup | None) -> nn.Module:
+    """The tensor-parallel module `name` (Meta's name) on this rank's shard `weight` of its table.
+
+    The shard dim and the collective come from layout.TP_TABLE. An embedding sharded on its
+    vocabulary rows learns where its rows start from the rank (rank r holds rows r*n .. r*n+n-1).
+    """
+    rule = tp_sharding(name, family)
+    if rule.dim is None or rule.comm not in (NONE, ALL_REDUCE, ALL_GATHER):
+        raise ValueError(f"{name}: TP_TABLE gives no sharded module ({rule})")
+    if name.rpartition(".")[2] == "tok_embeddings":
+        start = dist.get_rank(group) * weight.shape[0] if rule.dim == 0 else 0
+        return LocalEmbedding(weight, rule.comm, group, start)
+    return LocalLinear(weight, rule.comm, group)
+
+
 @torch.no_grad()
 def localize(model: Transformer, group: dist.ProcessGroup | None = None) -> Transformer:
-    """Replace the DTensor-sharded Linears and Embedding by plain local shards with explicit collectives.
+    """Replace DTensor-sharded Linears and Embedding by local modules (local_module); a test oracle.
 
-    Run once after loading (load_tp_model); a model without DTensor parameters is left as it is.
-    The communication of each module comes from layout.shard_dim: a weight split so that the
-    output is partial sums is all-reduced; one split on the output features stays sharded inside
-    a block (attention and the FFN work on their local heads and rows) and is all-gathered at the
-    model's edges (tok_embeddings, output), where every rank needs whole activations and logits.
-    The new modules keep the parameter names, so state_dict still uses Meta's names (local shards).
+    load_tp_model builds the local modules itself; a model without DTensor parameters (what it
+    returns) is left as it is. The new modules keep the parameter names, so state_dict still uses
+    Meta's names (local shards). Swapping a module drops parallelize_module's hooks with it.
     """
+    if "torch.distributed.tensor" not in sys.modules:
+        return model  # nothing imported DTensor, so no parameter can be one (and start-up stays light)
+    from torch.distributed.tensor import DTensor, Shard
+
     family = model.args.family
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Embedding)) or not isinstance(module.weight, DTensor):
@@ -159,7 +185,7 @@ def localize(model: Transformer, group: dist.ProcessGroup | None = None) -> Tran
         if isinstance(module, nn.Linear) and module.bias is not None:
             raise NotImplementedError(f"{name}: a Linear with a bias cannot be localized")
         weight: DTensor = module.weight
-        dim = shard_dim(f"{name}.weight", family)
+        dim = tp_sharding(name, family).dim
         if dim is None or tuple(weight.placements) != (Shard(dim),):
             raise ValueError(f"{name}.weight is placed {weight.placements}, the layout says Shard({dim})")
         pg = group if group is not None else weight.device_mesh.get_group()
@@ -168,18 +194,8 @@ def localize(model: Transformer, group: dist.ProcessGroup | None = None) -> Tran
         local = weight.to_local().detach()
         if local.shape[dim] * dist.get_world_size(pg) != weight.shape[dim]:
             raise ValueError(f"{name}.weight: local {tuple(local.shape)} is not an even 1/tp of {tuple(weight.shape)}")
-        if dim != _sharded_output_dim(module):
-            comm = "all_reduce"
-        else:
-            comm = "all_gather" if name in EDGES else "none"
-        if isinstance(module, nn.Embedding):
-            start = dist.get_rank(pg) * local.shape[0] if dim == 0 else 0
-            replacement: nn.Module = LocalEmbedding(local, comm, pg, start)
-        else:
-            replacement = LocalLinear(local, comm, pg)
         parent_name, _, child = name.rpartition(".")
-        # Swapping the module drops parallelize_module's input/output hooks with it.
-        setattr(model.get_submodule(parent_name), child, replacement)
+        setattr(model.get_submodule(parent_name), child, local_module(name, local, family, pg))
     leftover = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
     if leftover:
         raise ValueError(f"parameters still DTensor after localize: {leftover}")
