@@ -1,9 +1,11 @@
-"""TorchServe handler serving a Meta Llama checkpoint with tensor parallelism.
+"""TorchServe handler: continuous batching of Llama completions over tensor-parallel ranks.
 
-TorchServe starts one torchrun worker with N ranks (parallelType "tp") and sends every batch
-to every rank; only rank 0's answer reaches the clients. Each rank therefore validates the
-same requests the same way and runs the same single batched generation, so the ranks'
-collectives always match, and a bad request in a batch is answered with its own 400.
+TorchServe (continuousBatching: true) calls the handler again and again with every request still
+in progress plus new ones, and sends each call to every rank. One call is one engine step:
+rank 0 admits the new requests, notices the ones whose client left (they are simply absent from
+the call), plans the step, and every rank runs it; then rank 0 answers each request with its new
+chunk, marked `ts_stream_next: true` until the request's last reply. The other ranks never look
+at requests at all, so they cannot disagree with rank 0 about them.
 """
 
 from __future__ import annotations
@@ -11,58 +13,69 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from llama_request import Job, RequestError, parse_request
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
 from llama_stream import StreamDecoder
-from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
 from tp_llama.distributed import exit_now
-from tp_llama.engine import Engine, GenerationRequest, GenerationResult
+from tp_llama.engine import Engine
+from tp_llama.scheduler import SamplingParams, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 STATUS_PHRASES = {400: "Bad Request", 500: "Internal Server Error"}
+STREAM_NEXT = "ts_stream_next"
 
 
 def _line(payload: dict[str, Any]) -> str:
     return json.dumps(payload, ensure_ascii=False) + "\n"
 
 
-def _usage(job: Job, result: GenerationResult) -> dict[str, int]:
-    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(result.token_ids)}
-
-
-def _stop_worker(rank: int, error: Exception) -> NoReturn:
-    """End this rank's process after a failure mid-batch.
+def _stop_worker(rank: int, error: BaseException) -> NoReturn:
+    """End this rank's process after a failure mid-step.
 
     The other ranks are waiting in a collective this rank will never join. Exiting closes its
     connections, so they fail at once instead of at the collective timeout, and TorchServe
-    answers the batch with an error and restarts the whole worker: the only way back to ranks
-    that are in step.
+    answers the requests in flight with an error and restarts the whole worker: the only way
+    back to ranks that are in step.
     """
-    logger.critical("rank %d: generation failed; stopping the worker so TorchServe restarts it", rank, exc_info=error)
+    logger.critical("rank %d: step failed; stopping the worker so TorchServe restarts it", rank, exc_info=error)
     for log_handler in logging.getLogger().handlers:
         log_handler.flush()
     exit_now(1)
 
 
+@dataclass(eq=False)
+class Live:
+    """A request between its first call and its last reply."""
+
+    job: Job
+    seq: Sequence
+    stream: StreamDecoder | None
+
+
 class LlamaHandler(BaseHandler):
-    """Loads the engine on every rank and answers batches of completion/chat requests."""
+    """Loads the engine on every rank; rank 0 schedules, every rank runs one step per call."""
 
     def __init__(self) -> None:
         super().__init__()
         self.engine: Engine | None = None
         self.settings: HandlerSettings | None = None
-        self._streams: dict[int, StreamDecoder] = {}
+        self.scheduler: Scheduler | None = None
+        self.live: dict[str, Live] = {}
+        self.response_timeout_s = float("inf")
 
     def initialize(self, context: Any) -> None:
         """Read the yaml handler block and load the checkpoint on this rank (joins the process group)."""
-        self.settings = settings_from_yaml((context.model_yaml_config or {}).get("handler"))
+        yaml_config = context.model_yaml_config or {}
+        self.settings = settings_from_yaml(yaml_config.get("handler"))
+        self.response_timeout_s = float(yaml_config.get("responseTimeout", float("inf")))
         ckpt_dir = resolve_ckpt_dir(self.settings.ckpt_dir, context.system_properties["model_dir"])
         started = time.perf_counter()
         self.engine = Engine.load(
@@ -71,135 +84,120 @@ class LlamaHandler(BaseHandler):
             dtype=self.settings.dtype,
             max_seq_len=self.settings.max_seq_len,
             max_batch_size=self.settings.max_batch_size,
+            prefill_budget=self.settings.prefill_budget,
         )
         # One token end to end now, so the first client does not pay for lazy kernel/collective setup.
-        self.engine.generate([GenerationRequest(self.engine.tokenizer.encode("Hello", bos=True), 1)])
+        warm_up = Sequence("warm-up", self.engine.tokenizer.encode("Hello", bos=True), SamplingParams(1))
+        self.engine.generate([warm_up])
+        if self.engine.rank == 0:
+            self.scheduler = self.engine.new_scheduler()
         logger.info(
-            "rank %d/%d ready on %s: %s (%s tokenizer, mode=%s) loaded in %.2f s",
+            "rank %d/%d ready on %s: %s (%s tokenizer, mode=%s, %s, %d slots) loaded in %.2f s",
             self.engine.rank,
             self.engine.world_size,
             self.engine.device,
             ckpt_dir,
             self.engine.tokenizer.family,
             self.settings.mode,
+            self.engine.dtype,
+            self.engine.max_batch_size,
             time.perf_counter() - started,
         )
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
-        """One TorchServe batch: validate each request, generate the valid ones together, answer each."""
+        """One call of the continuous batch: admit, cancel, one step, one reply per request."""
         self.context = context
-        started = time.perf_counter()
-        jobs = self.preprocess(data)
+        if self.engine.rank != 0:
+            try:
+                self.engine.follow()
+            except Exception as exc:
+                _stop_worker(self.engine.rank, exc)
+            return [""] * len(data)
+        ids = [context.request_ids[idx] for idx in range(len(data))]
+        self._cancel_absent(set(ids))
+        errors = self._admit(data, ids)
+        self._expire()
         try:
-            results = self.inference(jobs)
+            plan = self.scheduler.plan()
+            _, picked = self.engine.step(plan)
+            self.scheduler.commit(plan, picked)
         except Exception as exc:
             _stop_worker(self.engine.rank, exc)
-        replies = self.postprocess(jobs, results)
-        valid = sum(isinstance(job, Job) for job in jobs)
-        logger.info(
-            "rank %d: batch of %d requests: %d generated, %d rejected, %d new tokens in %.3f s; kv slots busy %d/%d",
-            self.engine.rank,
-            len(data),
-            valid,
-            len(data) - valid,
-            sum(len(r.token_ids) for r in results if r is not None),
-            time.perf_counter() - started,
-            self.engine.busy_slots,
-            self.engine.max_batch_size,
-        )
-        return replies
+        return [self._reply(idx, rid, errors.get(rid)) for idx, rid in enumerate(ids)]
 
-    def preprocess(self, data: list[dict[str, Any]]) -> list[Job | RequestError]:
-        """Parse and validate every request; the same bytes give the same verdict on every rank."""
-        jobs: list[Job | RequestError] = []
-        for request in data:
+    def _cancel_absent(self, present: set[str]) -> None:
+        """TorchServe drops a job whose client closed its connection: its absence is the signal."""
+        for rid in [rid for rid in self.live if rid not in present]:
+            live = self.live.pop(rid)
+            self.scheduler.cancel(live.seq)
+            self._log_end(rid, live, "cancelled: the client disconnected")
+
+    def _admit(self, data: list[dict[str, Any]], ids: list[str]) -> dict[str, RequestError]:
+        """Validate the requests seen for the first time; the valid ones join the scheduler's queue."""
+        errors: dict[str, RequestError] = {}
+        for request, rid in zip(data, ids):
+            if rid in self.live:
+                continue
             try:
-                jobs.append(parse_request(request, self.settings, self.engine.tokenizer))
+                if not request:
+                    raise RequestError("internal error: the worker lost this request's state", 500)
+                job = parse_request(request, self.settings, self.engine.tokenizer)
+                seq = Sequence(rid, job.prompt_ids, SamplingParams(
+                    job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos))
+                self.scheduler.add(seq)
             except RequestError as exc:
-                jobs.append(exc)
-            except Exception as exc:  # a bug must fail this request only, not its whole batch
+                errors[rid] = exc
+                continue
+            except Exception as exc:  # a bug must fail this request only, never the step
                 logger.exception("unexpected error while reading a request")
-                jobs.append(RequestError(f"internal error while reading the request: {type(exc).__name__}", 500))
-        return jobs
+                errors[rid] = RequestError(f"internal error while reading the request: {type(exc).__name__}", 500)
+                continue
+            stream = StreamDecoder(self.engine.tokenizer.decode) if job.stream else None
+            self.live[rid] = Live(job, seq, stream)
+        return errors
 
-    def inference(self, jobs: list[Job | RequestError]) -> list[GenerationResult | None]:
-        """Run every valid job in one engine.generate call, streaming chunks where asked."""
-        positions = [idx for idx, job in enumerate(jobs) if isinstance(job, Job)]
-        results: list[GenerationResult | None] = [None] * len(jobs)
-        self._streams = self._open_streams(jobs, positions)
-        if not positions:
-            return results
-        requests = [
-            GenerationRequest(job.prompt_ids, job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos)
-            for job in (jobs[idx] for idx in positions)
-        ]
-        streams = self._streams
-        on_tokens = (lambda new_ids: self._send_chunks(streams, positions, new_ids)) if streams else None
-        for idx, result in zip(positions, self.engine.generate(requests, on_tokens=on_tokens)):
-            results[idx] = result
-        return results
+    def _expire(self) -> None:
+        """Requests older than the yaml's responseTimeout end now, with what they have."""
+        now = time.perf_counter()
+        for live in self.live.values():
+            if not live.seq.finished and now - live.seq.arrived > self.response_timeout_s:
+                self.scheduler.cancel(live.seq)
+                live.seq.finish_reason = "timeout"
 
-    def postprocess(self, jobs: list[Job | RequestError], results: list[GenerationResult | None]) -> list[str]:
-        """One reply per request: the completion, the last stream chunk, or the error."""
-        replies = []
-        for idx, (job, result) in enumerate(zip(jobs, results)):
-            if isinstance(job, RequestError):
-                self.context.set_response_status(job.status, STATUS_PHRASES[job.status], idx)
-                self.context.set_response_content_type(idx, JSON_TYPE)
-                replies.append(_line({"error": str(job)}))
-            elif job.stream:
-                stream = self._streams.get(idx)
-                text = stream.finish() if stream is not None else self.engine.tokenizer.decode(result.token_ids)
-                sent = 0 if stream is None else len(result.token_ids)
-                replies.append(
-                    _line(
-                        {
-                            "text": text,
-                            "token_ids": result.token_ids[sent:],
-                            "finish_reason": result.finish_reason,
-                            "usage": _usage(job, result),
-                        }
-                    )
-                )
-            else:
-                self.context.set_response_content_type(idx, JSON_TYPE)
-                replies.append(
-                    _line(
-                        {
-                            "text": self.engine.tokenizer.decode(result.token_ids),
-                            "token_ids": result.token_ids,
-                            "finish_reason": result.finish_reason,
-                            "usage": _usage(job, result),
-                        }
-                    )
-                )
-        return replies
+    def _reply(self, idx: int, rid: str, error: RequestError | None) -> str:
+        context = self.context
+        if error is not None:
+            context.set_response_status(error.status, STATUS_PHRASES[error.status], idx)
+            context.set_response_content_type(idx, JSON_TYPE)
+            return _line({"error": str(error)})
+        live = self.live[rid]
+        seq = live.seq
+        context.set_response_content_type(idx, NDJSON_TYPE if live.stream else JSON_TYPE)
+        if not seq.finished:
+            context.set_response_header(idx, STREAM_NEXT, "true")
+            if live.stream is None:
+                return ""
+            new = seq.take_new_tokens()
+            return _line({"text": live.stream.push(new), "token_ids": new}) if new else ""
+        del self.live[rid]
+        self._log_end(rid, live, seq.finish_reason)
+        context.set_response_header(idx, STREAM_NEXT, "false")
+        usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)}
+        if seq.finish_reason == "timeout":
+            return _line({"error": f"the request ran past responseTimeout ({self.response_timeout_s:g} s)",
+                          "finish_reason": "timeout", "usage": usage})
+        if live.stream is None:
+            return _line({"text": self.engine.tokenizer.decode(seq.output), "token_ids": seq.output,
+                          "finish_reason": seq.finish_reason, "usage": usage})
+        new = seq.take_new_tokens()
+        text = live.stream.push(new) + live.stream.finish()
+        return _line({"text": text, "token_ids": new, "finish_reason": seq.finish_reason,
+                      "usage": usage})
 
-    def _open_streams(self, jobs: list[Job | RequestError], positions: list[int]) -> dict[int, StreamDecoder]:
-        """Decoders for streaming requests; only rank 0 talks to the frontend, so only it needs them."""
-        if self.engine.rank != 0:
-            return {}
-        streams = {}
-        for idx in positions:
-            if jobs[idx].stream:
-                streams[idx] = StreamDecoder(self.engine.tokenizer.decode)
-                self.context.set_response_content_type(idx, NDJSON_TYPE)
-        return streams
-
-    def _send_chunks(self, streams: dict[int, StreamDecoder], positions: list[int], new_ids: list[list[int]]) -> None:
-        """After each decode step, one intermediate chunk per streaming request that got tokens."""
-        chunks: dict[int, str] = {}
-        for idx, ids in zip(positions, new_ids):
-            if idx in streams and ids:
-                chunks[idx] = _line({"text": streams[idx].push(ids), "token_ids": ids})
-        if not chunks:
-            return
-        request_ids = {idx: self.context.request_ids[idx] for idx in chunks}
-        try:
-            send_intermediate_predict_response(chunks, request_ids, "Intermediate Prediction success", 200, self.context)
-        except OSError:
-            # The other ranks are mid-generation; raising here would leave them waiting in a collective.
-            logger.exception("could not send a stream chunk; the rest comes in the final reply")
-            for idx in chunks:
-                streams.pop(idx)
+    def _log_end(self, rid: str, live: Live, how: str) -> None:
+        logger.info(
+            "rank 0: request %s %s after %d tokens; kv slots busy %d/%d, waiting %d",
+            rid, how, len(live.seq.output), self.scheduler.busy_slots, self.engine.max_batch_size,
+            len(self.scheduler.waiting),
+        )

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-MODES = ("tp", "fsdp")
+from tp_llama.engine import DEFAULT_MAX_SEQ_LEN, DEFAULT_PREFILL_BUDGET, DEFAULT_SLOTS, MODES
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,9 @@ class HandlerSettings:
     ckpt_dir: str
     mode: str = "tp"
     dtype: str | None = None
-    max_seq_len: int = 2048
-    max_batch_size: int = 8
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    max_batch_size: int = DEFAULT_SLOTS
+    prefill_budget: int = DEFAULT_PREFILL_BUDGET
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
     temperature: float = 0.6
@@ -62,8 +63,9 @@ def settings_from_yaml(block: dict[str, Any] | None) -> HandlerSettings:
         ckpt_dir=ckpt_dir,
         mode=mode,
         dtype=dtype,
-        max_seq_len=_int_setting(block, "max_seq_len", 2048, 2),
-        max_batch_size=_int_setting(block, "max_batch_size", 8, 1),
+        max_seq_len=_int_setting(block, "max_seq_len", DEFAULT_MAX_SEQ_LEN, 2),
+        max_batch_size=_int_setting(block, "max_batch_size", DEFAULT_SLOTS, 1),
+        prefill_budget=_int_setting(block, "prefill_budget", DEFAULT_PREFILL_BUDGET, 1),
         default_max_new_tokens=_int_setting(block, "default_max_new_tokens", 128, 1),
         max_new_tokens_limit=_int_setting(block, "max_new_tokens_limit", 1024, 1),
         temperature=_float_setting(block, "temperature", 0.6),

@@ -1,7 +1,7 @@
 """The handler's request validation, settings and streaming, without TorchServe or a model.
 
-The end-to-end test covers the real server; these pin down each rule quickly and show that a
-batch mixing good, bad and streaming requests makes exactly one engine call.
+The end-to-end test covers the real server; these pin down each rule quickly and drive the
+continuous-batching handler call by call, as TorchServe does, over a real one-process engine.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
@@ -22,7 +23,6 @@ from llama_stream import StreamDecoder  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hostile_corpus import hostile_corpus  # noqa: E402
 
-from tp_llama.generation import GenerationResult  # noqa: E402
 from tp_llama.tokenizer import load_tokenizer  # noqa: E402
 from tp_llama.tokenizer_train import build_tokenizer  # noqa: E402
 
@@ -190,29 +190,14 @@ def test_stream_pieces_add_up_even_with_invalid_bytes() -> None:
     assert pieces[:3] == ["a", "", ""] and pieces[3] == "€"
 
 
-class FakeEngine:
-    rank = 0
-    tokenizer = ByteTokenizer()
-    busy_slots = 0
-    max_batch_size = 8
-
-    def __init__(self) -> None:
-        self.calls: list[list] = []
-
-    def generate(self, requests, on_tokens=None):
-        self.calls.append(requests)
-        outputs = [list(b"ok!")[: r.max_new_tokens] for r in requests]
-        for step in range(3):
-            if on_tokens is not None:
-                on_tokens([out[step:step + 1] for out in outputs])
-        return [GenerationResult(out, "length") for out in outputs]
-
-
 class FakeContext:
-    def __init__(self, size: int) -> None:
-        self.request_ids = {i: f"req-{i}" for i in range(size)}
+    """TorchServe's side of a call: request ids in, per-request status, type and headers out."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.request_ids = dict(enumerate(ids))
         self.status: dict[int, int] = {}
         self.content_types: dict[int, str] = {}
+        self.headers: dict[int, dict[str, str]] = {}
         self.metrics = None
 
     def set_response_status(self, code: int, phrase: str, idx: int) -> None:
@@ -221,56 +206,119 @@ class FakeContext:
     def set_response_content_type(self, idx: int, value: str) -> None:
         self.content_types[idx] = value
 
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        self.headers.setdefault(idx, {})[key] = value
 
-def test_a_mixed_batch_makes_one_engine_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    sent: list[dict] = []
-    monkeypatch.setattr(llama_handler, "send_intermediate_predict_response",
-                        lambda ret, ids, msg, code, ctx: sent.append({i: json.loads(ret[i]) for i in ids}))
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    """A real one-process engine on a tiny synthetic Llama 3 checkpoint."""
+    from tp_llama.engine import Engine
+    from tp_llama.synthetic import write_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(ckpt, "llama3", 1, 64, 2, 4, 2, 512, 32, None, torch.float32, 0)
+    return Engine.load(ckpt, "tp", "float32", max_seq_len=64, max_batch_size=3, prefill_budget=8)
+
+
+def new_handler(engine) -> llama_handler.LlamaHandler:
     handler = llama_handler.LlamaHandler()
-    handler.engine, handler.settings = FakeEngine(), SETTINGS
-    batch = [
-        {"body": b'{"prompt": "a", "max_new_tokens": 3}'},
-        {"body": b'{"prompt": 5}'},
-        {"body": b'{"prompt": "b", "max_new_tokens": 2, "stream": true}'},
-    ]
-    context = FakeContext(len(batch))
-    replies = handler.handle(batch, context)
-
-    assert len(handler.engine.calls) == 1 and len(handler.engine.calls[0]) == 2
-    assert context.status == {1: 400}
-    assert json.loads(replies[0]) == {"text": "ok!", "token_ids": list(b"ok!"), "finish_reason": "length",
-                                      "usage": {"prompt_tokens": 2, "completion_tokens": 3}}
-    assert json.loads(replies[1]) == {"error": "prompt must be a string, got integer"}
-    assert sent == [{2: {"text": "o", "token_ids": [ord("o")]}}, {2: {"text": "k", "token_ids": [ord("k")]}}]
-    assert json.loads(replies[2]) == {"text": "", "token_ids": [], "finish_reason": "length",
-                                      "usage": {"prompt_tokens": 2, "completion_tokens": 2}}
-    assert context.content_types == {0: "application/json", 1: "application/json", 2: "application/x-ndjson"}
+    handler.engine, handler.settings = engine, SETTINGS
+    handler.scheduler = engine.new_scheduler()
+    return handler
 
 
-def test_an_unexpected_error_fails_only_its_own_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Fragile(ByteTokenizer):
-        def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
-            if text == "boom":
-                raise RuntimeError("tokenizer bug")
-            return super().encode(text, bos, eos)
-
-    handler = llama_handler.LlamaHandler()
-    handler.engine, handler.settings = FakeEngine(), SETTINGS
-    handler.engine.tokenizer = Fragile()
-    context = FakeContext(2)
-    replies = handler.handle([{"body": b'{"prompt": "boom"}'}, {"body": b'{"prompt": "fine"}'}], context)
-    assert context.status == {0: 500}
-    assert "internal error" in json.loads(replies[0])["error"]
-    assert json.loads(replies[1])["text"] == "ok!"
+def serve(handler, calls: list[list[tuple[str, bytes | None]]]) -> dict[str, list[tuple[str, FakeContext, int]]]:
+    """Run calls as TorchServe would (a request in progress comes back without its body); replies by id."""
+    replies: dict[str, list] = {}
+    for call in calls:
+        context = FakeContext([rid for rid, _ in call])
+        data = [{} if body is None else {"body": body} for _, body in call]
+        for idx, reply in enumerate(handler.handle(data, context)):
+            replies.setdefault(call[idx][0], []).append((reply, context, idx))
+    return replies
 
 
-def test_a_batch_of_only_bad_requests_never_calls_the_engine() -> None:
-    handler = llama_handler.LlamaHandler()
-    handler.engine, handler.settings = FakeEngine(), SETTINGS
-    context = FakeContext(2)
-    replies = handler.handle([{"body": b"nope"}, {"body": b"{}"}], context)
-    assert handler.engine.calls == [] and context.status == {0: 400, 1: 400}
-    assert all("error" in json.loads(r) for r in replies)
+def run_to_end(handler, requests: dict[str, bytes], max_calls: int = 200) -> dict[str, list]:
+    """Call until every request has had its last reply (ts_stream_next false or no header)."""
+    pending, replies, first = dict(requests), {}, True
+    for _ in range(max_calls):
+        if not pending:
+            return replies
+        call = [(rid, body if first else None) for rid, body in pending.items()]
+        first = False
+        for rid, got in serve(handler, [call]).items():
+            replies.setdefault(rid, []).extend(got)
+            _, context, idx = got[-1]
+            if context.headers.get(idx, {}).get("ts_stream_next") != "true":
+                del pending[rid]
+    raise AssertionError(f"requests never finished: {sorted(pending)}")
+
+
+def final_json(replies: list) -> dict:
+    return json.loads(replies[-1][0])
+
+
+GREEDY = b'{"prompt": "%s", "max_new_tokens": %d, "temperature": 0, "ignore_eos": true%s}'
+
+
+def test_a_call_mixing_good_and_bad_requests(engine) -> None:
+    handler = new_handler(engine)
+    alone = {}
+    for rid, body in (("a", GREEDY % (b"hello there", 5, b"")), ("c", GREEDY % (b"once upon", 4, b""))):
+        alone[rid] = final_json(run_to_end(new_handler(engine), {rid: body})[rid])  # c alone, not streamed
+    replies = run_to_end(handler, {"a": GREEDY % (b"hello there", 5, b""), "b": b'{"prompt": 5}',
+                                   "c": GREEDY % (b"once upon", 4, b', "stream": true')})
+    _, context, idx = replies["b"][0]
+    assert len(replies["b"]) == 1 and context.status[idx] == 400 and "ts_stream_next" not in context.headers.get(idx, {})
+    assert final_json(replies["b"]) == {"error": "prompt must be a string, got integer"}
+    assert final_json(replies["a"]) == alone["a"] and len(alone["a"]["token_ids"]) == 5
+    assert all(reply == "" for reply, _, _ in replies["a"][:-1])  # nothing before the whole answer
+    lines = [json.loads(reply) for reply, _, _ in replies["c"] if reply]
+    assert [t for line in lines for t in line["token_ids"]] == alone["c"]["token_ids"]
+    assert "".join(line["text"] for line in lines) == engine.tokenizer.decode(alone["c"]["token_ids"])
+    assert lines[-1]["finish_reason"] == "length" and lines[-1]["usage"]["completion_tokens"] == 4
+    _, context, idx = replies["c"][-1]
+    assert context.content_types[idx] == "application/x-ndjson" and context.headers[idx]["ts_stream_next"] == "false"
+    assert handler.scheduler.busy_slots == 0 and not handler.live
+
+
+def test_a_request_joins_a_running_batch_and_answers_as_if_alone(engine) -> None:
+    long, short = GREEDY % (b"a long story about", 30, b""), GREEDY % (b"short", 3, b"")
+    want = final_json(run_to_end(new_handler(engine), {"s": short})["s"])
+    handler = new_handler(engine)
+    serve(handler, [[("l", long)], [("l", None)], [("l", None)]])
+    replies = run_to_end(handler, {"s": short})  # "l" is absent from these calls: it is cancelled
+    assert final_json(replies["s"]) == want
+    assert len(replies["s"]) <= 4  # prefill + 3 tokens, not behind the long one
+
+
+def test_absent_requests_free_their_slots_and_waiting_ones_get_them(engine) -> None:
+    handler = new_handler(engine)
+    bodies = {f"r{i}": GREEDY % (b"waiting line", 20, b"") for i in range(5)}
+    serve(handler, [list(bodies.items())] + [[(rid, None) for rid in bodies]] * 4)  # prompts prefilled in chunks
+    assert handler.scheduler.busy_slots == 3 and len(handler.scheduler.waiting) == 2
+    serve(handler, [[("r3", None), ("r4", None)]] * 3)  # r0-r2's clients left
+    assert handler.scheduler.busy_slots == 2 and not handler.scheduler.waiting
+    assert sorted(handler.live) == ["r3", "r4"]
+    serve(handler, [[]])
+    assert handler.scheduler.busy_slots == 0 and not handler.live
+
+
+def test_an_unexpected_error_fails_only_its_own_request(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    handler = new_handler(engine)
+    real_encode = engine.tokenizer.encode
+
+    def fragile(text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        if text == "boom":
+            raise RuntimeError("tokenizer bug")
+        return real_encode(text, bos, eos)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", fragile)
+    replies = run_to_end(handler, {"x": b'{"prompt": "boom"}', "y": GREEDY % (b"fine", 2, b"")})
+    _, context, idx = replies["x"][0]
+    assert context.status[idx] == 500 and "internal error" in final_json(replies["x"])["error"]
+    assert len(final_json(replies["y"])["token_ids"]) == 2
 
 
 def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:

@@ -14,10 +14,10 @@ import sys
 
 import torch.distributed as dist
 
-from tp_llama.distributed import leave_group, log
-from tp_llama.engine import DTYPES, MODES, Engine
+from tp_llama.distributed import leave_group, log, raise_if_any_rank_failed
+from tp_llama.engine import DEFAULT_MAX_SEQ_LEN, DEFAULT_PREFILL_BUDGET, DEFAULT_SLOTS, DTYPES, MODES, Engine
 from tp_llama.errors import CheckpointError
-from tp_llama.generation import GenerationRequest
+from tp_llama.scheduler import SamplingParams, Sequence, check_sequence
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,8 +30,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past stop tokens")
     parser.add_argument("--mode", choices=MODES, default="tp")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="KV-cache length (default 2048)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32")
+    parser.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="KV-cache length per slot")
+    parser.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="KV-cache slots: sequences decoded together")
+    parser.add_argument("--prefill-budget", type=int, default=DEFAULT_PREFILL_BUDGET,
+                        help="prompt tokens per step (longer prompts are prefilled in chunks)")
     return parser.parse_args(argv)
 
 
@@ -48,12 +52,17 @@ def largest_over_ranks(value: float) -> float:
 
 
 def run(a: argparse.Namespace) -> None:
-    engine = Engine.load(a.ckpt_dir, a.mode, a.dtype, max_seq_len=a.max_seq_len, max_batch_size=len(a.prompt))
-    prompts = [engine.tokenizer.encode(p, bos=True) for p in a.prompt]
-    requests = [
-        GenerationRequest(ids, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.ignore_eos) for ids in prompts
-    ]
-    results = engine.generate(requests)
+    engine = Engine.load(a.ckpt_dir, a.mode, a.dtype, a.max_seq_len, a.slots, a.prefill_budget)
+    params = SamplingParams(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.ignore_eos)
+    sequences = [Sequence(str(i), engine.tokenizer.encode(p, bos=True), params) for i, p in enumerate(a.prompt)]
+    error = None
+    try:  # every rank checks the same prompts, so a bad one stops all of them before any step
+        for seq in sequences:
+            check_sequence(seq.prompt_ids, params, engine.max_seq_len)
+    except ValueError as exc:
+        error = exc
+    raise_if_any_rank_failed(error)
+    engine.generate(sequences)
     stats = engine.stats
     timings = {
         "load_s": round(largest_over_ranks(engine.load_s), 3),
@@ -63,12 +72,12 @@ def run(a: argparse.Namespace) -> None:
     rss = round(largest_over_ranks(peak_rss_mb()), 1)
     if engine.rank != 0:
         return
-    for ids, result in zip(prompts, results):
+    for seq in sequences:
         output = {
-            "text": engine.tokenizer.decode(result.token_ids),
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(result.token_ids)},
+            "text": engine.tokenizer.decode(seq.output),
+            "token_ids": seq.output,
+            "finish_reason": seq.finish_reason,
+            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)},
             "timings": timings,
             "peak_rss_mb": rss,
         }

@@ -2,11 +2,16 @@
 
 Head counts are never stored: attention infers them from the projection widths, so the same code
 runs whole on one process and with column-sharded wq/wk/wv under tensor parallelism.
+
+A forward runs one `Batch`: the tokens of every row flattened into one sequence, so the
+projections and the FFN see one matrix whatever mix of prefill chunks and decode steps the
+scheduler planned. Only attention looks at rows: decode rows together, prefill rows one by one.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,35 +45,101 @@ def rope_frequencies(head_dim: int, theta: float, use_scaled_rope: bool) -> torc
     return torch.where(wavelen < old_context / high_freq_factor, freqs, scaled)
 
 
-def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> torch.Tensor:
+    """Unit complex numbers [max_seq_len, head_dim/2]: the rotation of each pair at each position."""
     freqs = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent element pairs (Meta's complex-multiply convention). cos/sin: [B, S, 1, hd/2]."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2]."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+
+
+@dataclass
+class Batch:
+    """One forward: token t sits at positions[t] of cache slot slots[t].
+
+    The first `n_decode` tokens are decode rows (one token each, slots ascending) that attend
+    together over the cache slots [decode_lo, decode_hi); `prefill` lists the other rows as
+    (first token index, slot, start position, length). Logits come back for the tokens at
+    `logits_at` only.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logits_at: torch.Tensor
+    n_decode: int
+    decode_lo: int
+    decode_hi: int
+    decode_rows: torch.Tensor | None  # slot - decode_lo of each decode token; None when they fill the range
+    decode_mask: torch.Tensor | None  # [hi-lo, 1, 1, kv_len] keys each slot of the range may see
+    prefill: list[tuple[int, int, int, int]]
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int, list[int], bool]], device: torch.device, all_logits: bool = False) -> Batch:
+        """rows: (slot, start position, tokens, want the logits of its last token); a row of one token decodes.
+
+        Everything is computed on the host from Python ints: no device sync in the forward.
+        """
+        order = sorted(range(len(rows)), key=lambda i: (len(rows[i][2]) > 1, rows[i][0] if len(rows[i][2]) == 1 else i))
+        decode = [rows[i] for i in order if len(rows[i][2]) == 1]
+        tokens, positions, slots, prefill = [], [], [], []
+        first = [0] * len(rows)
+        for i in order:
+            slot, start, ids, _ = rows[i]
+            first[i] = len(tokens)
+            if len(ids) > 1:
+                prefill.append((len(tokens), slot, start, len(ids)))
+            tokens += ids
+            positions += range(start, start + len(ids))
+            slots += [slot] * len(ids)
+        # Logits in the caller's row order, whatever order the tokens run in.
+        logits_at = []
+        for i, (_, _, ids, want) in enumerate(rows):
+            if all_logits:
+                logits_at += range(first[i], first[i] + len(ids))
+            elif want:
+                logits_at.append(first[i] + len(ids) - 1)
+        lo = decode[0][0] if decode else 0
+        hi = decode[-1][0] + 1 if decode else 0
+        decode_rows, decode_mask = None, None
+        if decode:
+            kv_len = max(start for _, start, _, _ in decode) + 1
+            seen = torch.zeros(hi - lo, dtype=torch.long)  # a hole in the range sees key 0 only
+            index = torch.tensor([slot - lo for slot, *_ in decode])
+            seen[index] = torch.tensor([start for _, start, _, _ in decode])
+            decode_mask = (torch.arange(kv_len) <= seen.unsqueeze(1)).view(hi - lo, 1, 1, kv_len).to(device)
+            if len(decode) != hi - lo:
+                decode_rows = index.to(device)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(
+            as_tensor(tokens), as_tensor(positions), as_tensor(slots), as_tensor(logits_at),
+            len(decode), lo, hi, decode_rows, decode_mask, prefill,
+        )
 
 
 class KVCache:
-    """Keys and values for max_batch_size rows of max_seq_len positions (this rank's heads)."""
+    """Keys and values of every slot [slots, kv_heads, max_seq_len, head_dim] (this rank's heads)."""
 
-    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int, dtype, device):
-        shape = (max_batch_size, max_seq_len, n_kv_heads, head_dim)
+    def __init__(self, slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int, dtype, device):
+        shape = (slots, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, rows: slice, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
-        """Write k/v [B, S, h, hd] at positions [B, S]; return all keys/values up to kv_len."""
-        batch_index = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        cache_k, cache_v = self.k[rows], self.v[rows]
-        cache_k[batch_index, positions] = k
-        cache_v[batch_index, positions] = v
-        return cache_k[:, :kv_len], cache_v[:, :kv_len]
+    def write(self, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, kv_heads, hd] of every token, at its slot and position."""
+        self.k[batch.slots, :, batch.positions] = k
+        self.v[batch.slots, :, batch.positions] = v
+
+
+def _prefill_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position start + i) sees keys 0 .. start + i."""
+    keys = torch.arange(start + length, device=device)
+    return keys <= (start + torch.arange(length, device=device)).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -81,17 +152,42 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, rows: slice, positions, mask, kv_len: int) -> torch.Tensor:
-        bsz, seqlen, _ = x.shape
-        q = self.wq(x).unflatten(-1, (-1, self.head_dim))
-        k = self.wk(x).unflatten(-1, (-1, self.head_dim))
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        q = apply_rope(self.wq(x).unflatten(-1, (-1, self.head_dim)), rotation)
+        k = apply_rope(self.wk(x).unflatten(-1, (-1, self.head_dim)), rotation)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = self.cache.update(rows, positions, k, v, kv_len)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
-        )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        self.cache.write(batch, k, v)
+        out = torch.empty_like(q)
+        if batch.n_decode:
+            out[: batch.n_decode] = self._decode(q[: batch.n_decode], batch)
+        for first, slot, start, length in batch.prefill:
+            out[first : first + length] = self._prefill(q[first : first + length], slot, start, length)
+        return self.wo(out.flatten(1))
+
+    def _decode(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """One query per slot of [lo, hi) against that slot's cache; holes get a dummy query."""
+        kv_len = batch.decode_mask.shape[-1]
+        keys = self.cache.k[batch.decode_lo : batch.decode_hi, :, :kv_len]
+        values = self.cache.v[batch.decode_lo : batch.decode_hi, :, :kv_len]
+        if batch.decode_rows is None:
+            queries = q.unsqueeze(2)
+        else:
+            queries = q.new_zeros((batch.decode_hi - batch.decode_lo, *q.shape[1:])).unsqueeze(2)
+            queries[batch.decode_rows] = q.unsqueeze(2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
+        out = out.squeeze(2)
+        return out if batch.decode_rows is None else out[batch.decode_rows]
+
+    def _prefill(self, q: torch.Tensor, slot: int, start: int, length: int) -> torch.Tensor:
+        keys = self.cache.k[slot : slot + 1, :, : start + length]
+        values = self.cache.v[slot : slot + 1, :, : start + length]
+        queries = q.transpose(0, 1).unsqueeze(0)
+        if start == 0:
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            mask = _prefill_mask(start, length, q.device)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
 
 class FeedForward(nn.Module):
@@ -113,8 +209,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, rows, positions, mask, kv_len) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, rows, positions, mask, kv_len)
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotation, batch)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -132,35 +228,37 @@ class Transformer(nn.Module):
     def setup_caches(
         self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1
     ) -> None:
-        """Allocate the KV cache (this rank's KV heads) and RoPE table; they are not weights."""
+        """Allocate the KV cache (max_batch_size slots, this rank's KV heads) and the RoPE table."""
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.rope_cos, self.rope_sin = rope_table(self.args, max_seq_len, device)
+        self.rope = rope_table(self.args, max_seq_len, device)
         n_local_kv_heads = self.args.n_kv_heads // tp_size
         for layer in self.layers:
             attn = _unwrap(layer).attention
             attn.cache = KVCache(max_batch_size, max_seq_len, n_local_kv_heads, self.args.head_dim, dtype, device)
 
-    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, rows: slice, last_only: bool = True) -> torch.Tensor:
-        """Run tokens [B, S]; row b sits at positions start_pos[b] .. start_pos[b]+S-1 in cache rows `rows`.
-
-        Returns logits [B, V] of the last position (or [B, S, V] with last_only=False).
-        """
-        seqlen = tokens.shape[1]
-        positions = start_pos.unsqueeze(1) + torch.arange(seqlen, device=tokens.device)
-        kv_len = int(positions.max()) + 1
-        mask = (torch.arange(kv_len, device=tokens.device) <= positions.unsqueeze(-1)).unsqueeze(1)
-        cos = self.rope_cos[positions].unsqueeze(2)
-        sin = self.rope_sin[positions].unsqueeze(2)
-        h = self.tok_embeddings(tokens)
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits [len(batch.logits_at), V] (float32) of the tokens the batch asks for."""
+        rotation = self.rope[batch.positions].unsqueeze(1)
+        h = self.tok_embeddings(batch.tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, rows, positions, mask, kv_len)
-        if last_only:
-            h = h[:, -1:]
-        logits = self.output(self.norm(h)).float()
-        return logits[:, -1] if last_only else logits
+            h = layer(h, rotation, batch)
+        return self.output(self.norm(h[batch.logits_at])).float()
+
+
+def dense_logits(
+    model: nn.Module, tokens: torch.Tensor, start_pos: torch.Tensor, first_slot: int = 0, last_only: bool = True
+) -> torch.Tensor:
+    """Row b of tokens [B, S] at positions start_pos[b].. in cache slot first_slot + b, as one Batch.
+
+    Returns logits [B, V] of each row's last position (or [B, S, V] with last_only=False).
+    """
+    bsz, seqlen = tokens.shape
+    slots = range(first_slot, first_slot + bsz)
+    spec = [(slot, int(start), ids, True) for slot, start, ids in zip(slots, start_pos.tolist(), tokens.tolist())]
+    logits = model(Batch.build(spec, tokens.device, all_logits=not last_only))
+    return logits if last_only else logits.view(bsz, seqlen, -1)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
     """FSDP1 wraps each block; the attention lives on the inner module."""
     return getattr(module, "_fsdp_wrapped_module", module)
-
