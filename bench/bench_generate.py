@@ -18,20 +18,17 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import copy_bandwidth_gbs, last_json, table, torchrun, write_json
+from bench.hf_convert import hf_config, meta_to_hf
 from tp_llama.checkpoint import find_shards, load_shard
 from tp_llama.engine import Engine, GenerationRequest
 from tp_llama.layout import full_shapes
 from tp_llama.params import ModelArgs, read_params
 from tp_llama.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:  # transformers is a bench-only dependency, imported where the baseline runs
-    from transformers import LlamaConfig
 
 
 def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
@@ -98,51 +95,6 @@ def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, r
 
     results = measure(run_once, batches, prompt_len, new_tokens, repeats)
     return {"load_s": engine.load_s, "threads": torch.get_num_threads(), "results": results}
-
-
-def hf_config(args: ModelArgs, max_len: int) -> LlamaConfig:
-    from transformers import LlamaConfig
-
-    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.use_scaled_rope:
-        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    return LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        max_position_embeddings=max_len, rms_norm_eps=args.norm_eps, rope_parameters=rope,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0, dtype=torch.float32,
-    )
-
-
-def to_hf_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta rotates adjacent pairs (2i, 2i+1); transformers rotates (i, i + head_dim/2) of each head.
-
-    Reordering each head's output rows from [pair, 2] to [2, pair] makes the two the same model.
-    """
-    rows, cols = weight.shape
-    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def meta_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Meta names and rotary layout -> LlamaForCausalLM's, in float32."""
-    hf = {
-        "model.embed_tokens.weight": state["tok_embeddings.weight"],
-        "model.norm.weight": state["norm.weight"],
-        "lm_head.weight": state["output.weight"],
-    }
-    for i in range(args.n_layers):
-        meta, ours = f"layers.{i}.", f"model.layers.{i}."
-        hf[ours + "self_attn.q_proj.weight"] = to_hf_rotary(state[meta + "attention.wq.weight"], args.n_heads)
-        hf[ours + "self_attn.k_proj.weight"] = to_hf_rotary(state[meta + "attention.wk.weight"], args.n_kv_heads)
-        hf[ours + "self_attn.v_proj.weight"] = state[meta + "attention.wv.weight"]
-        hf[ours + "self_attn.o_proj.weight"] = state[meta + "attention.wo.weight"]
-        hf[ours + "mlp.gate_proj.weight"] = state[meta + "feed_forward.w1.weight"]
-        hf[ours + "mlp.down_proj.weight"] = state[meta + "feed_forward.w2.weight"]
-        hf[ours + "mlp.up_proj.weight"] = state[meta + "feed_forward.w3.weight"]
-        hf[ours + "input_layernorm.weight"] = state[meta + "attention_norm.weight"]
-        hf[ours + "post_attention_layernorm.weight"] = state[meta + "ffn_norm.weight"]
-    return {k: v.float().contiguous() for k, v in hf.items()}
 
 
 class StepTimes:
