@@ -1,0 +1,217 @@
+"""vLLM's CPU build as a peer server on the same weights as ours (for bench/bench_cb.py).
+
+    bash bench/setup_vllm.sh                              # once: bench/out/vllm-venv
+    python -m bench.vllm_peer convert --ckpt DIR --out HF_DIR   # run with the vLLM venv's python
+
+Two halves, for two interpreters:
+- `convert` runs in the vLLM venv (it has transformers and safetensors; the project's .venv need
+  not): a Meta-layout MP 1 checkpoint -> a Hugging Face LlamaForCausalLM folder (config.json and
+  model.safetensors), with bench/hf_convert.py's meta_to_hf (the per-head q/k row permutation) and
+  hf_config. No tokenizer files: the server runs with --skip-tokenizer-init and gets token ids.
+- VLLMServer and vllm_stream run in the project's .venv: start
+  `python -m vllm.entrypoints.openai.api_server` from the vLLM venv with tcmalloc and the venv's
+  libiomp5.so preloaded, wait until it answers, stream /v1/completions, stop the process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", BENCH / "out" / "vllm-venv"))
+SERVED_NAME = "bench"
+
+
+# ---------------------------------------------------------------------------- conversion (vLLM venv)
+
+def convert(ckpt: Path, out: Path, max_len: int) -> Path:
+    """Write out/config.json and out/model.safetensors from the MP 1 checkpoint `ckpt`, once."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.hf_convert import hf_config, meta_to_hf
+    from tp_llama.checkpoint import find_shards, load_shard
+    from tp_llama.params import read_params
+    from tp_llama.tokenizer import load_tokenizer
+
+    stamp = out / "bench-source.json"
+    paths = find_shards(ckpt)
+    if len(paths) != 1:
+        raise ValueError(f"{ckpt}: the conversion reads an MP 1 checkpoint, found {len(paths)} shards")
+    want = json.dumps({"ckpt": str(ckpt.resolve()), "mtime": paths[0].stat().st_mtime, "max_len": max_len})
+    if stamp.is_file() and stamp.read_text() == want:
+        return out
+    args = read_params(ckpt, load_tokenizer(ckpt / "tokenizer.model").n_words)
+    state = meta_to_hf(load_shard(paths[0]), args)
+    out.mkdir(parents=True, exist_ok=True)
+    # Llama 3.1 rope scaling stretches 8192 original positions to 131072 (its config's
+    # max_position_embeddings; transformers warns below that). vLLM's --max-model-len still caps the length.
+    config = hf_config(args, max(max_len, 131072) if args.use_scaled_rope else max_len)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    save_file({k: v.to(torch.float32).contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    stamp.write_text(want)
+    return out
+
+
+def convert_in_venv(ckpt: Path, out: Path, max_len: int, venv: Path = VLLM_VENV) -> Path:
+    """Run `convert` with the vLLM venv's python (from the project's .venv)."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"{python} missing: run bash bench/setup_vllm.sh first")
+    command = [str(python), "-m", "bench.vllm_peer", "convert", "--ckpt", str(ckpt), "--out", str(out),
+               "--max-len", str(max_len)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run(command, check=True, cwd=REPO, env=env, timeout=900)
+    return out
+
+
+# ---------------------------------------------------------------------------- server (project .venv)
+
+def preloads(venv: Path = VLLM_VENV) -> str:
+    """tcmalloc (Debian's libtcmalloc-minimal4) and the venv's Intel OpenMP, as vLLM's CPU backend wants."""
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=True).stdout
+    tcmalloc = next((line.split()[-1] for line in found.splitlines() if "libtcmalloc_minimal.so" in line), None)
+    iomp = next(iter(sorted(venv.rglob("libiomp5.so"))), None)
+    if tcmalloc is None or iomp is None:
+        raise FileNotFoundError(f"tcmalloc ({tcmalloc}) or libiomp5.so ({iomp}) missing: run bash bench/setup_vllm.sh")
+    return f"{tcmalloc}:{iomp}"
+
+
+class VLLMServer:
+    """One vLLM OpenAI-compatible server on loopback; use as a context manager."""
+
+    def __init__(self, hf_dir: Path, port: int, workdir: Path, dtype: str, max_model_len: int,
+                 cores: str = "0-1", kv_gib: int = 1, extra_args: list[str] | None = None,
+                 venv: Path = VLLM_VENV) -> None:
+        self.port = port
+        self.workdir = workdir
+        self.log_path = workdir / "vllm.log"
+        self.command = [
+            str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(hf_dir), "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+            "--skip-tokenizer-init", "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
+            *(extra_args or []),
+        ]
+        self.env = dict(os.environ, LD_PRELOAD=preloads(venv), VLLM_CPU_OMP_THREADS_BIND=cores,
+                        VLLM_CPU_KVCACHE_SPACE=str(kv_gib), TMPDIR=str(workdir / "tmp"))
+        self.env.pop("PYTHONPATH", None)
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command, cwd=self.workdir, env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until GET /health answers 200 (vLLM compiles the model first: about a minute here)."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.process.returncode}\n{self.log_tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return time.monotonic() - started
+            except OSError:
+                pass
+            finally:
+                conn.close()
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM not ready after {timeout} s\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM to the server's own process group (its engine core is a child), SIGKILL at the deadline."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        pgid = self.process.pid  # start_new_session: the group is the server's own
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait()
+        try:  # children that outlived the parent
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.process.returncode
+
+
+def vllm_stream(port: int, prompt_ids: list[int], max_tokens: int, timeout: float = 600) -> dict:
+    """One streaming /v1/completions request, greedy, stop tokens ignored; times in seconds from sending.
+
+    Returns ttft_s (first chunk carrying a token), latency_s, tokens (usage.completion_tokens),
+    prompt_tokens, and token_ids when the server sends them.
+    """
+    body = {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    started = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+        first, usage, ids = None, None, []
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            for choice in chunk.get("choices") or []:
+                if first is None:
+                    first = time.perf_counter() - started
+                ids += choice.get("token_ids") or []
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+        latency = time.perf_counter() - started
+        if usage is None:
+            raise RuntimeError("no usage in the stream")
+        return {"ttft_s": first, "latency_s": latency, "tokens": usage["completion_tokens"],
+                "prompt_tokens": usage["prompt_tokens"], "token_ids": ids}
+    finally:
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="Meta MP 1 checkpoint -> Hugging Face folder (run in the vLLM venv)")
+    conv.add_argument("--ckpt", type=Path, required=True)
+    conv.add_argument("--out", type=Path, required=True)
+    conv.add_argument("--max-len", type=int, default=2048)
+    a = parser.parse_args(argv)
+    if a.command == "convert":
+        print(convert(a.ckpt, a.out, a.max_len))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
