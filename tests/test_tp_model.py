@@ -1,16 +1,26 @@
-"""localize: the DTensor model after loading, turned into plain local shards, computes the same logits."""
+"""The `tp` model: loaded straight into local modules, it computes the whole model's logits.
+
+Two gloo ranks load checkpoints written with fairscale's split (MP 1, 2 and 4 onto TP 2), and
+their logits are compared with the whole single-process model's and with the DTensor model's
+(parallelize_module from parallel.tp_plan, the oracle), which `localize` turns into local modules.
+"""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from dist_util import run_ranks
-from tp_llama.layout import full_shapes, shard_dim
-from tp_llama.model import Transformer
-from tp_llama.parallel import LocalEmbedding, LocalLinear, apply_tensor_parallel, localize, make_mesh
+from tp_llama.distributed import DistInfo
+from tp_llama.layout import full_shapes
+from tp_llama.loader import load_tp_model
+from tp_llama.model import Transformer, dense_logits
+from tp_llama.parallel import LocalEmbedding, LocalLinear, localize
 from tp_llama.params import ModelArgs
 
 ARGS = {
@@ -23,6 +33,18 @@ COMM = {
     "llama2": {"tok_embeddings": "all_gather", "output": "all_gather", "wo": "all_reduce", "w2": "all_reduce"},
     "llama3": {"tok_embeddings": "all_reduce", "output": "all_gather", "wo": "all_reduce", "w2": "all_reduce"},
 }
+MPS = (1, 2, 4)
+
+
+def split_dim(key: str, family: str) -> int | None:
+    """Fairscale's split, written out here independently of tp_llama.layout."""
+    if key == "tok_embeddings.weight":
+        return 1 if family == "llama2" else 0
+    if key.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) or key == "output.weight":
+        return 0
+    if key.endswith(("wo.weight", "w2.weight")):
+        return 1
+    return None
 
 
 def full_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -30,15 +52,48 @@ def full_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
     return {k: torch.randn(shape, generator=gen) / shape[-1] ** 0.5 for k, shape in full_shapes(args).items()}
 
 
-def forward_twice(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def write_checkpoint(folder: Path, family: str, mp: int) -> Path:
+    folder.mkdir(parents=True)
+    for m in range(mp):
+        state = {}
+        for key, tensor in full_weights(ARGS[family]).items():
+            dim = split_dim(key, family)
+            state[key] = tensor.clone() if dim is None else tensor.chunk(mp, dim=dim)[m].clone()
+        state["rope.freqs"] = torch.arange(4.0)  # Llama 2 files carry it; the loader drops it
+        torch.save(state, folder / f"consolidated.{m:02d}.pth")
+    return folder
+
+
+def forward_twice(model: Transformer, tokens: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of a 2-row prefill (every position), then of one decode step (last position only)."""
+    model.setup_caches(2, 16, torch.float32, torch.device("cpu"), tp)
     with torch.inference_mode():
-        prefill = model(tokens, torch.zeros(2, dtype=torch.long), slice(0, 2), last_only=False)
-        decode = model(tokens[:, :1], torch.full((2,), tokens.shape[1]), slice(0, 2))
+        prefill = dense_logits(model, tokens, torch.zeros(2, dtype=torch.long), last_only=False)
+        decode = dense_logits(model, tokens[:, :1], torch.full((2,), tokens.shape[1]))
     return prefill, decode
 
 
-def localized_matches_dtensor_and_whole(family: str) -> str:
+def check_local(model: Transformer, weights: dict[str, torch.Tensor], family: str) -> None:
+    """Plain local modules with the expected collectives; state_dict = Meta's names, this rank's slices."""
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    assert list(model.state_dict()) == list(weights)
+    for key, param in model.state_dict().items():
+        assert type(param) in (torch.Tensor, torch.nn.Parameter), (key, type(param))
+        dim = split_dim(key, family)
+        assert torch.equal(param, weights[key] if dim is None else weights[key].chunk(tp, dim)[rank]), key
+    comms = {name.rpartition(".")[2]: m.comm for name, m in model.named_modules()
+             if isinstance(m, (LocalLinear, LocalEmbedding))}
+    assert comms == {**dict.fromkeys(["wq", "wk", "wv", "w1", "w3"], "none"), **COMM[family]}
+    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in model.modules())
+
+
+def loaded_matches_whole_and_dtensor(family: str, folders: dict[int, str]) -> str:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tp_llama.parallel import apply_tensor_parallel, make_mesh
+
     args, rank, tp = ARGS[family], dist.get_rank(), dist.get_world_size()
     weights = full_weights(args)
     # Ids from every rank's vocabulary range, so the vocab-parallel lookup masks and sums.
@@ -46,49 +101,76 @@ def localized_matches_dtensor_and_whole(family: str) -> str:
 
     whole = Transformer(args)
     whole.load_state_dict(weights)
-    whole.setup_caches(2, 16, torch.float32, torch.device("cpu"))
-    want_prefill, want_decode = forward_twice(whole, tokens)
+    want_prefill, want_decode = forward_twice(whole, tokens, 1)
 
+    # The oracle: the DTensor plan on the same weights.
     mesh = make_mesh(torch.device("cpu"), tp)
     with torch.device("meta"):
-        model = Transformer(args)
-    apply_tensor_parallel(model, mesh)
+        oracle = Transformer(args)
+    apply_tensor_parallel(oracle, mesh)
     state = {}
     for key, tensor in weights.items():
-        dim = shard_dim(key, family)
+        dim = split_dim(key, family)
         state[key] = tensor if dim is None else DTensor.from_local(tensor.chunk(tp, dim)[rank].clone(), mesh, [Shard(dim)])
-    model.load_state_dict(state, strict=True, assign=True)
-    model.setup_caches(2, 16, torch.float32, torch.device("cpu"), tp)
-    dtensor_prefill, dtensor_decode = forward_twice(model, tokens)
+    oracle.load_state_dict(state, strict=True, assign=True)
+    dtensor_prefill, dtensor_decode = forward_twice(oracle, tokens, tp)
+    torch.testing.assert_close(dtensor_prefill, want_prefill, rtol=0, atol=1e-5)
+    torch.testing.assert_close(dtensor_decode, want_decode, rtol=0, atol=1e-5)
 
-    assert localize(model) is model
-    for module in model.modules():
-        assert not module._forward_hooks and not module._forward_pre_hooks
-    for key, param in model.state_dict().items():
-        assert not isinstance(param, DTensor), key
-        dim = shard_dim(key, family)
-        assert torch.equal(param, weights[key] if dim is None else weights[key].chunk(tp, dim)[rank]), key
-    assert list(model.state_dict()) == list(weights)
-    comms = {name.rpartition(".")[2]: m.comm for name, m in model.named_modules()
-             if isinstance(m, (LocalLinear, LocalEmbedding))}
-    assert comms == {**dict.fromkeys(["wq", "wk", "wv", "w1", "w3"], "none"), **COMM[family]}
-    model.setup_caches(2, 16, torch.float32, torch.device("cpu"), tp)
-    got_prefill, got_decode = forward_twice(model, tokens)
-
-    assert got_prefill.shape == (2, 5, args.vocab_size) and got_decode.shape == (2, args.vocab_size)
-    torch.testing.assert_close(got_prefill, dtensor_prefill, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got_decode, dtensor_decode, rtol=0, atol=1e-5)
+    # localize (the DTensor model turned into local modules) agrees too.
+    assert localize(oracle) is oracle
+    check_local(oracle, weights, family)
+    got_prefill, got_decode = forward_twice(oracle, tokens, tp)
     torch.testing.assert_close(got_prefill, want_prefill, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_decode, want_decode, rtol=0, atol=1e-5)
+
+    # The loaded model, for every MP onto this TP.
+    info = DistInfo(rank, tp, rank, torch.device("cpu"), "gloo")
+    for mp, folder in folders.items():
+        model = load_tp_model(folder, args, info, torch.float32)
+        check_local(model, weights, family)
+        assert localize(model) is model
+        got_prefill, got_decode = forward_twice(model, tokens, tp)
+        assert got_prefill.shape == (2, 5, args.vocab_size) and got_decode.shape == (2, args.vocab_size)
+        torch.testing.assert_close(got_prefill, want_prefill, rtol=0, atol=1e-5, msg=lambda m: f"MP {mp}: {m}")
+        torch.testing.assert_close(got_decode, want_decode, rtol=0, atol=1e-5, msg=lambda m: f"MP {mp}: {m}")
+        torch.testing.assert_close(got_prefill, dtensor_prefill, rtol=0, atol=1e-5)
     return "ok"
 
 
 @pytest.mark.parametrize("family", ["llama2", "llama3"])
-def test_localized_model_matches_dtensor_model_and_whole_model(family):
-    assert run_ranks(localized_matches_dtensor_and_whole, 2, family, timeout=120) == ["ok", "ok"]
+def test_loaded_local_model_matches_whole_model_and_dtensor_model(family, tmp_path):
+    folders = {mp: str(write_checkpoint(tmp_path / f"mp{mp}", family, mp)) for mp in MPS}
+    assert run_ranks(loaded_matches_whole_and_dtensor, 2, family, folders, timeout=150) == ["ok", "ok"]
 
 
-def test_a_model_without_dtensors_is_left_alone():
+def test_tp1_load_is_the_plain_model_and_imports_nothing_heavy(tmp_path):
+    """One process, no process group: nn.Linear on whole tensors, and no DTensor/dynamo/FSDP imported."""
+    folder = write_checkpoint(tmp_path / "mp2", "llama3", 2)
+    out = tmp_path / "loaded.pt"
+    script = f"""
+import sys, torch
+import tp_llama.engine
+from tp_llama.distributed import DistInfo
+from tp_llama.loader import load_tp_model
+from tp_llama.params import ModelArgs
+args = ModelArgs(**{ARGS["llama3"].__dict__!r})
+model = load_tp_model({str(folder)!r}, args, DistInfo(0, 1, 0, torch.device("cpu"), "none"), torch.bfloat16)
+assert type(model.output) is torch.nn.Linear and type(model.tok_embeddings) is torch.nn.Embedding
+torch.save(model.state_dict(), {str(out)!r})
+heavy = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.fsdp"]
+print("HEAVY", [m for m in heavy if m in sys.modules])
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "HEAVY []" in run.stdout, run.stdout
+    weights, loaded = full_weights(ARGS["llama3"]), torch.load(out)
+    assert list(loaded) == list(weights)
+    for key, value in loaded.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, weights[key].bfloat16()), key
+
+
+def test_localize_leaves_a_model_without_dtensors_alone():
     model = Transformer(ARGS["llama3"])
     before = dict(model.named_modules())
     assert localize(model) is model
