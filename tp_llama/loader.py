@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # Reads that cannot land straight in their destination (a column slice, a dtype conversion) go
 # through one reusable buffer of this size, a block of whole rows at a time.
-BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = 8 << 20
 # A column slice whose rows are at least this long is read row by row straight into place.
 ROW_DIRECT_BYTES = 1 << 20
 
