@@ -1,17 +1,19 @@
 """Loading benchmark: per-rank wall seconds, bytes read from disk and peak memory, four ways.
 
     python -m bench.bench_load [--preset 1b-half] [--pairs 1:1 2:2 4:2 1:2] [--repeats 3]
+                               [--methods floor direct] [--repo OTHER_CHECKOUT]
 
 For each MP:TP pair (checkpoint files : tensor-parallel ranks), one launch of TP ranks per repeat
 runs every method in turn, each after evicting the checkpoint from the page cache (cold reads)
 and resetting the kernel's peak-RSS counter:
   floor   pread exactly the bytes of this rank's slices into one buffer, nothing else;
-  direct  tp_llama.loader.load_tp_model;
+  direct  tp_llama.loader.load_tp_model (positioned reads straight into the local modules' weights);
   seed    tp_llama.loader.load_fsdp_model (converter + FSDP1), only where MP divides TP;
   merge   rank 0 torch.loads every file, concatenates them into the full state dict and
           scatters each rank its slice (what a user would otherwise write).
 Memory is reported as the rank's resident set before any load (torch and torch._dynamo imported,
-process group joined: the fixed cost) plus the peak a method added on top of it."""
+process group joined: the fixed cost) plus the peak a method added on top of it.
+--repo runs the ranks from another checkout (a git worktree of an older commit: before/after)."""
 
 from __future__ import annotations
 
@@ -229,8 +231,9 @@ def worker(methods: list[str], ckpt: Path) -> None:
     info = init_distributed(require_group=True)
     rank, tp = info.rank, info.world_size
     args = read_params(ckpt)
-    # Building any module tree on the meta device, and parallelize_module, import torch._dynamo
-    # lazily: a one-time cost of the process that would land on whichever method ran first.
+    # The seed and merge paths (FSDP, parallelize_module) import torch._dynamo lazily, as did the
+    # direct path before it built local modules: a one-time cost of the process that would land on
+    # whichever method ran first, so it is paid here, outside every method's numbers.
     started = time.perf_counter()
     import torch._dynamo  # noqa: F401
     mine = {"rank": rank, "empty_rss_mb": _status_mb("VmRSS"), "share_bytes": share_bytes(args, tp),
@@ -269,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="1b-half")
     parser.add_argument("--pairs", nargs="+", default=["1:1", "2:2", "4:2", "1:2"], help="MP:TP")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="floor is always run: the other methods are reported against it")
+    parser.add_argument("--repo", type=Path, help="run the ranks from this checkout's code (default: this one)")
+    parser.add_argument("--out", default="load", help="name of the JSON under bench/out (default: load)")
     parser.add_argument("--worker", nargs="+", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
@@ -283,11 +290,13 @@ def main(argv: list[str] | None = None) -> None:
         runs = []
         for repeat in range(a.repeats):
             # The seed path is an order of magnitude slower: one sample is enough for its ratio.
-            methods = [m for m in METHODS if m != "seed" or (repeat == 0 and tp % mp == 0)]
+            methods = [m for m in METHODS if (m == "floor" or m in a.methods)
+                       and (m != "seed" or (repeat == 0 and tp % mp == 0))]
             # A different method goes first each time, so drifting disk speed hits them alike.
             methods = methods[repeat % len(methods):] + methods[: repeat % len(methods)]
             command = ["--worker", *methods, "--ckpt", str(ckpt)]
-            runs.append(last_json(torchrun("bench.bench_load", command, tp, timeout=600, env=FRESH_MALLOC)))
+            repo = {"repo": a.repo.resolve()} if a.repo else {}
+            runs.append(last_json(torchrun("bench.bench_load", command, tp, timeout=600, env=FRESH_MALLOC, **repo)))
         first = runs[0]["ranks"]
         summary = {m: summarize(runs, m) for m in METHODS if m in first[0]["methods"]}
         results.append({
@@ -300,8 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"MP {mp} -> TP {tp}: " + ", ".join(
             f"{m} {s['wall_s']:.2f} s" if "wall_s" in s else f"{m} failed" for m, s in summary.items()), flush=True)
     data = {"preset": a.preset, "dtype": str(DTYPE), "cache": "cold (posix_fadvise DONTNEED before each load)",
-            "repeats": a.repeats, "results": results}
-    path = write_json("load", data)
+            "repeats": a.repeats, "repo": str(a.repo.resolve()) if a.repo else None, "results": results}
+    path = write_json(a.out, data)
     print(report(data))
     print(f"raw numbers: {path}")
 
@@ -324,7 +333,8 @@ def report(data: dict) -> str:
                "peak RSS MB (largest rank)", "(peak - empty) / share"]
     notes = [f"- MP {r['mp']} -> TP {r['tp']}: an empty rank holds {r['empty_rss_mb']:.0f} MB; each rank's share of "
              f"the weights is {r['share_mb']:.0f} MB. Not in the wall times: the process's one-time import of "
-             f"torch._dynamo ({r['dynamo_import_s']:.2f} s), which the direct, seed and merge paths all trigger."
+             f"torch._dynamo ({r['dynamo_import_s']:.2f} s), which the seed and merge paths trigger (and the direct path did "
+             f"before it built local modules without DTensor)."
              for r in data["results"]]
     notes += [f"- {r['mp']} -> {r['tp']} {m} failed: {s['error'][:400]}"
               for r in data["results"] for m, s in r["methods"].items() if "error" in s]
