@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, NoReturn
 
-from llama_request import Job, RequestError, parse_request
+from llama_request import Live, RequestError, parse_request
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
 from llama_stream import StreamDecoder
 from ts.torch_handler.base_handler import BaseHandler
@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 STATUS_PHRASES = {400: "Bad Request", 500: "Internal Server Error"}
-STREAM_NEXT = "ts_stream_next"
 
 
 def _line(payload: dict[str, Any]) -> str:
@@ -49,15 +48,6 @@ def _stop_worker(rank: int, error: BaseException) -> NoReturn:
     for log_handler in logging.getLogger().handlers:
         log_handler.flush()
     exit_now(1)
-
-
-@dataclass(eq=False)
-class Live:
-    """A request between its first call and its last reply."""
-
-    job: Job
-    seq: Sequence
-    stream: StreamDecoder | None
 
 
 class LlamaHandler(BaseHandler):
@@ -115,6 +105,7 @@ class LlamaHandler(BaseHandler):
                 _stop_worker(self.engine.rank, exc)
             return [""] * len(data)
         ids = [context.request_ids[idx] for idx in range(len(data))]
+        answered_before = {rid for rid in ids if rid in self.live}
         self._cancel_absent(set(ids))
         errors = self._admit(data, ids)
         self._expire()
@@ -124,7 +115,20 @@ class LlamaHandler(BaseHandler):
             self.scheduler.commit(plan, picked)
         except Exception as exc:
             _stop_worker(self.engine.rank, exc)
-        return [self._reply(idx, rid, errors.get(rid)) for idx, rid in enumerate(ids)]
+        replies = [self._reply(idx, rid, errors.get(rid)) for idx, rid in enumerate(ids)]
+        context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
+        return replies
+
+    def _stop_flag(self, rid: str, answered_before: bool) -> Callable[[str], bool | None]:
+        """How TorchServe learns whether a reply is a request's last: it calls this once per reply.
+
+        False keeps the request in the continuous batch (ts_stream_next: true). A request answered
+        whole in its first call gets None (no header: an ordinary response with its own status);
+        True (ts_stream_next: false) ends a response that earlier calls began.
+        """
+        if rid in self.live:
+            return lambda _reply: False
+        return lambda _reply: True if answered_before else None
 
     def _cancel_absent(self, present: set[str]) -> None:
         """TorchServe drops a job whose client closed its connection: its absence is the signal."""
@@ -175,14 +179,12 @@ class LlamaHandler(BaseHandler):
         seq = live.seq
         context.set_response_content_type(idx, NDJSON_TYPE if live.stream else JSON_TYPE)
         if not seq.finished:
-            context.set_response_header(idx, STREAM_NEXT, "true")
             if live.stream is None:
                 return ""
             new = seq.take_new_tokens()
             return _line({"text": live.stream.push(new), "token_ids": new}) if new else ""
         del self.live[rid]
         self._log_end(rid, live, seq.finish_reason)
-        context.set_response_header(idx, STREAM_NEXT, "false")
         usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)}
         if seq.finish_reason == "timeout":
             return _line({"error": f"the request ran past responseTimeout ({self.response_timeout_s:g} s)",

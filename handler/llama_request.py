@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llama_settings import HandlerSettings
+from llama_stream import StreamDecoder
+
+from tp_llama.scheduler import Sequence
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "stream")
 SEED_LIMIT = 2**63
@@ -44,6 +47,15 @@ class Job:
     seed: int | None
     ignore_eos: bool
     stream: bool
+
+
+@dataclass(eq=False)
+class Live:
+    """A request between its first call and its last reply (the handler holds one per request id)."""
+
+    job: Job
+    seq: Sequence
+    stream: StreamDecoder | None
 
 
 def request_body(request: dict[str, Any]) -> Any:

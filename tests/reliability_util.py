@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import re
 import threading
 import time
 from collections import Counter
@@ -20,7 +19,6 @@ import psutil
 from hostile_corpus import Case
 from serving_util import TorchServe
 
-SLOTS_LINE = re.compile(r"rank (\d+): batch of \d+ requests: .* kv slots busy (\d+)/(\d+)")
 SOAK_PROMPTS = [f"Soak prompt {i}: tell me about {w}" for i, w in enumerate(
     ["rivers", "Köln", "tea", "日本語", "stars", "cats", "a long road", "émigrés", "bridges", "rain"])]
 
@@ -213,6 +211,8 @@ def run_soak(ts: TorchServe, seconds: float, clients: int, warmup: float, new_to
     report.seconds = time.monotonic() - started
     if any(thread.is_alive() for thread in threads):
         report.failures.append("a client was still waiting 180 s after the soak ended")
-    last = {int(m[1]): int(m[2]) for m in SLOTS_LINE.finditer(ts.model_log())}
-    report.slots_busy_at_end = max(last.values()) if last else None
+    # A client that left while nothing else ran is only noticed at the next call: one probe makes it.
+    probe = ts.predict({"prompt": "probe", "max_new_tokens": 1})
+    ended = ts.finishes()
+    report.slots_busy_at_end = ended[-1]["busy"] if probe.status == 200 and ended else None
     return report

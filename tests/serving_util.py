@@ -30,7 +30,8 @@ from server_config import UNIX_PATH_MAX, connection, read_properties, write_conf
 
 VENV_BIN = Path(sys.executable).parent
 ERROR_LINE = re.compile(r"error|Error|Exception|Traceback|\[tp_llama rank")
-BATCH_LINE = re.compile(r"rank 0: batch of \d+ requests: (\d+) generated, (\d+) rejected")
+FINISH_LINE = re.compile(
+    r"rank 0: request (\S+) (.+?) after (\d+) tokens; kv slots busy (\d+)/(\d+), waiting (\d+)")
 
 
 def free_ports(count: int) -> list[int]:
@@ -232,9 +233,12 @@ class TorchServe:
         path = self.workdir / "logs" / "model_log.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def batches(self) -> list[tuple[int, int]]:
-        """(generated, rejected) for every batch rank 0 has handled, from the handler's log line."""
-        return [(int(m[1]), int(m[2])) for m in BATCH_LINE.finditer(self.model_log())]
+    def finishes(self) -> list[dict]:
+        """Every request rank 0 has ended (answered, stopped or cancelled), with the slots busy after it."""
+        return [
+            {"id": m[1], "how": m[2], "tokens": int(m[3]), "busy": int(m[4]), "slots": int(m[5]), "waiting": int(m[6])}
+            for m in FINISH_LINE.finditer(self.model_log())
+        ]
 
     def stop(self, timeout: float = 60.0) -> dict[str, object]:
         """torchserve --stop, then wait; anything of ours still alive afterwards is killed.

@@ -198,6 +198,7 @@ class FakeContext:
         self.status: dict[int, int] = {}
         self.content_types: dict[int, str] = {}
         self.headers: dict[int, dict[str, str]] = {}
+        self.stopping_criteria = None
         self.metrics = None
 
     def set_response_status(self, code: int, phrase: str, idx: int) -> None:
@@ -235,6 +236,10 @@ def serve(handler, calls: list[list[tuple[str, bytes | None]]]) -> dict[str, lis
         context = FakeContext([rid for rid, _ in call])
         data = [{} if body is None else {"body": body} for _, body in call]
         for idx, reply in enumerate(handler.handle(data, context)):
+            # What TorchServe's encoder does with the handler's stopping criteria.
+            stop = context.stopping_criteria[idx](reply)
+            if stop is not None:
+                context.set_response_header(idx, "ts_stream_next", "false" if stop else "true")
             replies.setdefault(call[idx][0], []).append((reply, context, idx))
     return replies
 
