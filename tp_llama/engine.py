@@ -19,7 +19,6 @@ from tp_llama.distributed import DistInfo, broadcast_from_rank0, init_distribute
 from tp_llama.faults import inject_fault
 from tp_llama.loader import load_fsdp_model, load_tp_model
 from tp_llama.model import Batch
-from tp_llama.parallel import localize
 from tp_llama.params import ModelArgs, read_params
 from tp_llama.sampling import sample_rows
 from tp_llama.scheduler import Row, Scheduler, Sequence, StepPlan
@@ -155,7 +154,7 @@ class Engine:
         raise_if_any_rank_failed(error)
         torch_dtype, tokenizer, args = setup
         if mode == "tp":
-            model = localize(load_tp_model(ckpt_dir, args, info, torch_dtype))
+            model = load_tp_model(ckpt_dir, args, info, torch_dtype)
         else:
             model = load_fsdp_model(ckpt_dir, args, info, torch_dtype)
         tp_size = info.world_size if mode == "tp" else 1

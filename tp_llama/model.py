@@ -127,8 +127,10 @@ class KVCache:
 
     def __init__(self, slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int, dtype, device):
         shape = (slots, n_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Written now, so every page is resident from the start: a cache that does not fit fails
+        # at load, and memory stays flat while serving.
+        self.k = torch.empty(shape, dtype=dtype, device=device).zero_()
+        self.v = torch.empty(shape, dtype=dtype, device=device).zero_()
 
     def write(self, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, kv_heads, hd] of every token, at its slot and position."""
