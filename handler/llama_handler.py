@@ -6,6 +6,10 @@ rank 0 admits the new requests, notices the ones whose client left (they are sim
 the call), plans the step, and every rank runs it; then rank 0 answers each request with its new
 chunk, marked `ts_stream_next: true` until the request's last reply. The other ranks never look
 at requests at all, so they cannot disagree with rank 0 about them.
+
+Two front doors share the scheduler: the native API (POST /predictions/NAME, llama_request)
+and the OpenAI-compatible one (POST /predictions/NAME/VERSION/v1/..., openai_api), told apart
+by the `url_path` header TorchServe sets. Rank 0 also emits the serving metrics (llama_metrics).
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from llama_metrics import ServingMetrics
 from llama_request import Live, RequestError, parse_request
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
 from llama_stream import StreamDecoder
+from openai_api import MODELS, PATHS, SSE_TYPE, error_body, models_list, parse_openai
 from ts.torch_handler.base_handler import BaseHandler
 
 from tp_llama.distributed import exit_now
@@ -29,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
-STATUS_PHRASES = {400: "Bad Request", 500: "Internal Server Error"}
+STATUS_PHRASES = {400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
 
 
 def _line(payload: dict[str, Any]) -> str:
@@ -60,6 +66,8 @@ class LlamaHandler(BaseHandler):
         self.scheduler: Scheduler | None = None
         self.live: dict[str, Live] = {}
         self.response_timeout_s = float("inf")
+        self.model_name = "llama"
+        self.metrics: ServingMetrics | None = None
 
     def initialize(self, context: Any) -> None:
         """Read the yaml handler block and load the checkpoint on this rank (joins the process group)."""
@@ -81,6 +89,9 @@ class LlamaHandler(BaseHandler):
         self.engine.generate([warm_up])
         if self.engine.rank == 0:
             self.scheduler = self.engine.new_scheduler()
+            self.model_name = getattr(context, "model_name", None) or self.model_name
+            self.metrics = ServingMetrics(getattr(context, "metrics", None), self.model_name,
+                                          self.engine.max_batch_size)
         logger.info(
             "rank %d/%d ready on %s: %s (%s tokenizer, mode=%s, %s, %d slots) loaded in %.2f s",
             self.engine.rank,
@@ -107,7 +118,7 @@ class LlamaHandler(BaseHandler):
         ids = [context.request_ids[idx] for idx in range(len(data))]
         answered_before = {rid for rid in ids if rid in self.live}
         self._cancel_absent(set(ids))
-        errors = self._admit(data, ids)
+        answers = self._admit(data, ids)
         self._expire()
         try:
             plan = self.scheduler.plan()
@@ -115,9 +126,41 @@ class LlamaHandler(BaseHandler):
             self.scheduler.commit(plan, picked)
         except Exception as exc:
             _stop_worker(self.engine.rank, exc)
-        replies = [self._reply(idx, rid, errors.get(rid)) for idx, rid in enumerate(ids)]
+        shown = self._after_step()
+        replies = [self._reply(idx, rid, answers.get(rid), shown.get(rid, "")) for idx, rid in enumerate(ids)]
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
+        self._update_metrics()
         return replies
+
+    def _after_step(self) -> dict[str, str]:
+        """Per live request: first-token times, and for OpenAI requests the newly shown text. A stop
+        string ends its sequence here, between steps, through the scheduler."""
+        shown: dict[str, str] = {}
+        for rid, live in self.live.items():
+            seq = live.seq
+            if not live.first_token_seen and seq.first_token_at is not None:
+                live.first_token_seen = True
+                if self.metrics is not None:
+                    self.metrics.first_token(seq)
+            if live.api is not None:
+                shown[rid] = live.api.advance(seq)
+                if live.api.stopped and not seq.finished:
+                    self.scheduler.cancel(seq)
+        return shown
+
+    def _update_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        scheduler = self.scheduler
+        decoding = sum(1 for seq in scheduler.running.values() if not seq.prefilling)
+        self.metrics.update_gauges(decoding, len(scheduler.waiting), scheduler.busy_slots)
+        self.metrics.flush()
+
+    def _count(self, outcome: str, seq: Sequence | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.request(outcome)
+            if seq is not None:
+                self.metrics.ended(seq)
 
     def _stop_flag(self, rid: str, answered_before: bool) -> Callable[[str], bool | None]:
         """How TorchServe learns whether a reply is a request's last: it calls this once per reply.
@@ -136,30 +179,63 @@ class LlamaHandler(BaseHandler):
             live = self.live.pop(rid)
             self.scheduler.cancel(live.seq)
             self._log_end(rid, live, "cancelled: the client disconnected")
+            self._count("cancelled", live.seq)
 
-    def _admit(self, data: list[dict[str, Any]], ids: list[str]) -> dict[str, RequestError]:
-        """Validate the requests seen for the first time; the valid ones join the scheduler's queue."""
-        errors: dict[str, RequestError] = {}
-        for request, rid in zip(data, ids):
+    def _url_path(self, idx: int) -> str:
+        try:
+            path = self.context.get_request_header(idx, "url_path")
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return ""
+        return (path or "").strip("/")
+
+    def _admit(self, data: list[dict[str, Any]], ids: list[str]) -> dict[str, tuple[str, Any]]:
+        """Validate the requests seen for the first time; the valid ones join the scheduler's queue.
+
+        Returns the requests answered whole in this call: ("error", RequestError) with the front
+        door's error shape ("openai" or "native" in `api`), or ("models", None).
+        """
+        answers: dict[str, tuple[str, Any]] = {}
+        for idx, (request, rid) in enumerate(zip(data, ids)):
             if rid in self.live:
                 continue
+            path = self._url_path(idx)
+            openai = path.startswith("v1/") or path == "v1"
             try:
+                if path == MODELS:
+                    answers[rid] = ("models", None)
+                    continue
                 if not request:
                     raise RequestError("internal error: the worker lost this request's state", 500)
-                job = parse_request(request, self.settings, self.engine.tokenizer)
+                if openai:
+                    if path not in PATHS:
+                        raise RequestError(f"unknown path {path!r}: this server has /{MODELS} (GET) and "
+                                           f"POST /{' and /'.join(PATHS)}", 404)
+                    api = parse_openai(path, request, self.settings, self.engine.tokenizer,
+                                       self.engine.tokenizer.n_words, self.model_name, rid)
+                    job = api.job
+                elif path:
+                    raise RequestError(f"unknown path {path!r}: POST /predictions/NAME for the native API, "
+                                       "or /predictions/NAME/VERSION/v1/completions (or chat/completions)", 404)
+                else:
+                    api, job = None, parse_request(request, self.settings, self.engine.tokenizer)
                 seq = Sequence(rid, job.prompt_ids, SamplingParams(
                     job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos))
                 self.scheduler.add(seq)
             except RequestError as exc:
-                errors[rid] = exc
+                answers[rid] = ("openai" if openai else "native", exc)
                 continue
             except Exception as exc:  # a bug must fail this request only, never the step
                 logger.exception("unexpected error while reading a request")
-                errors[rid] = RequestError(f"internal error while reading the request: {type(exc).__name__}", 500)
+                error = RequestError(f"internal error while reading the request: {type(exc).__name__}", 500)
+                answers[rid] = ("openai" if openai else "native", error)
                 continue
-            stream = StreamDecoder(self.engine.tokenizer.decode) if job.stream else None
-            self.live[rid] = Live(job, seq, stream)
-        return errors
+            if api is not None:
+                api.start(self.engine.tokenizer.decode)
+                stream = None
+            else:
+                stream = StreamDecoder(self.engine.tokenizer.decode) if job.stream else None
+            self.live[rid] = Live(job, seq, stream, api)
+        return answers
 
     def _expire(self) -> None:
         """Requests older than the yaml's responseTimeout end now, with what they have."""
@@ -169,14 +245,20 @@ class LlamaHandler(BaseHandler):
                 self.scheduler.cancel(live.seq)
                 live.seq.finish_reason = "timeout"
 
-    def _reply(self, idx: int, rid: str, error: RequestError | None) -> str:
+    def _reply(self, idx: int, rid: str, answer: tuple[str, Any] | None, shown: str) -> str:
         context = self.context
-        if error is not None:
-            context.set_response_status(error.status, STATUS_PHRASES[error.status], idx)
+        if answer is not None:
+            kind, error = answer
             context.set_response_content_type(idx, JSON_TYPE)
-            return _line({"error": str(error)})
+            if kind == "models":
+                return _line(models_list(self.model_name))
+            context.set_response_status(error.status, STATUS_PHRASES.get(error.status, "Error"), idx)
+            self._count("4xx" if error.status < 500 else "failed")
+            return _line(error_body(error) if kind == "openai" else {"error": str(error)})
         live = self.live[rid]
         seq = live.seq
+        if live.api is not None:
+            return self._openai_reply(idx, rid, live, shown)
         context.set_response_content_type(idx, NDJSON_TYPE if live.stream else JSON_TYPE)
         if not seq.finished:
             if live.stream is None:
@@ -185,6 +267,7 @@ class LlamaHandler(BaseHandler):
             return _line({"text": live.stream.push(new), "token_ids": new}) if new else ""
         del self.live[rid]
         self._log_end(rid, live, seq.finish_reason)
+        self._count("failed" if seq.finish_reason == "timeout" else "ok", seq)
         usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)}
         if seq.finish_reason == "timeout":
             return _line({"error": f"the request ran past responseTimeout ({self.response_timeout_s:g} s)",
@@ -196,6 +279,22 @@ class LlamaHandler(BaseHandler):
         text = live.stream.push(new) + live.stream.finish()
         return _line({"text": text, "token_ids": new, "finish_reason": seq.finish_reason,
                       "usage": usage})
+
+    def _openai_reply(self, idx: int, rid: str, live: Live, shown: str) -> str:
+        api, seq = live.api, live.seq
+        self.context.set_response_content_type(idx, SSE_TYPE if api.job.stream else JSON_TYPE)
+        if api.job.stream:
+            reply = api.stream_reply(shown, seq)
+        elif seq.finished:
+            reply = _line(api.final_reply(seq, self.engine.tokenizer.decode))
+        else:
+            reply = ""
+        if seq.finished:
+            del self.live[rid]
+            reason = api.finish_reason(seq)
+            self._log_end(rid, live, "stop (a stop string)" if api.stopped else reason)
+            self._count("failed" if reason == "timeout" else "ok", seq)
+        return reply
 
     def _log_end(self, rid: str, live: Live, how: str) -> None:
         logger.info(

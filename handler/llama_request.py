@@ -23,11 +23,15 @@ SEED_LIMIT = 2**63
 
 
 class RequestError(ValueError):
-    """The request cannot be served; the message is sent back to the client as is."""
+    """The request cannot be served; the message is sent back to the client as is.
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    `param` names the offending field when there is one (the OpenAI error shape reports it).
+    """
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 class ChatTokenizer(Protocol):
@@ -51,11 +55,17 @@ class Job:
 
 @dataclass(eq=False)
 class Live:
-    """A request between its first call and its last reply (the handler holds one per request id)."""
+    """A request between its first call and its last reply (the handler holds one per request id).
+
+    `api` is the front door's reply writer: None for the native API, else an object of
+    openai_api (it keeps the OpenAI request's own state: stop strings, ids, chunk shapes).
+    """
 
     job: Job
     seq: Sequence
     stream: StreamDecoder | None
+    api: Any = None
+    first_token_seen: bool = False
 
 
 def request_body(request: dict[str, Any]) -> Any:
@@ -104,7 +114,7 @@ def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
         if size > max_bytes:
             raise RequestError(f"body is about {size} bytes; the limit is {max_bytes}")
     if not isinstance(value, dict):
-        raise RequestError(f"body must be a JSON object, got {_type_name(value)}")
+        raise RequestError(f"body must be a JSON object, got {type_name(value)}")
     return value
 
 
@@ -118,42 +128,108 @@ def _utf8_size(value: Any) -> int:
         raise RequestError("body is nested too deeply") from None
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
-def _integer(body: dict[str, Any], key: str) -> int | None:
+# The field checkers below are shared by both front doors (this module's native API and
+# openai_api.py), so a rule is written once. A missing field and a JSON null mean "not set".
+
+
+def integer_field(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{key} must be an integer, got {_type_name(value)}")
+        raise RequestError(f"{key} must be an integer, got {type_name(value)}", param=key)
     return value
 
 
-def _number(body: dict[str, Any], key: str) -> float | None:
+def number_field(body: dict[str, Any], key: str) -> float | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"{key} must be a number, got {_type_name(value)}")
+        raise RequestError(f"{key} must be a number, got {type_name(value)}", param=key)
     try:
         number = float(value)
     except OverflowError:  # an integer literal with hundreds of digits
-        raise RequestError(f"{key} is out of range") from None
+        raise RequestError(f"{key} is out of range", param=key) from None
     if not math.isfinite(number):
-        raise RequestError(f"{key} must be finite, got {number}")
+        raise RequestError(f"{key} must be finite, got {number}", param=key)
     return number
 
 
-def _boolean(body: dict[str, Any], key: str) -> bool:
+def boolean_field(body: dict[str, Any], key: str) -> bool:
     value = body.get(key)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise RequestError(f"{key} must be true or false, got {_type_name(value)}")
+        raise RequestError(f"{key} must be true or false, got {type_name(value)}", param=key)
     return value
+
+
+def sampling_fields(body: dict[str, Any], settings: HandlerSettings) -> tuple[float, float, int | None]:
+    """temperature, top_p and seed (same names in both APIs), defaults from the yaml."""
+    temperature = number_field(body, "temperature")
+    temperature = settings.temperature if temperature is None else temperature
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}", param="temperature")
+    top_p = number_field(body, "top_p")
+    top_p = settings.top_p if top_p is None else top_p
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    seed = integer_field(body, "seed")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise RequestError(f"seed must be in [0, 2**63), got {seed}", param="seed")
+    return temperature, top_p, seed
+
+
+def text_prompt_ids(prompt: Any, tokenizer: ChatTokenizer, key: str = "prompt") -> list[int]:
+    """A non-empty text prompt, encoded with BOS."""
+    if not isinstance(prompt, str):
+        raise RequestError(f"{key} must be a string, got {type_name(prompt)}", param=key)
+    if not prompt:
+        raise RequestError(f"{key} must not be empty", param=key)
+    return tokenizer.encode(prompt, bos=True, eos=False)
+
+
+def chat_prompt_ids(messages: Any, tokenizer: ChatTokenizer, key: str = "messages") -> list[int]:
+    """A chat of {"role", "content"} objects, encoded with the family's template."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"{key} must be a non-empty array of {{\"role\", \"content\"}} objects", param=key)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"{key}[{i}] must be an object, got {type_name(message)}", param=key)
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:
+            raise RequestError(f"{key}[{i}] has unknown field(s) {extra}; allowed: role, content", param=key)
+    try:
+        return tokenizer.encode_chat(messages)
+    except ValueError as exc:
+        raise RequestError(f"invalid {key}: {exc}", param=key) from None
+
+
+def fit_max_new_tokens(requested: int | None, key: str, prompt_len: int, settings: HandlerSettings) -> int:
+    """An explicit value (of field `key`) must fit; the default shrinks to the room the prompt leaves."""
+    room = settings.max_seq_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            f"prompt is {prompt_len} tokens; max_seq_len {settings.max_seq_len} leaves no room to generate"
+        )
+    if requested is None:
+        return min(settings.default_max_new_tokens, room)
+    if requested < 1:
+        raise RequestError(f"{key} must be >= 1, got {requested}", param=key)
+    if requested > settings.max_new_tokens_limit:
+        raise RequestError(f"{key} {requested} exceeds the limit {settings.max_new_tokens_limit}", param=key)
+    if requested > room:
+        raise RequestError(
+            f"prompt ({prompt_len} tokens) plus {key} ({requested}) exceeds max_seq_len {settings.max_seq_len}",
+            param=key,
+        )
+    return requested
 
 
 def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
@@ -161,46 +237,8 @@ def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
     if has_prompt == has_messages:
         raise RequestError("send exactly one of 'prompt' (text completion) or 'messages' (chat)")
     if has_prompt:
-        prompt = body["prompt"]
-        if not isinstance(prompt, str):
-            raise RequestError(f"prompt must be a string, got {_type_name(prompt)}")
-        if not prompt:
-            raise RequestError("prompt must not be empty")
-        return tokenizer.encode(prompt, bos=True, eos=False)
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty array of {\"role\", \"content\"} objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(f"messages[{i}] must be an object, got {_type_name(message)}")
-        extra = sorted(set(message) - {"role", "content"})
-        if extra:
-            raise RequestError(f"messages[{i}] has unknown field(s) {extra}; allowed: role, content")
-    try:
-        return tokenizer.encode_chat(messages)
-    except ValueError as exc:
-        raise RequestError(f"invalid messages: {exc}") from None
-
-
-def _max_new_tokens(body: dict[str, Any], prompt_len: int, settings: HandlerSettings) -> int:
-    """An explicit value must fit; the default shrinks to the room the prompt leaves."""
-    room = settings.max_seq_len - prompt_len
-    if room < 1:
-        raise RequestError(
-            f"prompt is {prompt_len} tokens; max_seq_len {settings.max_seq_len} leaves no room to generate"
-        )
-    requested = _integer(body, "max_new_tokens")
-    if requested is None:
-        return min(settings.default_max_new_tokens, room)
-    if requested < 1:
-        raise RequestError(f"max_new_tokens must be >= 1, got {requested}")
-    if requested > settings.max_new_tokens_limit:
-        raise RequestError(f"max_new_tokens {requested} exceeds the limit {settings.max_new_tokens_limit}")
-    if requested > room:
-        raise RequestError(
-            f"prompt ({prompt_len} tokens) plus max_new_tokens ({requested}) exceeds max_seq_len {settings.max_seq_len}"
-        )
-    return requested
+        return text_prompt_ids(body["prompt"], tokenizer)
+    return chat_prompt_ids(body["messages"], tokenizer)
 
 
 def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer: ChatTokenizer) -> Job:
@@ -209,19 +247,10 @@ def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer:
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
-    temperature = _number(body, "temperature")
-    temperature = settings.temperature if temperature is None else temperature
-    if temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {temperature}")
-    top_p = _number(body, "top_p")
-    top_p = settings.top_p if top_p is None else top_p
-    if not 0 < top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
-    seed = _integer(body, "seed")
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise RequestError(f"seed must be in [0, 2**63), got {seed}")
-    ignore_eos = _boolean(body, "ignore_eos")
-    stream = _boolean(body, "stream")
+    temperature, top_p, seed = sampling_fields(body, settings)
+    ignore_eos = boolean_field(body, "ignore_eos")
+    stream = boolean_field(body, "stream")
     prompt_ids = _prompt_ids(body, tokenizer)
-    max_new_tokens = _max_new_tokens(body, len(prompt_ids), settings)
+    max_new_tokens = fit_max_new_tokens(integer_field(body, "max_new_tokens"), "max_new_tokens",
+                                        len(prompt_ids), settings)
     return Job(prompt_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, stream)

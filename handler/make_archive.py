@@ -23,7 +23,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 HANDLER = REPO / "handler" / "llama_handler.py"
-HELPERS = ("llama_request.py", "llama_settings.py", "llama_stream.py")
+HELPERS = ("llama_request.py", "llama_settings.py", "llama_stream.py", "openai_api.py", "llama_metrics.py")
 
 
 def apply_override(config: dict[str, Any], assignment: str) -> None:

@@ -14,7 +14,10 @@ What `write` produces (used by setup_model.sh and tests/serving_util.py):
 - token authorization left on (TorchServe's default; no key here can turn it off);
 - request bodies over `max_request_size` (2 MiB) refused by the frontend with 413, above the
   handler's own 1 MiB cap (`handler.max_request_bytes`, answered with a precise 400);
-- bodies handed to the handler as raw bytes (`decode_input_request=false`).
+- bodies handed to the handler as raw bytes (`decode_input_request=false`);
+- metrics in Prometheus format on the metrics port's /metrics (`metrics_mode=prometheus`), the
+  handler's own metrics included (`model_metrics_auto_detect=true` registers them when they are
+  first reported, so no metrics yaml has to list them; see handler/llama_metrics.py).
 
 `model-status` prints the worker states of a model ("READY", or e.g. "STARTED" while loading),
 asking the management API wherever that config put it (unix socket or TCP), or prints nothing
@@ -130,6 +133,8 @@ def config_properties(
         "use_native_io": "true",
         "max_request_size": str(max_request_size),
         "decode_input_request": "false",
+        "metrics_mode": "prometheus",
+        "model_metrics_auto_detect": "true",
         "model_store": str(store),
     }
     values.update(_parse_extra(extra))
@@ -140,6 +145,8 @@ def config_properties(
         "enable_model_api": "# Model register/unregister API: on only with TCP management (--management).",
         "max_request_size": "# Bodies over this get 413 from the frontend (the handler's own cap answers 400).",
         "decode_input_request": "# Hand request bodies to the handler as raw bytes, so it can validate them strictly.",
+        "metrics_mode": "# /metrics on the metrics port in Prometheus format, with the handler's llama_* metrics\n"
+                        "# (registered when first reported: model_metrics_auto_detect).",
     }
     lines: list[str] = []
     for key, value in values.items():
