@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
 import llama_handler  # noqa: E402
-from llama_request import RequestError, decode_body, parse_request  # noqa: E402
+from llama_request import Job, RequestError, decode_body, parse_request  # noqa: E402
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml  # noqa: E402
 from llama_stream import StreamDecoder  # noqa: E402
 
@@ -193,8 +193,9 @@ def test_stream_pieces_add_up_even_with_invalid_bytes() -> None:
 class FakeContext:
     """TorchServe's side of a call: request ids in, per-request status, type and headers out."""
 
-    def __init__(self, ids: list[str]) -> None:
+    def __init__(self, ids: list[str], paths: dict[str, str] | None = None) -> None:
         self.request_ids = dict(enumerate(ids))
+        self.url_paths = [(paths or {}).get(rid, "") for rid in ids]
         self.status: dict[int, int] = {}
         self.content_types: dict[int, str] = {}
         self.headers: dict[int, dict[str, str]] = {}
@@ -209,6 +210,9 @@ class FakeContext:
 
     def set_response_header(self, idx: int, key: str, value: str) -> None:
         self.headers.setdefault(idx, {})[key] = value
+
+    def get_request_header(self, idx: int, key: str) -> str | None:
+        return self.url_paths[idx] if key == "url_path" else None
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +233,13 @@ def new_handler(engine) -> llama_handler.LlamaHandler:
     return handler
 
 
-def serve(handler, calls: list[list[tuple[str, bytes | None]]]) -> dict[str, list[tuple[str, FakeContext, int]]]:
-    """Run calls as TorchServe would (a request in progress comes back without its body); replies by id."""
+def serve(handler, calls: list[list[tuple[str, bytes | None]]],
+          paths: dict[str, str] | None = None) -> dict[str, list[tuple[str, FakeContext, int]]]:
+    """Run calls as TorchServe would (a request in progress comes back without its body); replies by id.
+    `paths`: the url_path header of a request id (OpenAI paths), "" when absent."""
     replies: dict[str, list] = {}
     for call in calls:
-        context = FakeContext([rid for rid, _ in call])
+        context = FakeContext([rid for rid, _ in call], paths)
         data = [{} if body is None else {"body": body} for _, body in call]
         for idx, reply in enumerate(handler.handle(data, context)):
             # What TorchServe's encoder does with the handler's stopping criteria.
@@ -244,7 +250,8 @@ def serve(handler, calls: list[list[tuple[str, bytes | None]]]) -> dict[str, lis
     return replies
 
 
-def run_to_end(handler, requests: dict[str, bytes], max_calls: int = 200) -> dict[str, list]:
+def run_to_end(handler, requests: dict[str, bytes], max_calls: int = 200,
+               paths: dict[str, str] | None = None) -> dict[str, list]:
     """Call until every request has had its last reply (ts_stream_next false or no header)."""
     pending, replies, first = dict(requests), {}, True
     for _ in range(max_calls):
@@ -252,7 +259,7 @@ def run_to_end(handler, requests: dict[str, bytes], max_calls: int = 200) -> dic
             return replies
         call = [(rid, body if first else None) for rid, body in pending.items()]
         first = False
-        for rid, got in serve(handler, [call]).items():
+        for rid, got in serve(handler, [call], paths).items():
             replies.setdefault(rid, []).extend(got)
             _, context, idx = got[-1]
             if context.headers.get(idx, {}).get("ts_stream_next") != "true":
@@ -341,3 +348,216 @@ def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
         payload = case.payload
         assert job.prompt_ids == case.prompt_ids(real_tokenizer)
         assert job.max_new_tokens == (payload.get("max_new_tokens") or settings.default_max_new_tokens)
+
+
+# --- The OpenAI-compatible front door (openai_api) ---------------------------------------------
+
+import openai_api  # noqa: E402
+from llama_metrics import GENERATED_TOKENS, PROMPT_TOKENS, REQUESTS, TPOT, TTFT, ServingMetrics  # noqa: E402
+from openai_api import CHAT, COMPLETIONS, StopWatcher, parse_openai  # noqa: E402
+
+
+def parse_oa(path: str, body: bytes | dict, settings: HandlerSettings = SETTINGS, tokenizer=None):
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    return parse_openai(path, {"body": body}, settings, tokenizer or ByteTokenizer(), 1001, "llama", "r1", 0)
+
+
+def test_openai_fields_map_onto_the_native_job() -> None:
+    native = parse(b'{"prompt": "hi", "max_new_tokens": 5, "temperature": 0.5, "top_p": 0.5, "seed": 3}')
+    api = parse_oa(COMPLETIONS, {"model": "anything", "prompt": "hi", "max_tokens": 5, "temperature": 0.5,
+                                 "top_p": 0.5, "seed": 3, "user": "u", "n": 1, "echo": False, "logprobs": None,
+                                 "stop": "\n", "stream": True, "stream_options": {"include_usage": True}})
+    assert api.job == Job(native.prompt_ids, 5, 0.5, 0.5, 3, False, True)
+    assert (api.stops, api.include_usage, api.id, api.model) == (("\n",), True, "cmpl-r1", "llama")
+    assert parse_oa(COMPLETIONS, {"prompt": [1000, 104, 105]}).job.prompt_ids == [1000, 104, 105]
+    assert parse_oa(COMPLETIONS, {"prompt": "hi"}).job.max_new_tokens == SETTINGS.default_max_new_tokens
+    chat = parse_oa(CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "h"},
+                                                                     {"type": "text", "text": "i"}]}],
+                           "max_completion_tokens": 4, "stop": ["a", "b"]})
+    assert chat.job.prompt_ids == parse(b'{"messages": [{"role": "user", "content": "hi"}]}').prompt_ids
+    assert (chat.job.max_new_tokens, chat.stops, chat.id) == (4, ("a", "b"), "chatcmpl-r1")
+    assert parse_oa(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).job.max_new_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "path, body, message, param",
+    [
+        (COMPLETIONS, {"prompt": "hi", "n": 2}, "n must be 1", "n"),
+        (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo is not supported", "echo"),
+        (COMPLETIONS, {"prompt": "hi", "logprobs": 2}, "logprobs is not supported", "logprobs"),
+        (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of must be 1", "best_of"),
+        (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
+        (COMPLETIONS, {"prompt": "hi", "ignore_eos": True}, "Unrecognized request argument supplied: ignore_eos",
+         "ignore_eos"),
+        (COMPLETIONS, {"prompt": "hi", "max_new_tokens": 3}, "Unrecognized request argument", "max_new_tokens"),
+        (COMPLETIONS, {"messages": [{"role": "user", "content": "hi"}]}, "Unrecognized request argument", "messages"),
+        (COMPLETIONS, {"max_tokens": 3}, "prompt is required", "prompt"),
+        (COMPLETIONS, {"prompt": ["a", "b"]}, "one prompt per request", "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt must not be empty", "prompt"),
+        (COMPLETIONS, {"prompt": [1, 5000]}, "prompt token ids must be in [0, 1001)", "prompt"),
+        (COMPLETIONS, {"prompt": [1, True]}, "one prompt per request", "prompt"),
+        (COMPLETIONS, {"prompt": ""}, "prompt must not be empty", "prompt"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens must be >= 1", "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 33}, "max_tokens 33 exceeds the limit 32", "max_tokens"),
+        (COMPLETIONS, {"prompt": "x" * 60, "max_tokens": 10}, "exceeds max_seq_len 64", "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}, "max_tokens must be an integer", "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "temperature": -1}, "temperature must be >= 0", "temperature"),
+        (COMPLETIONS, {"prompt": "hi", "top_p": 0}, "top_p must be in (0, 1]", "top_p"),
+        (COMPLETIONS, {"prompt": "hi", "seed": -1}, "seed must be in [0, 2**63)", "seed"),
+        (COMPLETIONS, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "1 to 4 strings", "stop"),
+        (COMPLETIONS, {"prompt": "hi", "stop": ""}, "must not be empty", "stop"),
+        (COMPLETIONS, {"prompt": "hi", "stop": [1]}, "stop strings must be strings", "stop"),
+        (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream must be true or false", "stream"),
+        (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": True}}, "only allowed when stream",
+         "stream_options"),
+        (COMPLETIONS, {"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, "unknown field", "stream_options"),
+        (COMPLETIONS, {"prompt": "hi", "model": 3}, "model must be a string", "model"),
+        (CHAT, {"prompt": "hi"}, "Unrecognized request argument supplied: prompt", "prompt"),
+        (CHAT, {"max_tokens": 3}, "messages is required", "messages"),
+        (CHAT, {"messages": []}, "non-empty array", "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "unknown field(s) ['name']", "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "only text parts", "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_completion_tokens": 2},
+         "only one of", "max_tokens"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+         "tools are not supported", "tools"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+         "response_format", "response_format"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs is not supported",
+         "logprobs"),
+    ],
+)
+def test_openai_refusals_name_the_field(path: str, body: dict, message: str, param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_oa(path, body)
+    assert message in str(info.value) and info.value.status == 400
+    assert openai_api.error_body(info.value) == {
+        "error": {"message": str(info.value), "type": "invalid_request_error", "param": param, "code": None}}
+
+
+def test_openai_paths_refuse_every_hostile_body(real_tokenizer) -> None:
+    """The hostile corpus's bodies (native requests, valid or not) are all 400s on both OpenAI paths."""
+    settings = HandlerSettings(ckpt_dir="/ckpt", max_seq_len=256, default_max_new_tokens=8, max_request_bytes=65536)
+    corpus = hostile_corpus(seed=1, max_seq_len=256, max_body=65536, server_cap=262144)
+    for path in (COMPLETIONS, CHAT):
+        for case in corpus:
+            with pytest.raises(RequestError) as info:
+                parse_openai(path, {"body": case.body}, settings, real_tokenizer, real_tokenizer.n_words, "m", "r")
+            assert info.value.status == 400, (path, case.category, case.body[:120], str(info.value))
+
+
+def test_stop_watcher_cuts_before_the_first_stop_and_holds_back_partial_matches() -> None:
+    watcher = StopWatcher(("END", "\n\n"))
+    shown = [watcher.feed(p) for p in ("abc E", "N", "x", "yz\n", "\nmore")]
+    assert shown == ["abc ", "", "ENx", "yz", ""] and watcher.hit and watcher.text == "abc ENxyz"
+    watcher = StopWatcher(("xyz",))
+    assert watcher.feed("a") == "a" and watcher.feed("bxy") == "b" and watcher.feed("", final=True) == "xy"
+    assert not watcher.hit
+    watcher = StopWatcher(("long stop", "s"))
+    assert watcher.feed("ab long") == "ab " and watcher.feed(" so") == "long " and watcher.hit
+    assert StopWatcher(()).feed("anything") == "anything"
+
+
+def _sse(replies: list) -> list:
+    text = "".join(reply for reply, _, _ in replies)
+    assert text.endswith("data: [DONE]\n\n")
+    events = [event for event in text.split("\n\n") if event]
+    assert all(event.startswith("data: ") for event in events)
+    return [json.loads(event[len("data: "):]) for event in events[:-1]]
+
+
+def test_openai_requests_through_the_handler(engine) -> None:
+    native = final_json(run_to_end(new_handler(engine), {"n": GREEDY % (b"hello there", 12, b"")})["n"])
+    assert len(native["token_ids"]) == 12, "the tiny model ended early; pick another prompt"
+    handler = new_handler(engine)
+    body = json.dumps({"prompt": "hello there", "max_tokens": 12, "temperature": 0}).encode()
+    stream = json.dumps({"prompt": "hello there", "max_tokens": 12, "temperature": 0, "stream": True,
+                         "stream_options": {"include_usage": True}}).encode()
+    paths = {"a": COMPLETIONS, "s": COMPLETIONS, "m": openai_api.MODELS, "x": "v1/embeddings", "bad": CHAT}
+    replies = run_to_end(handler, {"a": body, "s": stream, "m": None, "x": body, "bad": body}, paths=paths)
+    got = final_json(replies["a"])
+    assert got["object"] == "text_completion" and got["model"] == "llama"
+    assert got["choices"][0]["text"] == native["text"] and got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"] == {"prompt_tokens": native["usage"]["prompt_tokens"], "completion_tokens": 12,
+                            "total_tokens": native["usage"]["prompt_tokens"] + 12}
+    chunks = _sse(replies["s"])
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == native["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == got["usage"]
+    _, context, idx = replies["s"][-1]
+    assert context.content_types[idx] == "text/event-stream"
+    assert final_json(replies["m"])["data"][0]["id"] == "llama"
+    for rid, status in (("x", 404), ("bad", 400)):
+        _, context, idx = replies[rid][0]
+        assert context.status[idx] == status and set(final_json(replies[rid])["error"]) == {
+            "message", "type", "param", "code"}
+    assert handler.scheduler.busy_slots == 0 and not handler.live
+
+
+def test_a_stop_string_ends_the_generation_there(engine) -> None:
+    native = final_json(run_to_end(new_handler(engine), {"n": GREEDY % (b"once upon", 20, b"")})["n"])
+    text = native["text"]
+    cut = next(i for i in range(4, len(text) - 3) if text.find(text[i:i + 3]) == i and text[i:i + 3].strip())
+    stop = text[cut:cut + 3]
+    handler = new_handler(engine)
+    plain = {"prompt": "once upon", "max_tokens": 20, "temperature": 0, "stop": ["never-there", stop]}
+    chat_like = {**plain, "stream": True}
+    replies = run_to_end(handler, {"p": json.dumps(plain).encode(), "s": json.dumps(chat_like).encode()},
+                         paths={"p": COMPLETIONS, "s": COMPLETIONS})
+    got = final_json(replies["p"])
+    assert got["choices"][0] == {"index": 0, "text": text[:cut], "logprobs": None, "finish_reason": "stop"}
+    assert got["usage"]["completion_tokens"] < 20  # the generation stopped there, not at max_tokens
+    chunks = _sse(replies["s"])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[:cut]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert handler.scheduler.busy_slots == 0 and not handler.live
+
+
+def test_chat_stream_starts_with_the_assistant_role(engine) -> None:
+    handler = new_handler(engine)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+                       "temperature": 0, "stream": True}).encode()
+    chunks = _sse(run_to_end(handler, {"c": body}, paths={"c": CHAT})["c"])
+    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("usage" not in c for c in chunks)
+
+
+class FakeMetricCache:
+    """TorchServe's context.metrics: records every update."""
+
+    def __init__(self) -> None:
+        self.updates: list[tuple[str, float, list[str]]] = []
+
+    def add_metric_to_cache(self, name, unit, dims, kind):
+        cache = self
+
+        class Metric:
+            def add_or_update(self, value, dimension_values):
+                assert len(dimension_values) == len(dims)
+                cache.updates.append((name, value, list(dimension_values)))
+        return Metric()
+
+    def total(self, name: str, *labels: str) -> float:
+        return sum(v for n, v, d in self.updates if n == name and d[1:] == list(labels))
+
+
+def test_metrics_count_tokens_requests_and_first_tokens(engine) -> None:
+    handler = new_handler(engine)
+    cache = FakeMetricCache()
+    handler.metrics = ServingMetrics(cache, "llama", 3)
+    bodies = {f"r{i}": GREEDY % (b"count me", 3 + i, b"") for i in range(4)}
+    bodies["bad"] = b'{"prompt": 1}'
+    replies = run_to_end(handler, bodies)
+    ok = [final_json(replies[f"r{i}"]) for i in range(4)]
+    assert cache.total(GENERATED_TOKENS) == sum(r["usage"]["completion_tokens"] for r in ok) == 3 + 4 + 5 + 6
+    assert cache.total(PROMPT_TOKENS) == sum(r["usage"]["prompt_tokens"] for r in ok)
+    assert (cache.total(REQUESTS, "ok"), cache.total(REQUESTS, "4xx"), cache.total(REQUESTS, "failed")) == (4, 1, 0)
+    assert sum(1 for n, _, _ in cache.updates if n == TTFT) == 4
+    assert sum(1 for n, _, _ in cache.updates if n == TPOT) == 4
+    assert all(d[0] == "llama" for _, _, d in cache.updates)
+    serve(handler, [[("long", GREEDY % (b"long one", 20, b""))], [("long", None)], []])  # its client left
+    assert cache.total(REQUESTS, "cancelled") == 1 and handler.metrics.gauges["llama_kv_cache_slots_used"] == 0
