@@ -1,0 +1,240 @@
+"""The OpenAI-compatible endpoints on a real TorchServe, driven by the official `openai` client.
+
+One synthetic Llama 3 checkpoint (chat template with special tokens) served by a 2-rank worker
+in float32, so greedy replies can be compared exactly with the native API's.
+base_url is http://127.0.0.1:PORT/predictions/llama/1.0/v1 (the archive's version is 1.0;
+TorchServe passes the rest of the path to the handler as the `url_path` header).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
+
+from hostile_corpus import hostile_corpus  # noqa: E402
+from make_archive import build_archive  # noqa: E402
+from serving_util import TorchServe, free_ports  # noqa: E402
+
+from tp_llama.tokenizer import load_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Grüße aus Köln: the quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there ✓"}]
+MAX_NEW = 24
+MAX_SEQ_LEN = 256
+NEW_TOKENS_LIMIT = 200
+MAX_BODY = 65536
+SERVER_CAP = 262144
+STARTUP_TIMEOUT = 240
+DTYPE = "float32"  # exact comparisons: bfloat16 rounding depends on the batch a row runs in
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt-llama3")
+    done = subprocess.run([sys.executable, "-m", "tp_llama.synthetic", str(out), "--family", "llama3", "--mp", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint: Path):
+    return load_tokenizer(checkpoint / "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("serve-openai")
+    (rdzv_port,) = free_ports(1)
+    build_archive(checkpoint, work / "model_store", name="llama", tp=2, overrides=[
+        f"handler.max_seq_len={MAX_SEQ_LEN}",
+        f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
+        f"handler.default_max_new_tokens={MAX_NEW}",
+        f"handler.max_request_bytes={MAX_BODY}",
+        f"handler.dtype={DTYPE}",
+        "handler.max_batch_size=4",
+        "handler.prefill_budget=32",
+        "batchSize=12",
+        "maxBatchDelay=20",
+        "responseTimeout=120",
+        f"startupTimeout={STARTUP_TIMEOUT}",
+        f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
+    ])
+    ts = TorchServe(work, work / "model_store", "llama", extra_config=[f"max_request_size={SERVER_CAP}"])
+    with ts:
+        ts.start()
+        ts.wait_ready(STARTUP_TIMEOUT)
+        yield ts
+
+
+@pytest.fixture(scope="module")
+def client(server: TorchServe):
+    base_url = f"http://127.0.0.1:{server.inference_port}/predictions/llama/1.0/v1"
+    with openai.OpenAI(base_url=base_url, api_key=server.keys()["inference"], max_retries=0, timeout=120) as c:
+        yield c
+
+
+def native(server: TorchServe, **payload) -> dict:
+    reply = server.predict({"max_new_tokens": MAX_NEW, "temperature": 0, **payload})
+    assert reply.status == 200, reply.body
+    return reply.json()
+
+
+def openai_reason(native_reply: dict) -> str:
+    return {"stop": "stop", "length": "length"}[native_reply["finish_reason"]]
+
+
+def test_completion_equals_the_native_reply(server: TorchServe, client) -> None:
+    want = native(server, prompt=PROMPT)
+    got = client.completions.create(model="llama", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, user="t")
+    assert got.object == "text_completion" and got.model == "llama" and got.id.startswith("cmpl-")
+    assert len(got.choices) == 1
+    assert got.choices[0].text == want["text"]
+    assert got.choices[0].finish_reason == openai_reason(want)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want["usage"]["prompt_tokens"],
+                                                                       want["usage"]["completion_tokens"])
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_token_id_prompt_equals_the_text_prompt(server: TorchServe, client, tokenizer) -> None:
+    want = native(server, prompt=PROMPT)
+    ids = tokenizer.encode(PROMPT, bos=True)
+    got = client.completions.create(model="llama", prompt=ids, max_tokens=MAX_NEW, temperature=0)
+    assert got.choices[0].text == want["text"] and got.usage.prompt_tokens == len(ids)
+
+
+def test_streamed_completion_adds_up_and_reports_usage(server: TorchServe, client) -> None:
+    want = native(server, prompt=PROMPT)
+    chunks = list(client.completions.create(model="llama", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) >= 3 and all(c.object == "text_completion" for c in chunks)
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == want["text"]
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == openai_reason(want)
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == want["usage"]["completion_tokens"]
+    assert all(c.usage is None for c in text_chunks)
+
+
+def test_chat_equals_the_native_messages_reply(server: TorchServe, client) -> None:
+    want = native(server, messages=MESSAGES)
+    got = client.chat.completions.create(model="llama", messages=MESSAGES, max_completion_tokens=MAX_NEW,
+                                         temperature=0, seed=1)
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want["text"]
+    assert got.choices[0].finish_reason == openai_reason(want)
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    streamed = list(client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=MAX_NEW,
+                                                   temperature=0, stream=True))
+    assert streamed[0].object == "chat.completion.chunk" and streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == want["text"]
+    assert streamed[-1].choices[0].finish_reason == openai_reason(want)
+
+
+def test_stop_strings_cut_the_text_and_end_the_generation(server: TorchServe, client) -> None:
+    want = native(server, prompt=PROMPT, max_new_tokens=60)
+    text = want["text"]
+    cut = next(i for i in range(3, len(text) - 4) if text.find(text[i:i + 4]) == i and text[i:i + 4].strip())
+    stop = text[cut:cut + 4]
+    got = client.completions.create(model="llama", prompt=PROMPT, max_tokens=60, temperature=0,
+                                    stop=["\x00never", stop])
+    assert got.choices[0].text == text[:cut] and got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens < 60, "the generation went on after the stop string"
+    pieces = list(client.completions.create(model="llama", prompt=PROMPT, max_tokens=60, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in pieces) == text[:cut]
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_models_list_is_served_by_the_handler(client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["llama"]
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, n=2), "n"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, echo=True), "echo"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, logprobs=2), "logprobs"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, temperature=-1), "temperature"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, max_tokens=NEW_TOKENS_LIMIT + 1), "max_tokens"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, stop=["a", "b", "c", "d", "e"]), "stop"),
+    (lambda c: c.completions.create(model="llama", prompt=[10**9]), "prompt"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, extra_body={"colour": "red"}), "colour"),
+    (lambda c: c.chat.completions.create(model="llama", messages=[{"role": "robot", "content": "x"}]), "messages"),
+    (lambda c: c.chat.completions.create(model="llama", messages=MESSAGES, seed=-1), "seed"),
+    (lambda c: c.chat.completions.create(
+        model="llama", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+])
+def test_bad_requests_raise_bad_request_error(client, call, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        call(client)
+    assert info.value.status_code == 400
+    error = info.value.body
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_a_wrong_key_is_refused(server: TorchServe) -> None:
+    base_url = f"http://127.0.0.1:{server.inference_port}/predictions/llama/1.0/v1"
+    with openai.OpenAI(base_url=base_url, api_key="not-the-key", max_retries=0, timeout=60) as bad:
+        with pytest.raises(openai.APIStatusError) as info:
+            bad.completions.create(model="llama", prompt=PROMPT, max_tokens=2)
+    assert 400 <= info.value.status_code < 500
+
+
+def _post(server: TorchServe, path: str, body: bytes):
+    return server.request("POST", f"/predictions/llama/1.0/{path}", body, timeout=120)
+
+
+def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: TorchServe, client) -> None:
+    """Every hostile body on both OpenAI paths is a 4xx in OpenAI's error shape, while long streamed
+    greedy requests keep running beside them and end exactly as they do alone."""
+    long = {"model": "llama", "prompt": PROMPT, "max_tokens": NEW_TOKENS_LIMIT, "temperature": 0}
+    alone = client.completions.create(**long)
+    cases = hostile_corpus(seed=11, max_seq_len=MAX_SEQ_LEN, max_body=MAX_BODY, server_cap=SERVER_CAP)
+    stop = threading.Event()
+    beside: list = []
+
+    def keep_running() -> None:
+        while not stop.is_set():
+            beside.append("".join(c.choices[0].text for c in client.completions.create(**long, stream=True)))
+
+    runner = threading.Thread(target=keep_running, daemon=True)
+    runner.start()
+    problems: list[str] = []
+
+    def one(job) -> int:
+        path, case = job
+        reply = _post(server, path, case.body)
+        if not 400 <= reply.status < 500:
+            problems.append(f"{path} {case.category} {case.body[:60]!r}: {reply.status} {reply.body[:200]!r}")
+        elif reply.status != 413:  # the frontend's own size cap answers before any handler runs
+            error = json.loads(reply.body).get("error", {})
+            if set(error) != {"message", "type", "param", "code"}:
+                problems.append(f"{path} {case.category}: not OpenAI's error shape: {reply.body[:200]!r}")
+        return reply.status
+
+    started = time.monotonic()
+    jobs = [(path, case) for case in cases for path in ("v1/completions", "v1/chat/completions")]
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(one, jobs))
+    stop.set()
+    runner.join(timeout=180)
+    print(f"\n{len(jobs)} hostile bodies in {time.monotonic() - started:.1f} s; "
+          f"{len(beside)} long requests ran beside them")
+    assert not problems, "\n".join(problems[:20])
+    assert len(statuses) == len(jobs) >= 1000
+    assert beside and all(text == alone.choices[0].text for text in beside)
+    assert client.completions.create(**long).choices[0].text == alone.choices[0].text
