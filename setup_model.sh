@@ -184,7 +184,9 @@ model_status() {
 }
 
 sample_request() {
-  "$PY" - "$INFERENCE_PORT" "$NAME" <<'EOF'
+  local synthetic=0
+  if [ -z "$CKPT_ARG" ] || [ "$CKPT_DIR" = "$DEFAULT_CKPT" ]; then synthetic=1; fi
+  "$PY" - "$INFERENCE_PORT" "$NAME" "$synthetic" <<'EOF'
 import json, sys, time, urllib.request
 key = json.load(open("key_file.json"))["inference"]["key"]
 body = {"prompt": "The capital of France is", "max_new_tokens": 32, "temperature": 0}
@@ -198,6 +200,12 @@ print(f"request: {json.dumps(body)}")
 print(f"completion ({time.monotonic() - started:.2f} s): {reply['text']!r}")
 print(f"token_ids: {reply['token_ids']}")
 print(f"finish_reason: {reply['finish_reason']}, usage: {reply['usage']}")
+if sys.argv[3] == "1":
+    print("\nNote: this is the demo checkpoint, a tiny Llama 2 with RANDOM weights (made by tp_llama.synthetic),\n"
+          "so the completion above is gibberish by design: it only shows that the tokenizer, the tensor-\n"
+          "parallel ranks and TorchServe work end to end. Serve a real Meta Llama checkpoint with\n"
+          "--ckpt-dir (e.g. Llama-2-7b or Meta-Llama-3-8B) and the same request gives a real answer\n"
+          "(' Paris.' or similar).")
 EOF
 }
 
