@@ -17,6 +17,7 @@ from torch import nn
 
 from tp_llama.distributed import DistInfo, broadcast_from_rank0, init_distributed, log, raise_if_any_rank_failed
 from tp_llama.faults import inject_fault
+from tp_llama.kernels import warm_up
 from tp_llama.loader import load_fsdp_model, load_tp_model
 from tp_llama.model import Batch
 from tp_llama.params import ModelArgs, read_params
@@ -155,6 +156,7 @@ class Engine:
         torch_dtype, tokenizer, args = setup
         if mode == "tp":
             model = load_tp_model(ckpt_dir, args, info, torch_dtype)
+            model.optimize_for_inference()
         else:
             model = load_fsdp_model(ckpt_dir, args, info, torch_dtype)
         tp_size = info.world_size if mode == "tp" else 1
@@ -168,6 +170,8 @@ class Engine:
             )
         raise_if_any_rank_failed(error)
         model.eval()
+        if mode == "tp":
+            warm_up(model.matmul_weights(), max_batch_size + prefill_budget, torch_dtype)
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({torch_dtype}, {max_batch_size} KV-cache slots of {max_seq_len})", info.rank)
         return cls(model, tokenizer, args, info, max_seq_len, max_batch_size, prefill_budget, load_s)

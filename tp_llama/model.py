@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tp_llama.kernels import can_pack, linear, pack
+from tp_llama.layout import NONE
+from tp_llama.parallel import LocalLinear
 from tp_llama.params import ModelArgs
 
 
@@ -27,9 +30,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def fused_weight(modules: list[nn.Module], packing: bool) -> torch.Tensor:
+    """One weight for several projections of the same input, so that they run as one matmul."""
+    fused = torch.cat([m.weight.detach() for m in modules])
+    return pack(fused) if packing else fused
+
+
+def as_local_linear(module: nn.Module, packing: bool) -> LocalLinear:
+    """A LocalLinear in place of a plain Linear (TP 1), its weight packed when asked."""
+    local = module if isinstance(module, LocalLinear) else LocalLinear(module.weight.detach(), NONE, None)
+    if packing:
+        local.pack()
+    return local
 
 
 def rope_frequencies(head_dim: int, theta: float, use_scaled_rope: bool) -> torch.Tensor:
@@ -55,7 +70,7 @@ def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> torch
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2]."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
 @dataclass
@@ -153,17 +168,41 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.cache: KVCache | None = None
+        self.wqkv: torch.Tensor | None = None
+        self.widths = (0, 0)  # q and k features of this rank, once fused
+
+    def optimize(self, packing: bool) -> None:
+        """q, k and v as one matmul; the separate projections go (inference only from then on)."""
+        self.widths = (self.wq.weight.shape[0], self.wk.weight.shape[0])
+        self.wqkv = fused_weight([self.wq, self.wk, self.wv], packing)
+        del self.wq, self.wk, self.wv
+        self.wo = as_local_linear(self.wo, packing)
+
+    def _project(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k (rotated) and v, [T, heads, head_dim] each."""
+        hd = self.head_dim
+        if self.wqkv is None:  # FSDP (or the DTensor test oracle) owns the weights: three matmuls
+            q, k, v = (w(x).unflatten(-1, (-1, hd)) for w in (self.wq, self.wk, self.wv))
+            return apply_rope(q, rotation), apply_rope(k, rotation), v
+        n_q, n_kv = self.widths
+        qkv = linear(x, self.wqkv)
+        qk = apply_rope(qkv[:, : n_q + n_kv].unflatten(-1, (-1, hd)), rotation)
+        q, k = qk.split([n_q // hd, n_kv // hd], dim=1)
+        return q, k, qkv[:, n_q + n_kv :].unflatten(-1, (-1, hd))
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
-        q = apply_rope(self.wq(x).unflatten(-1, (-1, self.head_dim)), rotation)
-        k = apply_rope(self.wk(x).unflatten(-1, (-1, self.head_dim)), rotation)
-        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        q, k, v = self._project(x, rotation)
         self.cache.write(batch, k, v)
-        out = torch.empty_like(q)
-        if batch.n_decode:
-            out[: batch.n_decode] = self._decode(q[: batch.n_decode], batch)
-        for first, slot, start, length in batch.prefill:
-            out[first : first + length] = self._prefill(q[first : first + length], slot, start, length)
+        if not batch.prefill:
+            out = self._decode(q, batch)
+        elif not batch.n_decode and len(batch.prefill) == 1:
+            out = self._prefill(q, *batch.prefill[0][1:])
+        else:
+            out = torch.empty_like(q)
+            if batch.n_decode:
+                out[: batch.n_decode] = self._decode(q[: batch.n_decode], batch)
+            for first, slot, start, length in batch.prefill:
+                out[first : first + length] = self._prefill(q[first : first + length], slot, start, length)
         return self.wo(out.flatten(1))
 
     def _decode(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -198,9 +237,19 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w13: torch.Tensor | None = None
+
+    def optimize(self, packing: bool) -> None:
+        """w1 and w3 as one matmul; the separate projections go (inference only from then on)."""
+        self.w13 = fused_weight([self.w1, self.w3], packing)
+        del self.w1, self.w3
+        self.w2 = as_local_linear(self.w2, packing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:  # FSDP owns the weights' memory
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = linear(x, self.w13).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -237,6 +286,25 @@ class Transformer(nn.Module):
         for layer in self.layers:
             attn = _unwrap(layer).attention
             attn.cache = KVCache(max_batch_size, max_seq_len, n_local_kv_heads, self.args.head_dim, dtype, device)
+
+    def optimize_for_inference(self) -> None:
+        """Fewer, faster matmuls for serving: q/k/v and w1/w3 fused, weights packed for oneDNN on CPU.
+
+        Only for weights this process owns (not under FSDP). The model no longer holds Meta's
+        separate projections afterwards, so take any state_dict before.
+        """
+        packing = can_pack(self.norm.weight.device, self.norm.weight.dtype)
+        for layer in self.layers:
+            layer.attention.optimize(packing)
+            layer.feed_forward.optimize(packing)
+        self.output = as_local_linear(self.output, packing)
+
+    def matmul_weights(self) -> list[torch.Tensor]:
+        weights = [self.output.weight]
+        for layer in self.layers:
+            attn, ffn = layer.attention, layer.feed_forward
+            weights += [attn.wqkv, attn.wo.weight, ffn.w13, ffn.w2.weight]
+        return weights
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch.logits_at), V] (float32) of the tokens the batch asks for."""

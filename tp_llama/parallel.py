@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tp_llama.kernels import linear, pack
 from tp_llama.layout import ALL_GATHER, ALL_REDUCE, NONE, tp_sharding
 
 if TYPE_CHECKING:
@@ -113,12 +114,18 @@ class LocalLinear(nn.Module):
         self.comm, self.group = comm, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.comm == ALL_REDUCE:
             return all_reduce_sum(out, self.group)
         if self.comm == ALL_GATHER:
             return all_gather_last_dim(out, self.group)
         return out
+
+    def pack(self) -> None:
+        """Swap the weight for its oneDNN-packed form (kernels.pack); inference only from then on."""
+        packed = pack(self.weight)
+        del self.weight
+        self.weight = packed
 
     def extra_repr(self) -> str:
         return f"local {tuple(self.weight.shape)}, {self.comm}"
