@@ -29,7 +29,7 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from tp_llama.distributed import exit_now
 from tp_llama.engine import Engine
-from tp_llama.scheduler import SamplingParams, Scheduler, Sequence
+from tp_llama.scheduler import SamplingParams, Scheduler, Sequence, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class LlamaHandler(BaseHandler):
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
-        """One call of the continuous batch: admit, cancel, one step, one reply per request."""
+        """One call of the continuous batch: admit, cancel, run steps, one reply per request."""
         self.context = context
         if self.engine.rank != 0:
             try:
@@ -121,16 +121,36 @@ class LlamaHandler(BaseHandler):
         answers = self._admit(data, ids)
         self._expire()
         try:
-            plan = self.scheduler.plan()
-            _, picked = self.engine.step(plan)
-            self.scheduler.commit(plan, picked)
+            shown = self._run_steps()
         except Exception as exc:
             _stop_worker(self.engine.rank, exc)
-        shown = self._after_step()
         replies = [self._reply(idx, rid, answers.get(rid), shown.get(rid, "")) for idx, rid in enumerate(ids)]
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
         self._update_metrics()
         return replies
+
+    def _run_steps(self) -> dict[str, str]:
+        """One step, or up to handler.decode_steps_per_call while every sequence is only decoding.
+
+        Each call costs a round trip through TorchServe (a few ms on CPU); several decode steps per
+        call spread it. A call ends early when a sequence finishes, so its answer goes out at once,
+        and holds a single step while a prompt is waiting or prefilling, so that it starts soon.
+        """
+        scheduler = self.scheduler
+        steps = 1 if scheduler.waiting or any(s.prefilling for s in scheduler.running.values()) else (
+            self.settings.decode_steps_per_call)
+        shown: dict[str, str] = {}
+        for step in range(steps):
+            plan = scheduler.plan()
+            plan.end = step == steps - 1
+            _, picked = self.engine.step(plan)
+            touched = scheduler.commit(plan, picked)
+            for rid, text in self._after_step().items():
+                shown[rid] = shown.get(rid, "") + text
+            if not plan.end and (not scheduler.has_work() or any(seq.finished for seq in touched)):
+                self.engine.step(StepPlan([], end=True))
+                break
+        return shown
 
     def _after_step(self) -> dict[str, str]:
         """Per live request: first-token times, and for OpenAI requests the newly shown text. A stop

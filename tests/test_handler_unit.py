@@ -305,6 +305,19 @@ def test_a_request_joins_a_running_batch_and_answers_as_if_alone(engine) -> None
     assert len(replies["s"]) <= 4  # prefill + 3 tokens, not behind the long one
 
 
+def test_decode_only_calls_run_several_steps_and_end_when_a_sequence_finishes(engine) -> None:
+    handler = new_handler(engine)
+    steps = handler.settings.decode_steps_per_call
+    assert steps > 1
+    body = GREEDY % (b"hi", 2 * steps + 1, b', "stream": true')
+    replies = run_to_end(handler, {"s": body})["s"]
+    tokens_per_reply = [sum(len(json.loads(line)["token_ids"]) for line in reply.splitlines()) for reply, _, _ in replies]
+    # the prefill call samples the first token; then whole calls of `steps` decode steps; the last stops at the end
+    assert tokens_per_reply == [1, steps, steps], tokens_per_reply
+    short = run_to_end(new_handler(engine), {"t": GREEDY % (b"hi", 3, b', "stream": true')})["t"]
+    assert [sum(len(json.loads(line)["token_ids"]) for line in r.splitlines()) for r, _, _ in short] == [1, 2]
+
+
 def test_absent_requests_free_their_slots_and_waiting_ones_get_them(engine) -> None:
     handler = new_handler(engine)
     bodies = {f"r{i}": GREEDY % (b"waiting line", 20, b"") for i in range(5)}
