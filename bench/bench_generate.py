@@ -3,7 +3,7 @@
     python -m bench.bench_generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
                                    [--rounds 3] [--repeats 1]
 
-float32 on CPU, greedy, stop tokens ignored, the same random prompts for every engine. Both
+float32 (or --dtype bfloat16) on CPU, greedy, stop tokens ignored, the same random prompts for every engine. Both
 engines are timed the same way, from the moments new tokens reach the caller: prefill ends
 when the first new token of the batch is out, decode covers the remaining new tokens. The
 bandwidth floor is the weight bytes one decode step must read (every parameter except the
@@ -25,7 +25,8 @@ from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import copy_bandwidth_gbs, last_json, table, torchrun, write_json
 from bench.hf_convert import hf_config, meta_to_hf
 from tp_llama.checkpoint import find_shards, load_shard
-from tp_llama.engine import Engine, GenerationRequest
+from tp_llama.engine import Engine
+from tp_llama.scheduler import SamplingParams, Sequence
 from tp_llama.layout import full_shapes
 from tp_llama.params import ModelArgs, read_params
 from tp_llama.tokenizer import load_tokenizer
@@ -80,18 +81,20 @@ def decode_weight_bytes(args: ModelArgs, elt: int = 4) -> int:
     return sum(torch.Size(s).numel() * elt for k, s in full_shapes(args).items() if k != "tok_embeddings.weight")
 
 
-def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> dict:
-    """Engine.generate on every rank; per-step times come from the on_tokens callback."""
-    engine = Engine.load(ckpt, "tp", "float32", max_seq_len=prompt_len + new_tokens, max_batch_size=max(batches))
+def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> dict:
+    """Engine.generate on every rank; per-step times come from its on_step callback."""
+    engine = Engine.load(ckpt, "tp", dtype, max_seq_len=prompt_len + new_tokens, max_batch_size=max(batches),
+                         prefill_budget=max(batches) * prompt_len)
     warm = prompts(engine.args, 1, 16)[0]
-    engine.generate([GenerationRequest(warm, 4, ignore_eos=True)])
+    engine.generate([Sequence("warm", warm, SamplingParams(4, ignore_eos=True))])
 
     def run_once(batch: int) -> tuple[float, float, float, list[list[int]]]:
         stamps: list[float] = []
-        requests = [GenerationRequest(p, new_tokens, ignore_eos=True) for p in prompts(engine.args, batch, prompt_len)]
+        params = SamplingParams(new_tokens, ignore_eos=True)
+        seqs = [Sequence(str(i), p, params) for i, p in enumerate(prompts(engine.args, batch, prompt_len))]
         started = time.perf_counter()
-        out = engine.generate(requests, on_tokens=lambda _: stamps.append(time.perf_counter()))
-        return started, stamps[0], stamps[-1], [r.token_ids for r in out]
+        engine.generate(seqs, on_step=lambda _: stamps.append(time.perf_counter()))
+        return started, stamps[0], stamps[-1], [s.output for s in seqs]
 
     results = measure(run_once, batches, prompt_len, new_tokens, repeats)
     return {"load_s": engine.load_s, "threads": torch.get_num_threads(), "results": results}
@@ -110,7 +113,7 @@ class StepTimes:
         pass
 
 
-def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> dict:
+def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> dict:
     """LlamaForCausalLM.generate, greedy, exactly new_tokens tokens per row."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
@@ -121,6 +124,7 @@ def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, rep
         raise ValueError("the transformers baseline reads an MP 1 checkpoint")
     model = LlamaForCausalLM(hf_config(args, prompt_len + new_tokens)).eval()
     model.load_state_dict(meta_to_hf(load_shard(paths[0]), args), strict=True)
+    model = model.to(getattr(torch, dtype))
     load_s = time.perf_counter() - started
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
@@ -158,12 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="launches of each engine, taking turns")
     parser.add_argument("--repeats", type=int, default=1, help="generations per batch size in each launch")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines")
     parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.worker:
         run = run_ours if a.worker == "ours" else run_hf
-        result = run(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats)
+        result = run(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats, a.dtype)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(json.dumps(result), flush=True)
         return
@@ -171,12 +176,13 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = ensure_checkpoint(PRESETS[a.preset], mp=1)
     args = read_params(ckpt)
     bandwidth = copy_bandwidth_gbs()
-    weight_bytes = decode_weight_bytes(args)
+    weight_bytes = decode_weight_bytes(args, torch.tensor([], dtype=getattr(torch, a.dtype)).element_size())
     floor_tok_s = bandwidth * 1e9 / weight_bytes
-    print(f"copy bandwidth {bandwidth:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of float32 weights per decode step "
+    print(f"copy bandwidth {bandwidth:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of {a.dtype} weights per decode step "
           f"-> batch-1 decode floor {floor_tok_s:.1f} tok/s", flush=True)
     common = ["--ckpt", str(ckpt), "--batches", *map(str, a.batches),
-              "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
+              "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats),
+              "--dtype", a.dtype]
     launches: dict[str, list[dict]] = {"ours TP1": [], "ours TP2": [], "transformers": []}
     for _ in range(a.rounds):  # engines take turns, so a change in the machine's load hits all of them
         for name, worker, nproc in (("ours TP1", "ours", 1), ("ours TP2", "ours", 2), ("transformers", "hf", 1)):
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in engine["results"]:
             del r["tokens"]
     data = {
-        "preset": a.preset, "ckpt": str(ckpt), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+        "preset": a.preset, "dtype": a.dtype, "ckpt": str(ckpt), "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
         "rounds": a.rounds, "repeats": a.repeats,
         "copy_bandwidth_gbs": bandwidth, "decode_weight_bytes": weight_bytes, "floor_tok_s": floor_tok_s,
         "agreement_with_tp1": agree, "engines": engines,
@@ -217,7 +223,7 @@ def report(data: dict) -> str:
                "decode / (batch x floor)"]
     notes = [
         f"- Copy bandwidth {data['copy_bandwidth_gbs']:.1f} GB/s (read + write, 2 threads); one decode step reads "
-        f"{data['decode_weight_bytes'] / 1e6:.0f} MB of float32 weights, so batch-1 decode cannot beat "
+        f"{data['decode_weight_bytes'] / 1e6:.0f} MB of {data.get('dtype', 'float32')} weights, so batch-1 decode cannot beat "
         f"{floor:.1f} tok/s.",
         f"- Prompt {data['prompt_len']} tokens, {data['new_tokens']} new tokens, greedy; medians of "
         f"{data['rounds'] * data['repeats']} generations per batch size ({data['rounds']} launches of each engine, "
