@@ -66,6 +66,7 @@ class LlamaHandler(BaseHandler):
         self.scheduler: Scheduler | None = None
         self.live: dict[str, Live] = {}
         self.response_timeout_s = float("inf")
+        self._last_step_s = 0.0
         self.model_name = "llama"
         self.metrics: ServingMetrics | None = None
 
@@ -130,27 +131,33 @@ class LlamaHandler(BaseHandler):
         return replies
 
     def _run_steps(self) -> dict[str, str]:
-        """One step, or up to handler.decode_steps_per_call while every sequence is only decoding.
+        """One step, or decode steps for up to handler.decode_call_ms while every sequence is only decoding.
 
         Each call costs a round trip through TorchServe (a few ms on CPU); several decode steps per
         call spread it. A call ends early when a sequence finishes, so its answer goes out at once,
         and holds a single step while a prompt is waiting or prefilling, so that it starts soon.
         """
         scheduler = self.scheduler
-        steps = 1 if scheduler.waiting or any(s.prefilling for s in scheduler.running.values()) else (
-            self.settings.decode_steps_per_call)
+        started = time.perf_counter()
+        budget_s = 0.0 if scheduler.waiting or any(s.prefilling for s in scheduler.running.values()) else (
+            self.settings.decode_call_ms / 1000)
         shown: dict[str, str] = {}
-        for step in range(steps):
+        while True:
+            step_started = time.perf_counter()
             plan = scheduler.plan()
-            plan.end = step == steps - 1
+            # The last step unless one more would still end within the budget (a step takes about as
+            # long as the one before).
+            plan.end = step_started - started + 2 * self._last_step_s > budget_s
             _, picked = self.engine.step(plan)
+            self._last_step_s = time.perf_counter() - step_started
             touched = scheduler.commit(plan, picked)
             for rid, text in self._after_step().items():
                 shown[rid] = shown.get(rid, "") + text
-            if not plan.end and (not scheduler.has_work() or any(seq.finished for seq in touched)):
+            if plan.end:
+                return shown
+            if not scheduler.has_work() or any(seq.finished for seq in touched):
                 self.engine.step(StepPlan([], end=True))
-                break
-        return shown
+                return shown
 
     def _after_step(self) -> dict[str, str]:
         """Per live request: first-token times, and for OpenAI requests the newly shown text. A stop

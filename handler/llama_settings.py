@@ -13,8 +13,9 @@ from typing import Any
 
 from tp_llama.engine import DEFAULT_MAX_SEQ_LEN, DEFAULT_PREFILL_BUDGET, DEFAULT_SLOTS, MODES
 
-# Decode steps one TorchServe call may run while no prompt waits (each call costs a round trip).
-DEFAULT_DECODE_STEPS_PER_CALL = 4
+# How long one TorchServe call may go on decoding while no prompt waits (each call costs a round
+# trip through the frontend, so a call runs several steps; this bounds what a new request waits).
+DEFAULT_DECODE_CALL_MS = 40
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class HandlerSettings:
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     max_batch_size: int = DEFAULT_SLOTS
     prefill_budget: int = DEFAULT_PREFILL_BUDGET
-    decode_steps_per_call: int = DEFAULT_DECODE_STEPS_PER_CALL
+    decode_call_ms: int = DEFAULT_DECODE_CALL_MS
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
     temperature: float = 0.6
@@ -70,7 +71,7 @@ def settings_from_yaml(block: dict[str, Any] | None) -> HandlerSettings:
         max_seq_len=_int_setting(block, "max_seq_len", DEFAULT_MAX_SEQ_LEN, 2),
         max_batch_size=_int_setting(block, "max_batch_size", DEFAULT_SLOTS, 1),
         prefill_budget=_int_setting(block, "prefill_budget", DEFAULT_PREFILL_BUDGET, 1),
-        decode_steps_per_call=_int_setting(block, "decode_steps_per_call", DEFAULT_DECODE_STEPS_PER_CALL, 1),
+        decode_call_ms=_int_setting(block, "decode_call_ms", DEFAULT_DECODE_CALL_MS, 0),
         default_max_new_tokens=_int_setting(block, "default_max_new_tokens", 128, 1),
         max_new_tokens_limit=_int_setting(block, "max_new_tokens_limit", 1024, 1),
         temperature=_float_setting(block, "temperature", 0.6),

@@ -6,6 +6,7 @@ continuous-batching handler call by call, as TorchServe does, over a real one-pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -305,17 +306,20 @@ def test_a_request_joins_a_running_batch_and_answers_as_if_alone(engine) -> None
     assert len(replies["s"]) <= 4  # prefill + 3 tokens, not behind the long one
 
 
-def test_decode_only_calls_run_several_steps_and_end_when_a_sequence_finishes(engine) -> None:
-    handler = new_handler(engine)
-    steps = handler.settings.decode_steps_per_call
-    assert steps > 1
-    body = GREEDY % (b"hi", 2 * steps + 1, b', "stream": true')
-    replies = run_to_end(handler, {"s": body})["s"]
-    tokens_per_reply = [sum(len(json.loads(line)["token_ids"]) for line in reply.splitlines()) for reply, _, _ in replies]
-    # the prefill call samples the first token; then whole calls of `steps` decode steps; the last stops at the end
-    assert tokens_per_reply == [1, steps, steps], tokens_per_reply
-    short = run_to_end(new_handler(engine), {"t": GREEDY % (b"hi", 3, b', "stream": true')})["t"]
-    assert [sum(len(json.loads(line)["token_ids"]) for line in r.splitlines()) for r, _, _ in short] == [1, 2]
+def tokens_per_reply(replies: list) -> list[int]:
+    return [sum(len(json.loads(line)["token_ids"]) for line in reply.splitlines()) for reply, _, _ in replies]
+
+
+def test_decode_only_calls_run_steps_within_their_time_and_end_when_a_sequence_finishes(engine) -> None:
+    body = GREEDY % (b"hi", 9, b', "stream": true')
+    one_step = new_handler(engine)
+    one_step.settings = dataclasses.replace(SETTINGS, decode_call_ms=0)
+    assert tokens_per_reply(run_to_end(one_step, {"s": body})["s"]) == [1] * 9
+    unbounded = new_handler(engine)
+    unbounded.settings = dataclasses.replace(SETTINGS, decode_call_ms=10**6)
+    # the prefill call samples the first token; one call decodes the rest and stops when it is done
+    replies = run_to_end(unbounded, {"s": body, "t": GREEDY % (b"hey", 4, b', "stream": true')})
+    assert tokens_per_reply(replies["t"]) == [1, 3] and tokens_per_reply(replies["s"]) == [1, 3, 5]
 
 
 def test_absent_requests_free_their_slots_and_waiting_ones_get_them(engine) -> None:
