@@ -15,7 +15,7 @@ from tp_llama.engine import DEFAULT_MAX_SEQ_LEN, DEFAULT_PREFILL_BUDGET, DEFAULT
 
 # How long one TorchServe call may go on decoding while no prompt waits (each call costs a round
 # trip through the frontend, so a call runs several steps; this bounds what a new request waits).
-DEFAULT_DECODE_CALL_MS = 40
+DEFAULT_DECODE_CALL_MS = 60
 
 
 @dataclass(frozen=True)
