@@ -25,6 +25,7 @@ from llama_request import Live, RequestError, parse_request
 from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
 from llama_stream import StreamDecoder
 from openai_api import MODELS, PATHS, SSE_TYPE, error_body, models_list, parse_openai
+import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 from tp_llama.distributed import exit_now
@@ -94,10 +95,11 @@ class LlamaHandler(BaseHandler):
             self.metrics = ServingMetrics(getattr(context, "metrics", None), self.model_name,
                                           self.engine.max_batch_size)
         logger.info(
-            "rank %d/%d ready on %s: %s (%s tokenizer, mode=%s, %s, %d slots) loaded in %.2f s",
+            "rank %d/%d ready on %s (%d threads): %s (%s tokenizer, mode=%s, %s, %d slots) loaded in %.2f s",
             self.engine.rank,
             self.engine.world_size,
             self.engine.device,
+            torch.get_num_threads(),
             ckpt_dir,
             self.engine.tokenizer.family,
             self.settings.mode,
