@@ -96,6 +96,18 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def split_dim(key: str, family: str) -> int | None:
+    """The dim fairscale split a tensor along (None: whole in every file), by Meta's names and
+    family, written out here independently of tp_llama.layout."""
+    if key == "tok_embeddings.weight":
+        return 1 if family == "llama2" else 0
+    if key.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) or key == "output.weight":
+        return 0
+    if key.endswith(("wo.weight", "w2.weight")):
+        return 1
+    return None
+
+
 def consolidated_files(ckpt_dir: str | Path) -> list[Path]:
     found = {}
     for path in Path(ckpt_dir).iterdir():

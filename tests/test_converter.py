@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 from dist_util import run_ranks
+from reference import split_dim
 from tp_llama.checkpoint_converter import (
     _all_gather_into_list,
     _is_tp_sharded,
@@ -26,17 +27,6 @@ ARGS = {
     "llama2": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=96, family="llama2"),
     "llama3": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim=96, family="llama3"),
 }
-
-
-def split_dim(key: str, family: str) -> int | None:
-    """Fairscale's table, written out here independently of tp_llama.layout."""
-    if key == "tok_embeddings.weight":
-        return 1 if family == "llama2" else 0
-    if key.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) or key == "output.weight":
-        return 0
-    if key.endswith(("wo.weight", "w2.weight")):
-        return 1
-    return None
 
 
 def full_weights(family: str) -> dict[str, torch.Tensor]:

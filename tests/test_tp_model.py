@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
+from reference import split_dim
 from tp_llama.distributed import DistInfo
 from tp_llama.layout import full_shapes
 from tp_llama.loader import load_tp_model
@@ -34,17 +35,6 @@ COMM = {
     "llama3": {"tok_embeddings": "all_reduce", "output": "all_gather", "wo": "all_reduce", "w2": "all_reduce"},
 }
 MPS = (1, 2, 4)
-
-
-def split_dim(key: str, family: str) -> int | None:
-    """Fairscale's split, written out here independently of tp_llama.layout."""
-    if key == "tok_embeddings.weight":
-        return 1 if family == "llama2" else 0
-    if key.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")) or key == "output.weight":
-        return 0
-    if key.endswith(("wo.weight", "w2.weight")):
-        return 1
-    return None
 
 
 def full_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
