@@ -50,7 +50,7 @@ from pathlib import Path
 from bench.bench_serve import percentile, prompt_text
 from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import OUT, REPO, table, write_json
-from bench.vllm_peer import VLLM_VENV, VLLMServer, convert_in_venv, vllm_stream
+from bench.vllm_peer import VLLM_VENV, VLLMServer, convert_in_venv, openai_stream, vllm_stream
 from tp_llama.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -258,6 +258,10 @@ def measure_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace
             raise RuntimeError(f"the server did not come up: {worker_errors(server) or str(exc)[-600:]}") from exc
         print(f"[{label}] ready after {result['ready_s']:.0f} s ({root})", flush=True)
         send = lambda p, n: torchserve_stream(server, p, n, a.timeout)  # noqa: E731
+        if label == "ours" and a.api == "openai":  # the same prompt ids through /v1/completions
+            auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
+            path = f"/predictions/{NAME}/1.0/v1/completions"
+            send = lambda p, n: openai_stream(server.inference_port, path, ids, n, auth, {}, a.timeout)  # noqa: E731
         warm = send(text, a.check_tokens)
         result["prompt_tokens"] = warm["prompt_tokens"]
         result["first_tokens"] = warm["token_ids"]
@@ -450,6 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--tp", type=int, default=2, help="ranks of our servers")
     parser.add_argument("--omp-threads", type=int, default=1, help="OpenMP threads per rank (torchrun.OMP_NUMBER_THREADS)")
+    parser.add_argument("--api", choices=("native", "openai"), default="native",
+                        help="how the clients talk to ours: the native API (prompt text) or /v1/completions "
+                             "(the prompt's token ids, as vLLM gets them; our chunks carry no token ids)")
     parser.add_argument("--yaml", action="append", default=[], metavar="KEY=VALUE",
                         help="model-config.yaml override for ours, e.g. continuousBatching=true (repeatable)")
     parser.add_argument("--yaml-before", action="append", default=[], metavar="KEY=VALUE",

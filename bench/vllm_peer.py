@@ -161,19 +161,25 @@ class VLLMServer:
 
 
 def vllm_stream(port: int, prompt_ids: list[int], max_tokens: int, timeout: float = 600) -> dict:
-    """One streaming /v1/completions request, greedy, stop tokens ignored; times in seconds from sending.
+    """One streaming /v1/completions request to vLLM (token ids come back with return_token_ids)."""
+    return openai_stream(port, "/v1/completions", prompt_ids, max_tokens, {}, {"model": SERVED_NAME,
+                         "return_token_ids": True}, timeout)
+
+
+def openai_stream(port: int, path: str, prompt_ids: list[int], max_tokens: int, headers: dict[str, str],
+                  extra: dict, timeout: float = 600) -> dict:
+    """One streaming OpenAI completions request, greedy, stop tokens ignored; times in seconds from sending.
 
     Returns ttft_s (first chunk carrying a token), latency_s, tokens (usage.completion_tokens),
     prompt_tokens, and token_ids when the server sends them.
     """
-    body = {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     started = time.perf_counter()
     try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json",
+                                                                           **headers})
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")

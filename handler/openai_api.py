@@ -86,7 +86,8 @@ _HONOURED = {
     COMPLETIONS: {"prompt", "max_tokens"},
     CHAT: {"messages", "max_tokens", "max_completion_tokens"},
 }
-_COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options"}
+# ignore_eos is vLLM's extension (benchmark clients send it to get exactly max_tokens tokens).
+_COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos"}
 
 
 def error_body(error: RequestError) -> dict[str, Any]:
@@ -354,6 +355,7 @@ def parse_openai(
         raise RequestError(f"user must be a string, got {type_name(user)}", param="user")
     temperature, top_p, seed = sampling_fields(body, settings)
     stream = boolean_field(body, "stream")
+    ignore_eos = boolean_field(body, "ignore_eos")
     include_usage = _include_usage(body, stream)
     stops = _stop_strings(body)
     if path == CHAT:
@@ -369,7 +371,7 @@ def parse_openai(
             raise RequestError("prompt is required", param="prompt")
         prompt_ids = _completion_prompt_ids(body["prompt"], tokenizer, vocab_size)
     max_new_tokens = fit_max_new_tokens(integer_field(body, key), key, len(prompt_ids), settings)
-    job = Job(prompt_ids, max_new_tokens, temperature, top_p, seed, False, stream)
+    job = Job(prompt_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, stream)
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created)

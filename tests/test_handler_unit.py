@@ -395,6 +395,8 @@ def test_openai_fields_map_onto_the_native_job() -> None:
     assert chat.job.prompt_ids == parse(b'{"messages": [{"role": "user", "content": "hi"}]}').prompt_ids
     assert (chat.job.max_new_tokens, chat.stops, chat.id) == (4, ("a", "b"), "chatcmpl-r1")
     assert parse_oa(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).job.max_new_tokens == 3
+    assert parse_oa(COMPLETIONS, {"prompt": "hi", "ignore_eos": True}).job.ignore_eos  # vLLM's extension
+    assert not parse_oa(COMPLETIONS, {"prompt": "hi"}).job.ignore_eos
 
 
 @pytest.mark.parametrize(
@@ -405,8 +407,7 @@ def test_openai_fields_map_onto_the_native_job() -> None:
         (COMPLETIONS, {"prompt": "hi", "logprobs": 2}, "logprobs is not supported", "logprobs"),
         (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of must be 1", "best_of"),
         (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
-        (COMPLETIONS, {"prompt": "hi", "ignore_eos": True}, "Unrecognized request argument supplied: ignore_eos",
-         "ignore_eos"),
+        (COMPLETIONS, {"prompt": "hi", "ignore_eos": 1}, "ignore_eos must be true or false", "ignore_eos"),
         (COMPLETIONS, {"prompt": "hi", "max_new_tokens": 3}, "Unrecognized request argument", "max_new_tokens"),
         (COMPLETIONS, {"messages": [{"role": "user", "content": "hi"}]}, "Unrecognized request argument", "messages"),
         (COMPLETIONS, {"max_tokens": 3}, "prompt is required", "prompt"),
