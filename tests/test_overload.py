@@ -1,0 +1,78 @@
+"""Overload: more requests than KV-cache slots wait in order, and past the bounded line get a 503.
+
+A real TorchServe with 2 slots, a worker that holds 3 requests (batchSize) and a TorchServe queue
+of 2 (job_queue_size): of 10 requests sent at once, the 5 it can hold are each answered with
+their own text, the rest get TorchServe's 503 with a JSON body at once; none is lost or answered
+twice. Then the server serves normally again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
+
+from make_archive import build_archive  # noqa: E402
+from serving_util import TorchServe, free_ports  # noqa: E402
+
+from tp_llama.synthetic import write_checkpoint  # noqa: E402
+
+SLOTS, HELD, QUEUE, SENT = 2, 3, 2, 10
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("overload")
+    ckpt = write_checkpoint(work / "ckpt", family="llama3", mp=1)
+    (rdzv_port,) = free_ports(1)
+    build_archive(ckpt, work / "model_store", tp=1, overrides=[
+        f"handler.max_batch_size={SLOTS}", f"batchSize={HELD}", "handler.dtype=float32", "handler.max_seq_len=256",
+        "torchrun.OMP_NUMBER_THREADS=1", f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}", "startupTimeout=240",
+    ])
+    ts = TorchServe(work, work / "model_store", "llama", extra_config=[f"job_queue_size={QUEUE}"])
+    with ts:
+        ts.start()
+        ts.wait_ready(240)
+        yield ts
+
+
+def greedy(i: int) -> dict:
+    return {"prompt": f"Request {i}: the lamp keeper wrote", "max_new_tokens": 60, "temperature": 0,
+            "ignore_eos": True}
+
+
+def test_requests_beyond_the_line_get_503_and_the_rest_their_own_text(server: TorchServe) -> None:
+    alone = {i: server.predict(greedy(i)).json() for i in range(SENT)}
+    replies: dict[int, object] = {}
+    barrier = threading.Barrier(SENT)
+
+    def send(i: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            replies[i] = server.predict(greedy(i), timeout=120)
+        except Exception as exc:  # reported below
+            replies[i] = exc
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(SENT)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=150)
+    assert len(replies) == SENT, "a request never came back"
+    served = [i for i, r in replies.items() if getattr(r, "status", None) == 200]
+    refused = [i for i, r in replies.items() if getattr(r, "status", None) == 503]
+    assert sorted(served + refused) == list(range(SENT)), {i: r for i, r in replies.items() if i not in served + refused}
+    assert len(served) >= SLOTS + QUEUE and refused, (served, refused)
+    for i in served:
+        assert replies[i].json() == alone[i], f"request {i} got another text"
+    for i in refused:
+        body = json.loads(replies[i].body)
+        assert body["code"] == 503 and body["message"], body
+    assert server.predict(greedy(0)).json() == alone[0]
+    assert server.finishes()[-1]["busy"] == 0
