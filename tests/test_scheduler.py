@@ -157,3 +157,12 @@ def test_rows_give_the_same_logits_in_any_mix_of_chunks_and_slots(model: Transfo
     # decode rows in slots 0, 2 and 5: holes at 1, 3 and 4 between them
     check([(5, 6, seqs[0][6:7], True), (0, 2, seqs[2][2:3], True), (2, 11, seqs[1][11:], True)],
           [(0, 6), (2, 2), (1, 11)])
+
+
+def test_a_kv_cache_too_big_for_memory_fails_the_load_naming_the_keys(tmp_path):
+    from tp_llama.engine import Engine
+    from tp_llama.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=1)
+    with pytest.raises(MemoryError, match="lower handler.max_batch_size or handler.max_seq_len"):
+        Engine.load(ckpt, "tp", "float32", max_seq_len=2**20, max_batch_size=2**20)
