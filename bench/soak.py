@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     store = build_archive(ckpt, work / "model_store", overrides=[
         f"handler.max_seq_len={MAX_SEQ_LEN}", f"handler.max_request_bytes={MAX_BODY}",
         f"handler.default_max_new_tokens={DEFAULT_NEW}", "maxBatchDelay=20",
+        # replies are compared with the same request sent alone, exactly: float32 (bfloat16's
+        # rounding depends on the batch a row runs in)
+        "handler.dtype=float32",
     ]).parent
     expiry = int(a.minutes + 30)  # keys must outlive the run
     extra = [f"max_request_size={SERVER_CAP}", f"token_expiration_min={expiry}"]
