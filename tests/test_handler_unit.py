@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -579,3 +580,17 @@ def test_metrics_count_tokens_requests_and_first_tokens(engine) -> None:
     assert all(d[0] == "llama" for _, _, d in cache.updates)
     serve(handler, [[("long", GREEDY % (b"long one", 20, b""))], [("long", None)], []])  # its client left
     assert cache.total(REQUESTS, "cancelled") == 1 and handler.metrics.gauges["llama_kv_cache_slots_used"] == 0
+
+
+def test_a_request_past_response_timeout_ends_and_frees_its_slot(engine) -> None:
+    handler = new_handler(engine)
+    handler.response_timeout_s = 0.2
+    body = GREEDY % (b"a long story", 30, b"")
+    first = serve(handler, [[("slow", body)]])["slow"]
+    assert first[0][0] == "" and handler.scheduler.busy_slots == 1
+    time.sleep(0.3)
+    replies = run_to_end(handler, {"slow": None})["slow"]
+    reply = final_json(replies)
+    assert "responseTimeout" in reply["error"] and reply["finish_reason"] == "timeout"
+    assert reply["usage"]["completion_tokens"] < 30
+    assert handler.scheduler.busy_slots == 0 and not handler.live
