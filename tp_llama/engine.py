@@ -171,7 +171,7 @@ class Engine:
         raise_if_any_rank_failed(error)
         model.eval()
         if mode == "tp":
-            warm_up(model.matmul_weights(), max_batch_size + prefill_budget, torch_dtype)
+            warm_up(model.matmul_weights(), max_batch_size, torch_dtype)
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({torch_dtype}, {max_batch_size} KV-cache slots of {max_seq_len})", info.rank)
         return cls(model, tokenizer, args, info, max_seq_len, max_batch_size, prefill_budget, load_s)

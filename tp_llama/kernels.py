@@ -4,7 +4,9 @@ On a CPU, oneDNN's blocked weight layout is 15-35% faster than PyTorch's default
 batches of rows, and for bfloat16 at every batch size (bench/bench_step.py measures it). The
 packed weight replaces the plain one, so it costs no memory of its own. oneDNN builds and keeps
 a kernel per row count, so row counts are rounded up to a few sizes (exact up to a decode batch
-of EXACT_ROWS, then multiples of it), and every size is built once at load: memory stays flat.
+of EXACT_ROWS, then multiples of it): the kernels it keeps are bounded. The decode sizes are
+built at load, the few prefill sizes when first met (building them all at load took most of a
+1 GB model's bring-up).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def warm_up(weights: list[torch.Tensor], max_rows: int, dtype: torch.dtype) -> None:
-    """Build oneDNN's kernel for every row count a step can have, now rather than mid-serving."""
-    sizes = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
+    """Build oneDNN's kernel for every decode batch size (up to max_rows), now rather than mid-serving."""
+    sizes = sorted({padded_rows(rows) for rows in range(1, min(max_rows, EXACT_ROWS) + 1)})
     shapes = {tuple(w.shape): w for w in weights if w.is_mkldnn}  # kernels depend on shapes, not values
     for weight in shapes.values():
         for rows in sizes:
