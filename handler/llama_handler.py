@@ -58,7 +58,7 @@ def _stop_worker(rank: int, error: BaseException) -> NoReturn:
 
 
 class LlamaHandler(BaseHandler):
-    """Loads the engine on every rank; rank 0 schedules, every rank runs one step per call."""
+    """Loads the engine on every rank; rank 0 schedules, every rank runs the steps of each call."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -173,8 +173,8 @@ class LlamaHandler(BaseHandler):
                     self.metrics.first_token(seq)
             if live.api is not None:
                 shown[rid] = live.api.advance(seq)
-                if live.api.stopped and not seq.finished:
-                    self.scheduler.cancel(seq)
+                if live.api.stopped:
+                    self.scheduler.cancel(seq, "stop")
         return shown
 
     def _update_metrics(self) -> None:
@@ -270,9 +270,8 @@ class LlamaHandler(BaseHandler):
         """Requests older than the yaml's responseTimeout end now, with what they have."""
         now = time.perf_counter()
         for live in self.live.values():
-            if not live.seq.finished and now - live.seq.arrived > self.response_timeout_s:
-                self.scheduler.cancel(live.seq)
-                live.seq.finish_reason = "timeout"
+            if now - live.seq.arrived > self.response_timeout_s:
+                self.scheduler.cancel(live.seq, "timeout")
 
     def _reply(self, idx: int, rid: str, answer: tuple[str, Any] | None, shown: str) -> str:
         context = self.context
@@ -294,9 +293,7 @@ class LlamaHandler(BaseHandler):
                 return ""
             new = seq.take_new_tokens()
             return _line({"text": live.stream.push(new), "token_ids": new}) if new else ""
-        del self.live[rid]
-        self._log_end(rid, live, seq.finish_reason)
-        self._count("failed" if seq.finish_reason == "timeout" else "ok", seq)
+        self._retire(rid, live, seq.finish_reason)
         usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)}
         if seq.finish_reason == "timeout":
             return _line({"error": f"the request ran past responseTimeout ({self.response_timeout_s:g} s)",
@@ -319,11 +316,14 @@ class LlamaHandler(BaseHandler):
         else:
             reply = ""
         if seq.finished:
-            del self.live[rid]
-            reason = api.finish_reason(seq)
-            self._log_end(rid, live, "stop (a stop string)" if api.stopped else reason)
-            self._count("failed" if reason == "timeout" else "ok", seq)
+            self._retire(rid, live, "stop (a stop string)" if api.stopped else seq.finish_reason)
         return reply
+
+    def _retire(self, rid: str, live: Live, how: str) -> None:
+        """A request's last reply is written: forget it, log and count how it ended."""
+        del self.live[rid]
+        self._log_end(rid, live, how)
+        self._count("failed" if live.seq.finish_reason == "timeout" else "ok", live.seq)
 
     def _log_end(self, rid: str, live: Live, how: str) -> None:
         logger.info(

@@ -120,13 +120,13 @@ class Scheduler:
             seq.generator = torch.Generator().manual_seed(seed)
         self.waiting.append(seq)
 
-    def cancel(self, seq: Sequence) -> None:
-        """Drop a sequence wherever it is; its slot is free for the next step."""
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """End a sequence wherever it is (client gone, timeout, stop string); its slot is free for the next step."""
         if seq.finished:
             return
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self._finish(seq, "cancelled")
+        self._finish(seq, reason)
 
     def plan(self) -> StepPlan:
         """The next step: every decoding sequence, then prompt chunks within the budget."""
