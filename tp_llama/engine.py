@@ -57,7 +57,6 @@ class StepStats:
     prefill_s: float = 0.0  # steps that held prompt tokens
     decode_tokens: int = 0
     decode_s: float = 0.0  # steps of decode rows only
-    steps: int = 0
 
 
 class PlanWire:
@@ -202,7 +201,6 @@ class Engine:
 
     def _count(self, plan: StepPlan, seconds: float) -> None:
         stats = self.stats
-        stats.steps += 1
         if plan.prompt_tokens:
             stats.prefill_tokens += plan.prompt_tokens
             stats.prefill_s += seconds
@@ -225,8 +223,12 @@ class Engine:
             self.follow()
             return sequences
         scheduler = self.new_scheduler()
-        for seq in sequences:
-            scheduler.add(seq)
+        try:
+            for seq in sequences:
+                scheduler.add(seq)
+        except ValueError:
+            self.step(StepPlan([], end=True))  # the other ranks are waiting for a plan: let them go
+            raise
         while scheduler.has_work():
             plan = scheduler.plan()
             plan.end = False

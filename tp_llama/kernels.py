@@ -1,12 +1,12 @@
 """Matmuls on weights prepared for the device: oneDNN-packed on CPU, plain elsewhere.
 
 On a CPU, oneDNN's blocked weight layout is 15-35% faster than PyTorch's default matmul for
-batches of rows, and for bfloat16 at every batch size (bench/bench_step.py measures it). The
-packed weight replaces the plain one, so it costs no memory of its own. oneDNN builds and keeps
-a kernel per row count, so row counts are rounded up to a few sizes (exact up to a decode batch
-of EXACT_ROWS, then multiples of it): the kernels it keeps are bounded. The decode sizes are
-built at load, the few prefill sizes when first met (building them all at load took most of a
-1 GB model's bring-up).
+batches of rows, and for bfloat16 at every batch size (measured on the bench models' weight
+shapes; BENCHMARKS.md has what it does to a whole step). The packed weight replaces the plain
+one, so it costs no memory of its own. oneDNN builds and keeps a kernel per row count, so row
+counts are rounded up to a few sizes (exact up to a decode batch of EXACT_ROWS, then multiples
+of it): the kernels it keeps are bounded. The decode sizes are built at load, the few prefill
+sizes when first met (building them all at load took most of a 1 GB model's bring-up).
 """
 
 from __future__ import annotations
