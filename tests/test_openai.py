@@ -27,8 +27,6 @@ from hostile_corpus import hostile_corpus  # noqa: E402
 from make_archive import build_archive  # noqa: E402
 from serving_util import TorchServe, free_ports  # noqa: E402
 
-from tp_llama.tokenizer import load_tokenizer  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Grüße aus Köln: the quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there ✓"}]
@@ -48,11 +46,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint: Path):
-    return load_tokenizer(checkpoint / "tokenizer.model")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from reliability_util import rank_processes, run_corpus, run_soak, stray_ranks  
 from serving_util import TorchServe, free_ports  # noqa: E402
 
 from tp_llama.synthetic import write_checkpoint  # noqa: E402
-from tp_llama.tokenizer import load_tokenizer  # noqa: E402
 
 MAX_SEQ_LEN = 256
 MAX_BODY = 65536
@@ -43,11 +42,6 @@ LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("rel") / "ckpt", family="llama2", mp=2)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint: Path):
-    return load_tokenizer(checkpoint / "tokenizer.model")
 
 
 @pytest.fixture(scope="module")

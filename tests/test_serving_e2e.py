@@ -24,8 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 from make_archive import build_archive  # noqa: E402
 from serving_util import VENV_BIN, TorchServe, free_ports, port_is_open  # noqa: E402
 
-from tp_llama.tokenizer import load_tokenizer  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Grüße aus Köln: the quick brown fox"
 MAX_NEW = 24
@@ -103,11 +101,6 @@ def server(checkpoint: Path, setup: tuple[str, str], tmp_path_factory: pytest.Te
         ts.start()
         ts.startup_s = ts.wait_ready(STARTUP_TIMEOUT)
         yield ts
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint: Path):
-    return load_tokenizer(checkpoint / "tokenizer.model")
 
 
 def greedy(prompt: str = PROMPT, **extra) -> dict:
