@@ -1,37 +1,161 @@
-"""Matmuls on weights prepared for the device: oneDNN-packed on CPU, plain elsewhere.
+"""Matmuls on weights prepared once, at load, for the device that runs them.
 
-On a CPU, oneDNN's blocked weight layout is 15-35% faster than PyTorch's default matmul for
-batches of rows, and for bfloat16 at every batch size (measured on the bench models' weight
-shapes; BENCHMARKS.md has what it does to a whole step). The packed weight replaces the plain
-one, so it costs no memory of its own. oneDNN builds and keeps a kernel per row count, so row
-counts are rounded up to a few sizes (exact up to a decode batch of EXACT_ROWS, then multiples
-of it): the kernels it keeps are bounded. The decode sizes are built at load, the few prefill
-sizes when first met (building them all at load took most of a 1 GB model's bring-up).
+Three kinds, picked per process by `matmul_kind` (TP_LLAMA_MATMUL forces one, for comparisons):
+
+- "tiles", CPUs with AVX-512: cpu_matmul.c, built here with the system's C compiler on first
+  use and cached. The weight is repacked into column tiles that stream once per call. On the
+  bench models' weights (BENCHMARKS.md) it takes 0.78-0.90x oneDNN's time at 2-32 rows in
+  float32 and 0.54-0.73x at every row count in bfloat16, whose weights it widens to float32 in
+  registers rather than use vdpbf16ps.
+- "onednn", other CPUs: oneDNN's blocked layout, 15-35% faster than PyTorch's default matmul for
+  batches of rows. oneDNN builds and keeps a kernel per row count, so row counts are rounded up
+  to a few sizes (exact up to EXACT_ROWS, then multiples of it): the decode sizes are built at
+  load, the few prefill sizes when first met.
+- "plain", CUDA and anything else: F.linear.
+
+A prepared weight replaces the plain one, so it costs no memory of its own.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 EXACT_ROWS = 32
+TILE_COLS = 32  # cpu_matmul.c's TILE_COLS
+SOURCE = Path(__file__).with_name("cpu_matmul.c")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+KINDS = ("tiles", "onednn", "plain")
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] in oneDNN's layout for x @ weight.T (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), EXACT_ROWS)
+@dataclass(frozen=True)
+class Tiled:
+    """A weight [out, in] (`shape`) in cpu_matmul.c's tile layout (`data`)."""
+
+    data: torch.Tensor
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+
+def _cache_dirs() -> list[Path]:
+    home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return [Path(home) / "tp_llama", Path(tempfile.gettempdir()) / f"tp_llama-{os.getuid()}"]
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library, from the cache when this source and these flags were built before.
+
+    Ranks may build at the same time: each writes its own file and renames it into place.
+    """
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    errors = []
+    for folder in _cache_dirs():
+        library = folder / f"cpu_matmul-{digest}.so"
+        if library.is_file():
+            return library
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f"cpu_matmul-{digest}.{os.getpid()}.tmp"
+            subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)],
+                           check=True, capture_output=True, text=True, timeout=120)
+            os.replace(partial, library)
+            return library
+        except OSError as exc:  # an unwritable cache folder: try the next one
+            errors.append(f"{folder}: {exc}")
+        except subprocess.CalledProcessError as exc:
+            raise OSError(f"{compiler} failed on {SOURCE.name}: {exc.stderr.strip()[-2000:]}") from exc
+    raise OSError("no writable cache folder: " + "; ".join(errors))
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded cpu_matmul library, "") or (None, why not)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"no AVX-512 on {platform.machine()}"
+    missing = {"avx512f", "avx512bw", "avx512vl", "fma"} - cpu_flags()
+    if missing:
+        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        return None, "no C compiler (gcc) to build tp_llama/cpu_matmul.c"
+    try:
+        # torch is loaded, so the library's OpenMP resolves to the runtime torch already runs.
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"could not build tp_llama/cpu_matmul.c: {exc}"
+    for name in ("f32_linear", "bf16_linear"):
+        fn = getattr(library, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return library, ""
+
+
+def matmul_kind(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(kind, why): which matmul this process's weights are prepared for, and why not a faster one."""
+    forced = os.environ.get("TP_LLAMA_MATMUL")
+    if forced is not None and forced not in KINDS:
+        raise ValueError(f"TP_LLAMA_MATMUL={forced!r}: choose one of {', '.join(KINDS)}")
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or forced == "plain":
+        return "plain", ""
+    why = "TP_LLAMA_MATMUL=onednn" if forced == "onednn" else ""
+    if forced != "onednn":
+        library, why = _library()
+        if library is not None:
+            return "tiles", ""
+    if torch.backends.mkldnn.is_available():
+        return "onednn", why
+    return "plain", why
+
+
+def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
+    """weight [out, in] in the form `linear` runs fastest for `kind` (see matmul_kind)."""
+    weight = weight.detach()
+    if kind == "tiles" and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
+        out, cols = weight.shape
+        tiles = -(-out // TILE_COLS)
+        padded = F.pad(weight, (0, 0, 0, tiles * TILE_COLS - out))
+        if weight.dtype == torch.float32:
+            data = padded.view(tiles, TILE_COLS, cols).transpose(1, 2)
+        else:
+            data = padded.view(tiles, TILE_COLS, cols // 2, 2).transpose(1, 2)
+        return Tiled(data.contiguous(), weight.shape)
+    if kind in ("tiles", "onednn"):
+        return torch.ops.mkldnn._reorder_linear_weight(weight, EXACT_ROWS)
+    return weight
 
 
 def padded_rows(rows: int) -> int:
     return rows if rows <= EXACT_ROWS else -(-rows // EXACT_ROWS) * EXACT_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Tiled) -> torch.Tensor:
     """x [T, in] @ weight.T, whichever form the weight is in."""
+    if isinstance(weight, Tiled):
+        return _tiled_linear(x, weight)
     if not weight.is_mkldnn:
         return F.linear(x, weight)
     rows = x.shape[0]
@@ -42,11 +166,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out if padded == rows else out[:rows]
 
 
+def _tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
+    if x.dtype != weight.dtype or x.device.type != "cpu":
+        raise TypeError(f"a {weight.dtype} CPU weight got {x.dtype} input on {x.device}")
+    out_features, in_features = weight.shape
+    x = x.contiguous()
+    rows = x.numel() // in_features
+    y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+    library, _ = _library()
+    fn = library.f32_linear if x.dtype == torch.float32 else library.bf16_linear
+    if rows and fn(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features, y.data_ptr()):
+        raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
+    return y
+
+
 @torch.inference_mode()
-def warm_up(weights: list[torch.Tensor], max_rows: int, dtype: torch.dtype) -> None:
+def warm_up(weights: list[torch.Tensor | Tiled], max_rows: int, dtype: torch.dtype) -> None:
     """Build oneDNN's kernel for every decode batch size (up to max_rows), now rather than mid-serving."""
     sizes = sorted({padded_rows(rows) for rows in range(1, min(max_rows, EXACT_ROWS) + 1)})
-    shapes = {tuple(w.shape): w for w in weights if w.is_mkldnn}  # kernels depend on shapes, not values
-    for weight in shapes.values():
+    shapes = {tuple(w.shape): w for w in weights if isinstance(w, torch.Tensor) and w.is_mkldnn}
+    for weight in shapes.values():  # kernels depend on shapes, not values
         for rows in sizes:
             linear(torch.zeros(rows, weight.shape[1], dtype=dtype), weight)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_llama.kernels import can_pack, linear, pack
+from tp_llama.kernels import Tiled, linear, matmul_kind, prepare
 from tp_llama.layout import NONE
 from tp_llama.parallel import LocalLinear
 from tp_llama.params import ModelArgs
@@ -33,17 +33,15 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def fused_weight(modules: list[nn.Module], packing: bool) -> torch.Tensor:
+def fused_weight(modules: list[nn.Module], kind: str) -> torch.Tensor | Tiled:
     """One weight for several projections of the same input, so that they run as one matmul."""
-    fused = torch.cat([m.weight.detach() for m in modules])
-    return pack(fused) if packing else fused
+    return prepare(torch.cat([m.weight.detach() for m in modules]), kind)
 
 
-def as_local_linear(module: nn.Module, packing: bool) -> LocalLinear:
-    """A LocalLinear in place of a plain Linear (TP 1), its weight packed when asked."""
+def as_local_linear(module: nn.Module, kind: str) -> LocalLinear:
+    """A LocalLinear in place of a plain Linear (TP 1), its weight prepared for `kind` of matmul."""
     local = module if isinstance(module, LocalLinear) else LocalLinear(module.weight.detach(), NONE, None)
-    if packing:
-        local.pack()
+    local.prepare(kind)
     return local
 
 
@@ -168,15 +166,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.cache: KVCache | None = None
-        self.wqkv: torch.Tensor | None = None
+        self.wqkv: torch.Tensor | Tiled | None = None
         self.widths = (0, 0)  # q and k features of this rank, once fused
 
-    def optimize(self, packing: bool) -> None:
+    def optimize(self, kind: str) -> None:
         """q, k and v as one matmul; the separate projections go (inference only from then on)."""
         self.widths = (self.wq.weight.shape[0], self.wk.weight.shape[0])
-        self.wqkv = fused_weight([self.wq, self.wk, self.wv], packing)
+        self.wqkv = fused_weight([self.wq, self.wk, self.wv], kind)
         del self.wq, self.wk, self.wv
-        self.wo = as_local_linear(self.wo, packing)
+        self.wo = as_local_linear(self.wo, kind)
 
     def _project(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k (rotated) and v, [T, heads, head_dim] each."""
@@ -237,13 +235,13 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w13: torch.Tensor | None = None
+        self.w13: torch.Tensor | Tiled | None = None
 
-    def optimize(self, packing: bool) -> None:
+    def optimize(self, kind: str) -> None:
         """w1 and w3 as one matmul; the separate projections go (inference only from then on)."""
-        self.w13 = fused_weight([self.w1, self.w3], packing)
+        self.w13 = fused_weight([self.w1, self.w3], kind)
         del self.w1, self.w3
-        self.w2 = as_local_linear(self.w2, packing)
+        self.w2 = as_local_linear(self.w2, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None:  # FSDP owns the weights' memory
@@ -287,19 +285,21 @@ class Transformer(nn.Module):
             attn = _unwrap(layer).attention
             attn.cache = KVCache(max_batch_size, max_seq_len, n_local_kv_heads, self.args.head_dim, dtype, device)
 
-    def optimize_for_inference(self) -> None:
-        """Fewer, faster matmuls for serving: q/k/v and w1/w3 fused, weights packed for oneDNN on CPU.
+    def optimize_for_inference(self) -> tuple[str, str]:
+        """Fewer, faster matmuls for serving: q/k/v and w1/w3 fused, weights prepared for the CPU's kernels.
 
         Only for weights this process owns (not under FSDP). The model no longer holds Meta's
-        separate projections afterwards, so take any state_dict before.
+        separate projections afterwards, so take any state_dict before. Returns kernels.matmul_kind's
+        (kind, why not a faster one).
         """
-        packing = can_pack(self.norm.weight.device, self.norm.weight.dtype)
+        kind, why = matmul_kind(self.norm.weight.device, self.norm.weight.dtype)
         for layer in self.layers:
-            layer.attention.optimize(packing)
-            layer.feed_forward.optimize(packing)
-        self.output = as_local_linear(self.output, packing)
+            layer.attention.optimize(kind)
+            layer.feed_forward.optimize(kind)
+        self.output = as_local_linear(self.output, kind)
+        return kind, why
 
-    def matmul_weights(self) -> list[torch.Tensor]:
+    def matmul_weights(self) -> list[torch.Tensor | Tiled]:
         weights = [self.output.weight]
         for layer in self.layers:
             attn, ffn = layer.attention, layer.feed_forward

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tp_llama.kernels import linear, pack
+from tp_llama.kernels import linear, prepare
 from tp_llama.layout import ALL_GATHER, ALL_REDUCE, NONE, tp_sharding
 
 if TYPE_CHECKING:
@@ -121,11 +121,11 @@ class LocalLinear(nn.Module):
             return all_gather_last_dim(out, self.group)
         return out
 
-    def pack(self) -> None:
-        """Swap the weight for its oneDNN-packed form (kernels.pack); inference only from then on."""
-        packed = pack(self.weight)
+    def prepare(self, kind: str) -> None:
+        """Swap the weight for its form for `kind` of matmul (kernels.prepare); inference only from then on."""
+        prepared = prepare(self.weight, kind)
         del self.weight
-        self.weight = packed
+        self.weight = prepared
 
     def extra_repr(self) -> str:
         return f"local {tuple(self.weight.shape)}, {self.comm}"

@@ -1,0 +1,113 @@
+"""The CPU matmul kernels (tp_llama/kernels.py, tp_llama/cpu_matmul.c) against a float64 matmul."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tp_llama import kernels
+from tp_llama.kernels import Tiled, _build, cpu_flags, linear, matmul_kind, prepare
+
+CPU = torch.device("cpu")
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags()
+HAS_COMPILER = shutil.which("gcc") is not None or shutil.which("cc") is not None
+
+
+def available_kinds() -> list[str]:
+    kinds = ["plain"]
+    if torch.backends.mkldnn.is_available():
+        kinds.append("onednn")
+    if matmul_kind(CPU, torch.float32)[0] == "tiles":
+        kinds.append("tiles")
+    return kinds
+
+
+def test_avx512_cpus_get_the_tiled_kernel():
+    """Where it can run it must: a build that broke would otherwise fall back unnoticed."""
+    if not (AVX512 and HAS_COMPILER):
+        pytest.skip("no AVX-512 or no C compiler here: the fallback is what runs")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert matmul_kind(CPU, dtype) == ("tiles", "")
+
+
+@pytest.mark.parametrize("kind", available_kinds())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_linear_matches_float64(kind: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    for in_features in (32, 96, 250):
+        for out_features in (1, 5, 64, 100, 130):
+            weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+            prepared = prepare(weight, kind)
+            for rows in (1, 2, 5, 6, 7, 8, 13, 33, 70):
+                x = torch.randn(rows, in_features, generator=gen).to(dtype)
+                expected = x.double() @ weight.double().T
+                got = linear(x, prepared)
+                assert got.shape == (rows, out_features) and got.dtype == dtype
+                # float32: summation order only; bfloat16: the output's own rounding (8 bits).
+                tol = 1e-5 if dtype == torch.float32 else 2**-8
+                scale = expected.abs().max().item()
+                torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale,
+                                           msg=f"{kind} rows={rows} out={out_features} in={in_features}")
+
+
+@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+def test_tiled_layout_and_its_edges():
+    weight = torch.randn(130, 96)
+    tiled = prepare(weight, "tiles")
+    assert isinstance(tiled, Tiled) and tiled.shape == (130, 96)
+    assert tiled.data.shape == (5, 96, 32)  # 130 columns in five tiles of 32, the last padded
+    # Leading dims are kept, a NaN stays in its own row, and an odd bfloat16 width falls back.
+    x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
+    x[1, 2, 5] = float("nan")
+    y = linear(x, prepare(weight.bfloat16(), "tiles"))
+    assert y.shape == (2, 3, 130)
+    assert y[1, 2].isnan().all() and not y[:1].isnan().any()
+    assert not isinstance(prepare(torch.randn(8, 33, dtype=torch.bfloat16), "tiles"), Tiled)
+    with pytest.raises(TypeError, match="bfloat16"):
+        linear(torch.randn(1, 96, dtype=torch.bfloat16), tiled)
+
+
+@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+def test_threads_split_columns_without_changing_results():
+    weight = prepare(torch.randn(1000, 256), "tiles")
+    x = torch.randn(9, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, weight)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(linear(x, weight), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_forced_kind_and_bad_values(monkeypatch):
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
+    assert matmul_kind(CPU, torch.float32) == ("plain", "")
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "onednn")
+    assert matmul_kind(CPU, torch.float32)[0] == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "fast")
+    with pytest.raises(ValueError, match="TP_LLAMA_MATMUL"):
+        matmul_kind(CPU, torch.float32)
+    monkeypatch.delenv("TP_LLAMA_MATMUL")
+    assert matmul_kind(CPU, torch.float16) == ("plain", "")
+
+
+def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_cache_dirs", lambda: [tmp_path])
+    with pytest.raises(OSError, match="false failed"):
+        _build("false")
+    assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
+def test_the_build_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_cache_dirs", lambda: [tmp_path / "unwritable", tmp_path / "cache"])
+    (tmp_path / "unwritable").write_text("a file where the folder should be")
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    first = _build(compiler)
+    assert first.parent == tmp_path / "cache" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert _build(compiler) == first and first.stat().st_mtime_ns == stamp

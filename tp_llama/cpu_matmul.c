@@ -1,0 +1,152 @@
+/* y[M, N] = x[M, K] @ w[N, K]^T on AVX-512 CPUs, float32 or bfloat16, for a served model's weights.
+ *
+ * A decode step multiplies a few rows by every weight, so it is bound by how fast the weights
+ * stream from memory. oneDNN and MKL tile for many rows and lose a third or more of that stream
+ * at 1 to 32 rows, and oneDNN's bfloat16 path is bound by vdpbf16ps, which runs at half the rate
+ * of float32 FMAs on the CPUs we measured (figures in tp_llama/kernels.py).
+ *
+ * Here the weight is packed once, at load, into tiles of TILE_COLS output columns, each tile one
+ * contiguous run (kernels.py packs it):
+ *   float32:  [tiles][K][TILE_COLS]          a vector of 16 columns per k
+ *   bfloat16: [tiles][K / 2][TILE_COLS][2]   pairs of k per column, widened to float32 in
+ *                                            registers (a shift and a mask) and multiplied by FMA
+ * A tile is read once per call while up to MAX_TILE_ROWS rows of x accumulate against it in
+ * registers, with no horizontal sums. Threads split the tiles (OpenMP, the runtime PyTorch
+ * itself loaded), and each thread prefetches its next tile while it computes.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define TILE_COLS 32
+#define VECS (TILE_COLS / 16)
+#define MAX_TILE_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows beat 4 x 6 by 15-25% at 8-16 rows */
+#define NEAR_ROWS 16    /* how far ahead in its own tile a thread asks for the next lines */
+
+static inline __mmask16 column_mask(int64_t cols, int j) {
+    int64_t left = cols - 16 * j;
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+/* Round to nearest even, as PyTorch does; NaN stays NaN. */
+static inline __m256i to_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+static inline void prefetch(const char *next, int64_t step, int ahead) {
+    for (int i = 0; i < ahead; i++) _mm_prefetch(next + (step * ahead + i) * 64, _MM_HINT_T1);
+}
+
+/* One tile of MT rows. `next`/`ahead`: this call's share of the next tile to prefetch. */
+#define F32_TILE(MT)                                                                               \
+    static void f32_tile_##MT(const float *x, int64_t K, const float *wt, float *y, int64_t N,     \
+                              int64_t cols, const char *next, int ahead) {                         \
+        __m512 acc[MT][VECS];                                                                      \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < K; k++) {                                                          \
+            const float *wk = wt + k * TILE_COLS;                                                  \
+            prefetch(next, k, ahead);                                                              \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
+                _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 16 * j), _MM_HINT_T0);    \
+                __m512 w = _mm512_loadu_ps(wk + 16 * j);                                           \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                               \
+                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m][j]);       \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
+                _mm512_mask_storeu_ps(y + m * N + 16 * j, column_mask(cols, j), acc[m][j]);        \
+    }
+
+/* x here is float32 (bf16_linear widens it once per call). */
+#define BF16_TILE(MT)                                                                              \
+    static void bf16_tile_##MT(const float *x, int64_t K, const uint16_t *wt, uint16_t *y,         \
+                               int64_t N, int64_t cols, const char *next, int ahead) {             \
+        __m512 acc[MT][VECS];                                                                      \
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);                                   \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < K; k += 2) {                                                       \
+            const uint16_t *wk = wt + k * TILE_COLS;                                               \
+            prefetch(next, k / 2, ahead);                                                          \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
+                _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 32 * j), _MM_HINT_T0);    \
+                __m512i pairs = _mm512_loadu_si512((const void *)(wk + 32 * j));                   \
+                __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));                   \
+                __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));                   \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                             \
+                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), even, acc[m][j]);    \
+                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + 1]), odd, acc[m][j]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
+                _mm256_mask_storeu_epi16(y + m * N + 16 * j, column_mask(cols, j), to_bf16(acc[m][j])); \
+    }
+
+#define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
+TILES(F32_TILE)
+TILES(BF16_TILE)
+
+/* Rows go in near-equal chunks of at most MAX_TILE_ROWS (10 rows: 5 + 5, not 8 + 2), so every
+ * chunk has enough independent sums; the tile stays in cache between chunks. Each chunk
+ * prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
+ * all), so memory keeps streaming while the later chunks compute from cache. */
+#define TILED(TYPE, PREFIX)                                                                        \
+    static void PREFIX##_tiled(const float *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
+                               TYPE *y) {                                                          \
+        int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
+        int64_t chunks = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;                                  \
+        int ahead = (int)((VECS + chunks - 1) / chunks);                                           \
+        int64_t tile_bytes = K * TILE_COLS * (int64_t)sizeof(TYPE);                                \
+        int64_t share = ahead * (tile_bytes / VECS);                                               \
+        _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++) {         \
+            const TYPE *wt = w + t * K * TILE_COLS;                                                \
+            int64_t cols = N - t * TILE_COLS;                                                      \
+            for (int64_t c = 0, m0 = 0; c < chunks; c++) {                                         \
+                int64_t m1 = M * (c + 1) / chunks;                                                 \
+                const float *xm = x + m0 * K;                                                      \
+                TYPE *ym = y + m0 * N + t * TILE_COLS;                                             \
+                const char *next = (const char *)wt + tile_bytes + c * share;                      \
+                switch (m1 - m0) {                                                                 \
+                case 1: PREFIX##_tile_1(xm, K, wt, ym, N, cols, next, ahead); break;               \
+                case 2: PREFIX##_tile_2(xm, K, wt, ym, N, cols, next, ahead); break;               \
+                case 3: PREFIX##_tile_3(xm, K, wt, ym, N, cols, next, ahead); break;               \
+                case 4: PREFIX##_tile_4(xm, K, wt, ym, N, cols, next, ahead); break;               \
+                case 5: PREFIX##_tile_5(xm, K, wt, ym, N, cols, next, ahead); break;               \
+                case 6: PREFIX##_tile_6(xm, K, wt, ym, N, cols, next, ahead); break;               \
+                case 7: PREFIX##_tile_7(xm, K, wt, ym, N, cols, next, ahead); break;               \
+                default: PREFIX##_tile_8(xm, K, wt, ym, N, cols, next, ahead); break;              \
+                }                                                                                  \
+                m0 = m1;                                                                           \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+TILED(float, f32)
+TILED(uint16_t, bf16)
+
+/* The entry points; 0 on success, -1 when memory for the widened rows cannot be had. */
+int f32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
+    f32_tiled(x, M, K, w, N, y);
+    return 0;
+}
+
+int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y) {
+    float *wide = malloc((size_t)(M * K) * sizeof(float));
+    if (wide == NULL) return -1;
+    for (int64_t i = 0; i < M * K; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        __builtin_memcpy(&wide[i], &bits, 4);
+    }
+    bf16_tiled(wide, M, K, w, N, y);
+    free(wide);
+    return 0;
+}
