@@ -40,7 +40,7 @@ def test_linear_matches_float64(kind: str, dtype: torch.dtype):
         for out_features in (1, 5, 64, 100, 130):
             weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
             prepared = prepare(weight, kind)
-            for rows in (1, 2, 5, 6, 7, 8, 13, 33, 70):
+            for rows in (1, 2, 5, 6, 7, 8, 13, 33, 70, 300):
                 x = torch.randn(rows, in_features, generator=gen).to(dtype)
                 expected = x.double() @ weight.double().T
                 got = linear(x, prepared)
