@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="launches of each engine, taking turns")
     parser.add_argument("--repeats", type=int, default=1, help="generations per batch size in each launch")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines")
+    parser.add_argument("--out", default="generate", help="name of the JSON under bench/out/")
     parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_cache_bytes": kv_bytes,
         "agreement_with_tp1": agree, "engines": engines,
     }
-    path = write_json("generate", data)
+    path = write_json(a.out, data)
     print(report(data))
     print(f"raw numbers: {path}")
 

@@ -117,15 +117,16 @@ TILES(BF16_TILE)
                 const float *xm = x + m0 * K;                                                      \
                 TYPE *ym = y + m0 * N + t * TILE_COLS;                                             \
                 const char *next = (const char *)wt + tile_bytes + c * share;                      \
+                int lines = c * ahead < VECS ? ahead : 0; /* the next tile is whole by then */     \
                 switch (m1 - m0) {                                                                 \
-                case 1: PREFIX##_tile_1(xm, K, wt, ym, N, cols, next, ahead); break;               \
-                case 2: PREFIX##_tile_2(xm, K, wt, ym, N, cols, next, ahead); break;               \
-                case 3: PREFIX##_tile_3(xm, K, wt, ym, N, cols, next, ahead); break;               \
-                case 4: PREFIX##_tile_4(xm, K, wt, ym, N, cols, next, ahead); break;               \
-                case 5: PREFIX##_tile_5(xm, K, wt, ym, N, cols, next, ahead); break;               \
-                case 6: PREFIX##_tile_6(xm, K, wt, ym, N, cols, next, ahead); break;               \
-                case 7: PREFIX##_tile_7(xm, K, wt, ym, N, cols, next, ahead); break;               \
-                default: PREFIX##_tile_8(xm, K, wt, ym, N, cols, next, ahead); break;              \
+                case 1: PREFIX##_tile_1(xm, K, wt, ym, N, cols, next, lines); break;               \
+                case 2: PREFIX##_tile_2(xm, K, wt, ym, N, cols, next, lines); break;               \
+                case 3: PREFIX##_tile_3(xm, K, wt, ym, N, cols, next, lines); break;               \
+                case 4: PREFIX##_tile_4(xm, K, wt, ym, N, cols, next, lines); break;               \
+                case 5: PREFIX##_tile_5(xm, K, wt, ym, N, cols, next, lines); break;               \
+                case 6: PREFIX##_tile_6(xm, K, wt, ym, N, cols, next, lines); break;               \
+                case 7: PREFIX##_tile_7(xm, K, wt, ym, N, cols, next, lines); break;               \
+                default: PREFIX##_tile_8(xm, K, wt, ym, N, cols, next, lines); break;              \
                 }                                                                                  \
                 m0 = m1;                                                                           \
             }                                                                                      \

@@ -1,0 +1,73 @@
+"""The CPU matmul kinds of tp_llama/kernels.py on one model's weight shapes, side by side in one run.
+
+    python -m bench.bench_matmul [--preset quarter] [--rows 1 2 4 8 16 32 128 1024] [--repeats 10]
+
+For each dtype and row count: the time of one pass of x [rows, in] over every matmul weight of the
+preset's layers (what a forward with that many tokens multiplies), for PyTorch's default
+F.linear (MKL / oneDNN on plain weights), oneDNN's packed weights and our tiles
+(tp_llama/cpu_matmul.c); the kinds take turns within each repeat and the table keeps the best
+of the repeats. GB/s = weight bytes / time: at few rows a pass can stream no faster than memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.checkpoint import PRESETS, ensure_checkpoint
+from bench.common import copy_bandwidth_gbs, table
+from tp_llama.kernels import linear, matmul_kind, prepare
+from tp_llama.params import read_params
+
+KINDS = ("plain", "onednn", "tiles")
+
+
+def weight_shapes(preset: str) -> list[tuple[int, int]]:
+    """[out, in] of every matmul one forward runs: fused q/k/v, wo, fused w1/w3, w2 per layer, and the output."""
+    args = read_params(ensure_checkpoint(PRESETS[preset], mp=1))
+    d, hd, f = args.dim, args.head_dim, args.ffn_dim
+    layer = [((args.n_heads + 2 * args.n_kv_heads) * hd, d), (d, args.n_heads * hd), (2 * f, d), (d, f)]
+    return layer * args.n_layers + [(args.vocab_size, d)]
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quarter")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 1024])
+    parser.add_argument("--repeats", type=int, default=10)
+    a = parser.parse_args(argv)
+    if matmul_kind(torch.device("cpu"), torch.float32)[0] != "tiles":
+        raise SystemExit(f"no tiled kernel here: {matmul_kind(torch.device('cpu'), torch.float32)[1]}")
+    shapes = weight_shapes(a.preset)
+    print(f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s; {torch.get_num_threads()} threads; "
+          f"{len(shapes)} weights of {a.preset}", flush=True)
+    rows_out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        plain = [torch.randn(shape, generator=gen).mul_(0.02).to(dtype) for shape in shapes]
+        weights = {kind: [prepare(w, kind) for w in plain] for kind in KINDS}
+        nbytes = sum(w.numel() * w.element_size() for w in plain)
+        for rows in a.rows:
+            xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
+            best = dict.fromkeys(KINDS, float("inf"))
+            repeats = a.repeats if rows <= 32 else max(2, a.repeats // 4)
+            for _ in range(repeats):
+                for kind in KINDS:  # taking turns, so a change in the machine's load hits all of them
+                    started = time.perf_counter()
+                    for w in weights[kind]:
+                        linear(xs[w.shape[1]], w)
+                    best[kind] = min(best[kind], time.perf_counter() - started)
+            rows_out.append([
+                str(dtype).removeprefix("torch."), rows, *(1e3 * best[k] for k in KINDS),
+                *(nbytes / best[k] / 1e9 for k in KINDS), best["tiles"] / best["onednn"], best["tiles"] / best["plain"],
+            ])
+            print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in KINDS), flush=True)
+    print(table(["dtype", "rows", "F.linear ms", "oneDNN ms", "tiles ms", "F.linear GB/s", "oneDNN GB/s", "tiles GB/s",
+                 "tiles / oneDNN", "tiles / F.linear"], rows_out))
+
+
+if __name__ == "__main__":
+    main()
