@@ -1,9 +1,9 @@
 /* y[M, N] = x[M, K] @ w[N, K]^T on AVX-512 CPUs, float32 or bfloat16, for a served model's weights.
  *
  * A decode step multiplies a few rows by every weight, so it is bound by how fast the weights
- * stream from memory. oneDNN and MKL tile for many rows and lose a third or more of that stream
- * at 1 to 32 rows, and oneDNN's bfloat16 path is bound by vdpbf16ps, which runs at half the rate
- * of float32 FMAs on the CPUs we measured (figures in tp_llama/kernels.py).
+ * stream from memory. oneDNN and MKL tile for many rows and lose 15-50% of that stream at 1 to
+ * 32 rows, and oneDNN's bfloat16 path is bound by vdpbf16ps, which issues at half the rate of
+ * float32 FMAs on the CPU we measured (bench/bench_matmul.py, BENCHMARKS.md).
  *
  * Here the weight is packed once, at load, into tiles of TILE_COLS output columns, each tile one
  * contiguous run (kernels.py packs it):
@@ -135,6 +135,23 @@ TILES(BF16_TILE)
 
 TILED(float, f32)
 TILED(uint16_t, bf16)
+
+/* The tile layout from a plain weight [N][K] of 4-byte units (a float32, or a pair of bfloat16
+ * along k): out[t][k][c] = w[t * TILE_COLS + c][k], zeros past row N. Blocks of 16 units per row
+ * keep reads a cache line long and writes within 2 KiB, so packing runs near copy speed. */
+void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out) {
+    int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
+    _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t k0 = 0; k0 < K; k0 += 16) {
+            int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
+            for (int c = 0; c < TILE_COLS; c++) {
+                int64_t n = t * TILE_COLS + c;
+                for (int64_t k = k0; k < k1; k++)
+                    out[(t * K + k) * TILE_COLS + c] = n < N ? w[n * K + k] : 0;
+            }
+        }
+    }
+}
 
 /* Prefill rows come in blocks whose float32 copy fits X_BLOCK_BYTES: every tile of the weight
  * meets a block from cache instead of all M rows from memory (8x faster at 1024 rows), for one

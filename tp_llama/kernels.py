@@ -3,10 +3,10 @@
 Three kinds, picked per process by `matmul_kind` (TP_LLAMA_MATMUL forces one, for comparisons):
 
 - "tiles", CPUs with AVX-512: cpu_matmul.c, built here with the system's C compiler on first
-  use and cached. The weight is repacked into column tiles that stream once per call. On the
-  bench models' weights (BENCHMARKS.md) it takes 0.78-0.90x oneDNN's time at 2-32 rows in
-  float32 and 0.54-0.73x at every row count in bfloat16, whose weights it widens to float32 in
-  registers rather than use vdpbf16ps.
+  use and cached. The weight is repacked into column tiles that stream once per call. On a
+  bench model's weights (bench/bench_matmul.py) it takes 0.71-0.85x oneDNN's time at 1-32 rows
+  in float32 and 0.52-0.80x at every row count in bfloat16, whose weights it widens to float32
+  in registers rather than use vdpbf16ps.
 - "onednn", other CPUs: oneDNN's blocked layout, 15-35% faster than PyTorch's default matmul for
   batches of rows. oneDNN builds and keeps a kernel per row count, so row counts are rounded up
   to a few sizes (exact up to EXACT_ROWS, then multiples of it): the decode sizes are built at
@@ -112,6 +112,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                        ctypes.c_void_p]
         fn.restype = ctypes.c_int
+    library.pack_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    library.pack_tiles.restype = None
     return library, ""
 
 
@@ -137,13 +139,10 @@ def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
     weight = weight.detach()
     if kind == "tiles" and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
         out, cols = weight.shape
-        tiles = -(-out // TILE_COLS)
-        padded = F.pad(weight, (0, 0, 0, tiles * TILE_COLS - out))
-        if weight.dtype == torch.float32:
-            data = padded.view(tiles, TILE_COLS, cols).transpose(1, 2)
-        else:
-            data = padded.view(tiles, TILE_COLS, cols // 2, 2).transpose(1, 2)
-        return Tiled(data.contiguous(), weight.shape)
+        units = weight.contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
+        data = torch.empty((-(-out // TILE_COLS), units.shape[1], TILE_COLS), dtype=torch.int32)
+        _library()[0].pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr())
+        return Tiled(data.view(weight.dtype), weight.shape)
     if kind in ("tiles", "onednn"):
         return torch.ops.mkldnn._reorder_linear_weight(weight, EXACT_ROWS)
     return weight
