@@ -7,7 +7,8 @@ For each MP:TP pair (checkpoint files : tensor-parallel ranks), one launch of TP
 runs every method in turn, each after evicting the checkpoint from the page cache (cold reads)
 and resetting the kernel's peak-RSS counter:
   floor   pread exactly the bytes of this rank's slices into one buffer, nothing else;
-  direct  tp_llama.loader.load_tp_model (positioned reads straight into the local modules' weights);
+  direct  tp_llama.loader.load_tp_model (positioned reads straight into the local modules' weights),
+          then optimize_for_inference (fuse, repack for the matmul kernel), as Engine.load does;
   seed    tp_llama.loader.load_fsdp_model (converter + FSDP1), only where MP divides TP;
   merge   rank 0 torch.loads every file, concatenates them into the full state dict and
           scatters each rank its slice (what a user would otherwise write).
@@ -210,8 +211,9 @@ def measure(method: str, ckpt: Path, args: ModelArgs, info: DistInfo, keep: list
     try:
         if method == "floor":
             loaded: object = read_plan(plan)
-        elif method == "direct":
+        elif method == "direct":  # as Engine.load does: load, then fuse and repack for the matmul kernel
             loaded = load_tp_model(ckpt, args, info, DTYPE)
+            loaded.optimize_for_inference()
         elif method == "seed":
             loaded = load_fsdp_model(ckpt, args, info, DTYPE)
         else:

@@ -79,15 +79,21 @@ def _build(compiler: str) -> Path:
             return library
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f"cpu_matmul-{digest}.{os.getpid()}.tmp"
+        except OSError as exc:
+            errors.append(f"{folder}: {exc}")
+            continue
+        if not os.access(folder, os.W_OK):
+            errors.append(f"{folder}: not writable")
+            continue
+        partial = folder / f"cpu_matmul-{digest}.{os.getpid()}.tmp"
+        try:
             subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)],
                            check=True, capture_output=True, text=True, timeout=120)
-            os.replace(partial, library)
-            return library
-        except OSError as exc:  # an unwritable cache folder: try the next one
-            errors.append(f"{folder}: {exc}")
         except subprocess.CalledProcessError as exc:
+            partial.unlink(missing_ok=True)
             raise OSError(f"{compiler} failed on {SOURCE.name}: {exc.stderr.strip()[-2000:]}") from exc
+        os.replace(partial, library)
+        return library
     raise OSError("no writable cache folder: " + "; ".join(errors))
 
 
