@@ -1,9 +1,11 @@
 """Overload: more requests than KV-cache slots wait in order, and past the bounded line get a 503.
 
 A real TorchServe with 2 slots, a worker that holds 3 requests (batchSize) and a TorchServe queue
-of 2 (job_queue_size): of 10 requests sent at once, the 5 it can hold are each answered with
+of 2 (job_queue_size): of 10 requests sent at once, the ones it holds are each answered with
 their own text, the rest get TorchServe's 503 with a JSON body at once; none is lost or answered
-twice. Then the server serves normally again.
+twice. Then the server serves normally again. How many it holds depends on a race in TorchServe:
+at least 3 (the first job the idle worker takes, then the queue's 2), up to 5 when the worker
+polls more jobs before the queue fills.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def test_requests_beyond_the_line_get_503_and_the_rest_their_own_text(server: To
     served = [i for i, r in replies.items() if getattr(r, "status", None) == 200]
     refused = [i for i, r in replies.items() if getattr(r, "status", None) == 503]
     assert sorted(served + refused) == list(range(SENT)), {i: r for i, r in replies.items() if i not in served + refused}
-    assert len(served) >= SLOTS + QUEUE and refused, (served, refused)
+    assert len(served) >= 1 + QUEUE and refused, (served, refused)
     for i in served:
         assert replies[i].json() == alone[i], f"request {i} got another text"
     for i in refused:
