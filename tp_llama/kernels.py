@@ -62,8 +62,13 @@ class Tiled:
 
 
 def _cache_dirs() -> list[Path]:
-    home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return [Path(home) / "tp_llama", Path(tempfile.gettempdir()) / f"tp_llama-{os.getuid()}"]
+    """Where the built library is kept: the user's cache, else a per-user temp folder (e.g. no HOME)."""
+    folders = [Path(tempfile.gettempdir()) / f"tp_llama-{os.getuid()}"]
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no HOME and no passwd entry, as in some service sandboxes
+        return folders
+    return [cache / "tp_llama", *folders]
 
 
 def _build(compiler: str) -> Path:
