@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = ensure_checkpoint(PRESETS[a.preset], mp=1)
     args = read_params(ckpt)
     bandwidth = copy_bandwidth_gbs()
-    weight_bytes = decode_weight_bytes(args, torch.tensor([], dtype=getattr(torch, a.dtype)).element_size())
+    elt = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
+    weight_bytes = decode_weight_bytes(args, elt)
     floor_tok_s = bandwidth * 1e9 / weight_bytes
     print(f"copy bandwidth {bandwidth:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of {a.dtype} weights per decode step "
           f"-> batch-1 decode floor {floor_tok_s:.1f} tok/s", flush=True)
@@ -207,7 +208,6 @@ def main(argv: list[str] | None = None) -> None:
 
     agree = {n: [agreement(engines["ours TP1"]["results"][i]["tokens"], engines[n]["results"][i]["tokens"])
                  for i in range(len(a.batches))] for n in engines if n != "ours TP1"}
-    elt = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
     context = a.prompt_len + a.new_tokens / 2
     kv_bytes = {str(b): kv_cache_bytes(args, b, context, elt) for b in a.batches}
     for engine in engines.values():
@@ -253,7 +253,7 @@ def report(data: dict) -> str:
             ])
     headers = ["batch", "engine", "prefill tok/s", "decode tok/s", "prefill / TP1", "decode / TP1", "step ms",
                "step / weights floor", "step / (weights + KV) floor"]
-    floors = ", ".join(f"batch {r['batch']}: {floors_ms(data, r['batch'])[0]:.1f} / {floors_ms(data, r['batch'])[1]:.1f}"
+    floors = ", ".join("batch {}: {:.1f} / {:.1f}".format(r["batch"], *floors_ms(data, r["batch"]))
                        for r in engines["ours TP1"]["results"])
     notes = [
         f"- Copy bandwidth {data['copy_bandwidth_gbs']:.1f} GB/s (read + write, 2 threads); one decode step reads "
