@@ -14,9 +14,9 @@
  * registers, with no horizontal sums. Threads split the tiles (OpenMP, the runtime PyTorch
  * itself loaded), and each thread prefetches its next tile while it computes.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
+
+#include "cpu_simd.h"
 
 #define TILE_COLS 32
 #define VECS (TILE_COLS / 16)
@@ -24,21 +24,6 @@
 #define NEAR_ROWS 16    /* how far ahead in its own tile a thread asks for the next lines */
 #define X_BLOCK_BYTES (1 << 20) /* the rows of x that share one pass over the weights, kept in L2 */
 #define MIN_BLOCK_ROWS 64       /* a decode step's rows always share one pass */
-
-static inline __mmask16 column_mask(int64_t cols, int j) {
-    int64_t left = cols - 16 * j;
-    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-}
-
-/* Round to nearest even, as PyTorch does; NaN stays NaN. */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 
 static inline void prefetch(const char *next, int64_t step, int ahead) {
     for (int i = 0; i < ahead; i++) _mm_prefetch(next + (step * ahead + i) * 64, _MM_HINT_T1);
@@ -63,7 +48,7 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
-                _mm512_mask_storeu_ps(y + m * N + 16 * j, column_mask(cols, j), acc[m][j]);        \
+                _mm512_mask_storeu_ps(y + m * N + 16 * j, lanes(cols - 16 * j), acc[m][j]);        \
     }
 
 /* x here is float32 (bf16_linear widens it once per call). */
@@ -90,7 +75,7 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
-                _mm256_mask_storeu_epi16(y + m * N + 16 * j, column_mask(cols, j), to_bf16(acc[m][j])); \
+                _mm256_mask_storeu_epi16(y + m * N + 16 * j, lanes(cols - 16 * j), to_bf16(acc[m][j])); \
     }
 
 #define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)

@@ -35,7 +35,9 @@ import torch.nn.functional as F
 EXACT_ROWS = 32
 MKL_ROWS = 256  # float32 calls with this many rows are compute-bound, where MKL's sgemm is ~20% faster
 TILE_COLS = 32  # cpu_matmul.c's TILE_COLS
-SOURCE = Path(__file__).with_name("cpu_matmul.c")
+MAX_HEAD_DIM = 256  # cpu_layer.c's MAX_HEAD_DIM: larger heads attend through PyTorch
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_layer.c")]
+HEADER = Path(__file__).with_name("cpu_simd.h")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 KINDS = ("tiles", "onednn", "plain")
 
@@ -76,10 +78,11 @@ def _build(compiler: str) -> Path:
 
     Ranks may build at the same time: each writes its own file and renames it into place.
     """
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
+    digest = hashlib.sha256(code + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     errors = []
     for folder in _cache_dirs():
-        library = folder / f"cpu_matmul-{digest}.so"
+        library = folder / f"cpu_kernels-{digest}.so"
         if library.is_file():
             return library
         try:
@@ -90,13 +93,13 @@ def _build(compiler: str) -> Path:
         if not os.access(folder, os.W_OK):
             errors.append(f"{folder}: not writable")
             continue
-        partial = folder / f"cpu_matmul-{digest}.{os.getpid()}.tmp"
+        partial = folder / f"cpu_kernels-{digest}.{os.getpid()}.tmp"
         try:
-            subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)],
+            subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES)],
                            check=True, capture_output=True, text=True, timeout=120)
         except subprocess.CalledProcessError as exc:
             partial.unlink(missing_ok=True)
-            raise OSError(f"{compiler} failed on {SOURCE.name}: {exc.stderr.strip()[-2000:]}") from exc
+            raise OSError(f"{compiler} failed on tp_llama's C kernels: {exc.stderr.strip()[-2000:]}") from exc
         os.replace(partial, library)
         return library
     raise OSError("no writable cache folder: " + "; ".join(errors))
@@ -104,7 +107,7 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded cpu_matmul library, "") or (None, why not)."""
+    """(the loaded C kernels, "") or (None, why not)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"no AVX-512 on {platform.machine()}"
     missing = {"avx512f", "avx512bw", "avx512vl", "fma"} - cpu_flags()
@@ -112,12 +115,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"the CPU lacks {', '.join(sorted(missing))}"
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        return None, "no C compiler (gcc) to build tp_llama/cpu_matmul.c"
+        return None, "no C compiler (gcc) to build tp_llama's C kernels"
     try:
         # torch is loaded, so the library's OpenMP resolves to the runtime torch already runs.
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"could not build tp_llama/cpu_matmul.c: {exc}"
+        return None, f"could not build tp_llama's C kernels: {exc}"
     for name in ("f32_linear", "bf16_linear"):
         fn = getattr(library, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -125,6 +128,13 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         fn.restype = ctypes.c_int
     library.pack_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     library.pack_tiles.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    library.rms_norm.restype = None
+    library.silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    library.silu_mul.restype = None
+    library.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    library.decode_attention.restype = ctypes.c_int
     return library, ""
 
 
@@ -192,6 +202,53 @@ def _tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
     if rows and fn(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features, y.data_ptr()):
         raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
     return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Meta's RMSNorm over the last dim, one C call (cpu_layer.c; CPU float32 or bfloat16)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    dim = x.shape[-1]
+    _library()[0].rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps,
+                           x.dtype == torch.bfloat16)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from w1/w3's fused output [..., 2 * width], one C call."""
+    gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    y = gate_up.new_empty((*gate_up.shape[:-1], width))
+    _library()[0].silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * width), width, y.data_ptr(),
+                           gate_up.dtype == torch.bfloat16)
+    return y
+
+
+def decode_attention(qkv: torch.Tensor, rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     cache_k: torch.Tensor, cache_v: torch.Tensor, out: torch.Tensor) -> None:
+    """Attention of one new token per row, in one C call: RoPE, the cache write, softmax(qK)V.
+
+    qkv [rows, (heads + 2 kv_heads) * head_dim], rotation [rows, ..., head_dim / 2] complex,
+    slots and positions [rows] int64 (distinct slots); writes out [rows, heads * head_dim] and
+    each row's new key and value into cache_k / cache_v [slots, kv_heads, max_seq_len, head_dim].
+    """
+    rows = qkv.shape[0]
+    if not rows:
+        return
+    n_slots, n_kv_heads, max_seq_len, head_dim = cache_k.shape
+    tensors = (qkv, rotation, slots, positions, cache_k, cache_v, out)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("decode_attention needs contiguous tensors")
+    status = _library()[0].decode_attention(
+        qkv.data_ptr(), torch.view_as_real(rotation).data_ptr(), slots.data_ptr(), positions.data_ptr(), rows,
+        out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(), cache_v.data_ptr(), n_slots,
+        max_seq_len, out.data_ptr(), qkv.dtype == torch.bfloat16)
+    if status == -2:
+        raise IndexError(f"a decode row's slot or position lies outside the KV cache {tuple(cache_k.shape)}")
+    if status == -3:
+        raise ValueError(f"decode_attention takes heads of up to {MAX_HEAD_DIM}, not {head_dim}")
+    if status:
+        raise MemoryError("no memory for attention scores")
 
 
 @torch.inference_mode()

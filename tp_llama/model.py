@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tp_llama import kernels
 from tp_llama.kernels import Tiled, linear, matmul_kind, prepare
 from tp_llama.layout import NONE
 from tp_llama.parallel import LocalLinear
@@ -28,8 +29,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # cpu_layer.c's rms_norm, with the tiled matmuls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -145,10 +149,10 @@ class KVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device).zero_()
         self.v = torch.empty(shape, dtype=dtype, device=device).zero_()
 
-    def write(self, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [T, kv_heads, hd] of every token, at its slot and position."""
-        self.k[batch.slots, :, batch.positions] = k
-        self.v[batch.slots, :, batch.positions] = v
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, kv_heads, hd] of T tokens, at their slots and positions."""
+        self.k[slots, :, positions] = k
+        self.v[slots, :, positions] = v
 
 
 def _prefill_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
@@ -168,6 +172,7 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
         self.wqkv: torch.Tensor | Tiled | None = None
         self.widths = (0, 0)  # q and k features of this rank, once fused
+        self.fused = False  # decode rows through cpu_layer.c's decode_attention
 
     def optimize(self, kind: str) -> None:
         """q, k and v as one matmul; the separate projections go (inference only from then on)."""
@@ -175,33 +180,41 @@ class Attention(nn.Module):
         self.wqkv = fused_weight([self.wq, self.wk, self.wv], kind)
         del self.wq, self.wk, self.wv
         self.wo = as_local_linear(self.wo, kind)
+        self.fused = kind == "tiles" and self.head_dim <= kernels.MAX_HEAD_DIM
 
-    def _project(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k (rotated) and v, [T, heads, head_dim] each."""
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         hd = self.head_dim
         if self.wqkv is None:  # FSDP (or the DTensor test oracle) owns the weights: three matmuls
             q, k, v = (w(x).unflatten(-1, (-1, hd)) for w in (self.wq, self.wk, self.wv))
-            return apply_rope(q, rotation), apply_rope(k, rotation), v
-        n_q, n_kv = self.widths
+            out = self._attend(apply_rope(q, rotation), apply_rope(k, rotation), v, batch, 0)
+            return self.wo(out.flatten(1))
         qkv = linear(x, self.wqkv)
-        qk = apply_rope(qkv[:, : n_q + n_kv].unflatten(-1, (-1, hd)), rotation)
-        q, k = qk.split([n_q // hd, n_kv // hd], dim=1)
-        return q, k, qkv[:, n_q + n_kv :].unflatten(-1, (-1, hd))
+        done = batch.n_decode if self.fused else 0  # tokens whose attention is out already
+        out = qkv.new_empty((qkv.shape[0], self.widths[0]))
+        if done:
+            kernels.decode_attention(qkv[:done], rotation[:done], batch.slots[:done], batch.positions[:done],
+                                     self.cache.k, self.cache.v, out[:done])
+        if done < qkv.shape[0]:
+            n_q, n_kv = self.widths
+            qk = apply_rope(qkv[done:, : n_q + n_kv].unflatten(-1, (-1, hd)), rotation[done:])
+            q, k = qk.split([n_q // hd, n_kv // hd], dim=1)
+            out[done:] = self._attend(q, k, qkv[done:, n_q + n_kv :].unflatten(-1, (-1, hd)), batch, done).flatten(1)
+        return self.wo(out)
 
-    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
-        q, k, v = self._project(x, rotation)
-        self.cache.write(batch, k, v)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, done: int) -> torch.Tensor:
+        """Attention of the batch's tokens from `done` on (q, k rotated), their keys and values cached first."""
+        self.cache.write(batch.slots[done:], batch.positions[done:], k, v)
         if not batch.prefill:
-            out = self._decode(q, batch)
-        elif not batch.n_decode and len(batch.prefill) == 1:
-            out = self._prefill(q, *batch.prefill[0][1:])
-        else:
-            out = torch.empty_like(q)
-            if batch.n_decode:
-                out[: batch.n_decode] = self._decode(q[: batch.n_decode], batch)
-            for first, slot, start, length in batch.prefill:
-                out[first : first + length] = self._prefill(q[first : first + length], slot, start, length)
-        return self.wo(out.flatten(1))
+            return self._decode(q, batch)
+        if not batch.n_decode and len(batch.prefill) == 1:
+            return self._prefill(q, *batch.prefill[0][1:])
+        out = torch.empty_like(q)
+        if batch.n_decode > done:
+            out[: batch.n_decode] = self._decode(q[: batch.n_decode], batch)
+        for first, slot, start, length in batch.prefill:
+            first -= done
+            out[first : first + length] = self._prefill(q[first : first + length], slot, start, length)
+        return out
 
     def _decode(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
         """One query per slot of [lo, hi) against that slot's cache; holes get a dummy query."""
@@ -236,17 +249,22 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w13: torch.Tensor | Tiled | None = None
+        self.fused = False  # cpu_layer.c's silu_mul
 
     def optimize(self, kind: str) -> None:
         """w1 and w3 as one matmul; the separate projections go (inference only from then on)."""
         self.w13 = fused_weight([self.w1, self.w3], kind)
         del self.w1, self.w3
         self.w2 = as_local_linear(self.w2, kind)
+        self.fused = kind == "tiles"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None:  # FSDP owns the weights' memory
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        gate, up = linear(x, self.w13).chunk(2, dim=-1)
+        gate_up = linear(x, self.w13)
+        if self.fused:
+            return self.w2(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -296,6 +314,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.optimize(kind)
             layer.feed_forward.optimize(kind)
+        for norm in [self.norm, *(n for layer in self.layers for n in (layer.attention_norm, layer.ffn_norm))]:
+            norm.fused = kind == "tiles"
         self.output = as_local_linear(self.output, kind)
         return kind, why
 

@@ -1,0 +1,143 @@
+"""The fused layer ops (tp_llama/cpu_layer.c through tp_llama/kernels.py) against float64 written plainly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tp_llama import kernels
+from tp_llama.kernels import matmul_kind
+
+pytestmark = pytest.mark.skipif(matmul_kind(torch.device("cpu"), torch.float32)[0] != "tiles",
+                                reason="the C kernels need AVX-512 and a compiler (test_kernels checks they load here)")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2**-7
+
+
+@DTYPES
+def test_rms_norm_matches_float64(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    for rows, dim in ((1, 64), (3, 1000), (70, 1000), (5, 4096)):  # 70 x 1000 runs on every thread
+        x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+        weight = torch.randn(dim, generator=gen).to(dtype)
+        expected = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * weight.double()
+        got = kernels.rms_norm(x, weight, 1e-5)
+        assert got.dtype == dtype and got.shape == x.shape
+        tol = tolerance(dtype)
+        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@DTYPES
+def test_silu_mul_matches_float64(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(1)
+    for rows, width in ((1, 16), (8, 100), (40, 2816)):
+        gate_up = (torch.randn(rows, 2 * width, generator=gen) * 8).to(dtype)
+        gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -1e-3])  # exp's clamps and the small end
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        expected = gate / (1 + torch.exp(-gate)) * up
+        got = kernels.silu_mul(gate_up)
+        assert got.shape == (rows, width)
+        tol = tolerance(dtype)
+        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * 1e-3)
+
+
+def test_silu_mul_keeps_nan_in_its_row():
+    gate_up = torch.randn(3, 64)
+    gate_up[1, 5] = float("nan")
+    got = kernels.silu_mul(gate_up)
+    assert got[1, 5].isnan() and not got[[0, 2]].isnan().any() and got[1].isnan().sum() == 1
+
+
+def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Meta's RoPE in float64: element pairs (a, b) turned by their angle. x [..., hd], angles [hd / 2]."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+class Case:
+    """A cache with random history and some decode rows, each in its own slot."""
+
+    def __init__(self, dtype, heads, kv_heads, hd, slots, positions, max_seq_len=40, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, hd
+        shape = (max(slots) + 2, kv_heads, max_seq_len, hd)
+        self.k = torch.randn(shape, generator=gen).to(dtype)
+        self.v = torch.randn(shape, generator=gen).to(dtype)
+        self.slots, self.positions = torch.tensor(slots), torch.tensor(positions)
+        rows = len(slots)
+        self.qkv = torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
+        self.angles = torch.rand(rows, hd // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
+        self.rotation = torch.polar(torch.ones_like(self.angles), self.angles).to(torch.complex64).unsqueeze(1)
+
+    def run(self, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k, v = self.k.clone(), self.v.clone()
+        qkv = self.qkv[rows].contiguous()
+        out = qkv.new_empty((qkv.shape[0], self.heads * self.hd))
+        kernels.decode_attention(qkv, self.rotation[rows].contiguous(), self.slots[rows].contiguous(),
+                                 self.positions[rows].contiguous(), k, v, out)
+        return out, k, v
+
+    def expected(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Output, cache k and v, all float64."""
+        k, v = self.k.double(), self.v.double()
+        heads, kv_heads, hd = self.heads, self.kv_heads, self.hd
+        qkv = self.qkv.double().unflatten(-1, (-1, hd))
+        outs = []
+        for r, (slot, pos) in enumerate(zip(self.slots.tolist(), self.positions.tolist())):
+            angles = self.rotation[r, 0].angle().double()  # the angles the kernel is given, as float32
+            q = rotate(qkv[r, :heads], angles)
+            k[slot, :, pos] = rotate(qkv[r, heads : heads + kv_heads], angles)
+            v[slot, :, pos] = qkv[r, heads + kv_heads :]
+            keys = k[slot, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
+            values = v[slot, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
+            weights = torch.softmax(q.unsqueeze(1) @ keys.transpose(1, 2) / math.sqrt(hd), dim=-1)
+            outs.append((weights @ values).flatten())
+        return torch.stack(outs), k, v
+
+
+SHAPES = [(4, 4, 64), (8, 2, 128), (6, 3, 80), (2, 1, 16)]  # heads, kv_heads, head_dim
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-hd{}".format(*s))
+def test_decode_attention_matches_float64(dtype: torch.dtype, shape: tuple[int, int, int]):
+    case = Case(dtype, *shape, slots=[3, 0, 5, 1], positions=[17, 0, 39, 16])
+    out, k, v = case.run()
+    want_out, want_k, want_v = case.expected()
+    tol = tolerance(dtype)
+    # bfloat16: q and k are rounded after RoPE, as the model's eager path rounds them
+    torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=4 * tol)
+    torch.testing.assert_close(k.double(), want_k, rtol=tol, atol=tol)
+    assert torch.equal(v.double(), want_v)
+
+
+@DTYPES
+def test_decode_attention_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
+    case = Case(dtype, 8, 2, 64, slots=[2, 6, 0, 4, 1], positions=[5, 31, 0, 12, 39])
+    out, _, _ = case.run()
+    for rows in (slice(0, 1), slice(1, 2), slice(2, 5), slice(4, 5)):
+        assert torch.equal(case.run(rows)[0], out[rows])
+
+
+def test_decode_attention_keeps_nan_in_its_row():
+    case = Case(torch.float32, 4, 2, 64, slots=[0, 1, 2], positions=[3, 4, 5])
+    case.qkv[1, 7] = float("nan")
+    out, _, _ = case.run()
+    assert out[1].isnan().any() and not out[[0, 2]].isnan().any()
+
+
+def test_decode_attention_rejects_rows_off_the_cache():
+    case = Case(torch.float32, 4, 2, 64, slots=[0, 1], positions=[1, 2])  # 3 slots of 40 positions
+    before = case.k.clone()
+    out = torch.empty(2, 4 * 64)
+    for slots, positions in (([0, 3], [1, 2]), ([0, 1], [1, 40]), ([0, -1], [1, 2])):
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            kernels.decode_attention(case.qkv, case.rotation, torch.tensor(slots), torch.tensor(positions),
+                                     case.k, case.v, out)
+        assert torch.equal(case.k, before)
