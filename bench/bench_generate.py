@@ -9,7 +9,8 @@ when the first new token of the batch is out, decode covers the remaining new to
 bandwidth floor of a decode step is the bytes it must read over the copy bandwidth measured at
 the start of the same run: every weight except the embedding table, plus (second floor) the KV
 cache of every row at the decode's mean context length. "ours oneDNN" is this checkout with
-TP_LLAMA_MATMUL=onednn, the matmul it used before tp_llama/cpu_matmul.c.
+TP_LLAMA_MATMUL=onednn: oneDNN's matmuls and PyTorch's eager layer ops, the engine as it was
+before tp_llama's C kernels (cpu_matmul.c, cpu_layer.c).
 """
 
 from __future__ import annotations

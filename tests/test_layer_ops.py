@@ -141,3 +141,39 @@ def test_decode_attention_rejects_rows_off_the_cache():
             kernels.decode_attention(case.qkv, case.rotation, torch.tensor(slots), torch.tensor(positions),
                                      case.k, case.v, out)
         assert torch.equal(case.k, before)
+
+
+@torch.inference_mode()
+def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
+    """With the C kernels every op of a step is per row (or per output over k in a fixed order), so a
+    bfloat16 row's logits do not depend on what shares its step."""
+    from tp_llama.model import Batch, Transformer
+    from tp_llama.params import ModelArgs
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, family="llama3",
+                     rope_theta=500000.0, use_scaled_rope=True)
+    models = []
+    for _ in range(2):  # one runs rows together, the other each row alone
+        torch.manual_seed(0)
+        model = Transformer(args).to(torch.bfloat16)
+        model.setup_caches(4, 64, torch.bfloat16, torch.device("cpu"))
+        assert model.optimize_for_inference()[0] == "tiles"
+        models.append(model)
+    together, alone = models
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (9, 4, 15)]
+    rows = [(slot, 0, ids, True) for slot, ids in enumerate(prompts)]
+
+    def compare(rows):
+        batched = together(Batch.build(rows, torch.device("cpu")))
+        for row, logits in zip(rows, batched):
+            assert torch.equal(alone(Batch.build([row], torch.device("cpu")))[0], logits)
+        return batched.argmax(-1).tolist()
+
+    picked = compare(rows)  # three prompts prefilled in one step
+    for step in range(3):  # decode steps; the last one beside a fourth prompt's prefill
+        rows = [(slot, len(prompts[slot]) + step, [picked[slot]], True) for slot in range(3)]
+        if step == 2:
+            rows.append((3, 0, prompts[0][:6], True))
+        picked = compare(rows)

@@ -1,4 +1,4 @@
-"""Matmuls on weights prepared once, at load, for the device that runs them.
+"""Matmuls on weights prepared once, at load, for the device that runs them, and the C layer ops.
 
 Three kinds, picked per process by `matmul_kind` (TP_LLAMA_MATMUL forces one, for comparisons):
 
@@ -6,7 +6,8 @@ Three kinds, picked per process by `matmul_kind` (TP_LLAMA_MATMUL forces one, fo
   use and cached. The weight is repacked into column tiles that stream once per call. On a
   bench model's weights (bench/bench_matmul.py) it takes 0.71-0.85x oneDNN's time at 1-32 rows
   in float32 and 0.52-0.80x at every row count in bfloat16, whose weights it widens to float32
-  in registers rather than use vdpbf16ps.
+  in registers rather than use vdpbf16ps. The same library holds cpu_layer.c (rms_norm,
+  silu_mul, decode_attention), which the model uses with this kind only.
 - "onednn", other CPUs: oneDNN's blocked layout, 15-35% faster than PyTorch's default matmul for
   batches of rows. oneDNN builds and keeps a kernel per row count, so row counts are rounded up
   to a few sizes (exact up to EXACT_ROWS, then multiples of it): the decode sizes are built at
