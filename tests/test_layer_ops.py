@@ -101,7 +101,7 @@ class Case:
         return torch.stack(outs), k, v
 
 
-SHAPES = [(4, 4, 64), (8, 2, 128), (6, 3, 80), (2, 1, 16)]  # heads, kv_heads, head_dim
+SHAPES = [(4, 4, 64), (8, 2, 128), (6, 2, 64), (6, 3, 80), (2, 1, 16)]  # heads, kv_heads, head_dim
 
 
 @DTYPES
