@@ -33,24 +33,32 @@ def test_rms_norm_matches_float64(dtype: torch.dtype):
 
 
 @DTYPES
-def test_silu_mul_matches_float64(dtype: torch.dtype):
+def test_gated_matmul_gives_swiglu_of_w1_and_w3(dtype: torch.dtype):
+    """silu(x w1^T) * (x w3^T) from one tiled weight, decode sizes and prefill blocks (and MKL's, float32)."""
     gen = torch.Generator().manual_seed(1)
-    for rows, width in ((1, 16), (8, 100), (40, 2816)):
-        gate_up = (torch.randn(rows, 2 * width, generator=gen) * 8).to(dtype)
-        gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -1e-3])  # exp's clamps and the small end
-        gate, up = gate_up.double().chunk(2, dim=-1)
-        expected = gate / (1 + torch.exp(-gate)) * up
-        got = kernels.silu_mul(gate_up)
-        assert got.shape == (rows, width)
-        tol = tolerance(dtype)
-        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * 1e-3)
+    for ffn, dim in ((16, 64), (96, 250), (2816, 512)):
+        w1, w3 = (torch.randn(ffn, dim, generator=gen).div(dim**0.5).to(dtype) for _ in range(2))
+        gated = kernels.prepare_swiglu(w1, w3, "tiles")
+        assert gated.gated and gated.shape == (2 * ffn, dim)
+        for rows in (1, 3, 8, 13, 70, 300):
+            x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+            gate, up = x.double() @ w1.double().T, x.double() @ w3.double().T
+            expected = gate / (1 + torch.exp(-gate)) * up
+            got = kernels.linear(x, gated)
+            assert got.shape == (rows, ffn) and got.dtype == dtype
+            tol = tolerance(dtype)
+            torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item(),
+                                       msg=lambda m: f"ffn={ffn} dim={dim} rows={rows}: {m}")
 
 
-def test_silu_mul_keeps_nan_in_its_row():
-    gate_up = torch.randn(3, 64)
-    gate_up[1, 5] = float("nan")
-    got = kernels.silu_mul(gate_up)
-    assert got[1, 5].isnan() and not got[[0, 2]].isnan().any() and got[1].isnan().sum() == 1
+def test_gated_matmul_keeps_nan_in_its_row_and_refuses_odd_widths():
+    w1, w3 = torch.randn(32, 64), torch.randn(32, 64)
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    got = kernels.linear(x, kernels.prepare_swiglu(w1, w3, "tiles"))
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
+    assert kernels.prepare_swiglu(torch.randn(24, 64), torch.randn(24, 64), "tiles") is None
+    assert kernels.prepare_swiglu(w1, w3, "onednn") is None
 
 
 def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,10 @@
  * queries). At a few rows each op costs its dispatch and an OpenMP fork, not its bytes: 3.6 ms
  * of a 24 ms step on the bench's quarter model. Here each is one call:
  *   rms_norm          Meta's RMSNorm: normalise in float32, round to the activation type, scale
- *   silu_mul          SwiGLU's silu(gate) * up over the fused w1/w3 output
  *   decode_attention  one new token per row: RoPE on its query and key, the key and value
  *                     written to the row's cache slot, then softmax attention over the slot
- * Every output element is computed from its own row alone, in a fixed order, so a row gets
+ * (SwiGLU's silu(gate) * up runs in the w1/w3 matmul's tiles, cpu_matmul.c.) Every output
+ * element is computed from its own row alone, in a fixed order, so a row gets
  * the same bits whatever else shares the batch. bf16 = 1 means bfloat16 arrays, 0 float32;
  * arithmetic is float32, rounded where PyTorch's bfloat16 ops round.
  */
@@ -20,24 +20,6 @@
 #define PARALLEL_ELEMENTS (1 << 15) /* below this, one thread: an OpenMP fork costs more */
 #define PREFETCH_KEYS 32            /* how far ahead of its scores a query asks for keys */
 #define MAX_HEAD_DIM 256            /* a query and its sums in registers (Llama's heads are 64 or 128) */
-
-/* e^x to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* x second: NaN passes through */
-    x = _mm512_min_ps(_mm512_set1_ps(88.7f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
@@ -52,21 +34,6 @@ void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t 
             __mmask16 m = lanes(dim - d);
             __m512 normed = as_stored(_mm512_mul_ps(load16(x, r * dim + d, bf16, m), inv), bf16);
             store16(y, r * dim + d, _mm512_mul_ps(normed, load16(weight, d, bf16, m)), bf16, m);
-        }
-    }
-}
-
-/* gate_up [rows][2 * width] (w1's output, then w3's) -> y [rows][width]. */
-void silu_mul(const void *gate_up, int64_t rows, int64_t width, void *y, int bf16) {
-#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t d = 0; d < width; d += 16) {
-            __mmask16 m = lanes(width - d);
-            __m512 gate = load16(gate_up, 2 * r * width + d, bf16, m);
-            __m512 up = load16(gate_up, 2 * r * width + width + d, bf16, m);
-            __m512 one = _mm512_set1_ps(1.0f);
-            __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-            store16(y, r * width + d, _mm512_mul_ps(as_stored(silu, bf16), up), bf16, m);
         }
     }
 }

@@ -29,10 +29,12 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
     for (int i = 0; i < ahead; i++) _mm_prefetch(next + (step * ahead + i) * 64, _MM_HINT_T1);
 }
 
-/* One tile of MT rows. `next`/`ahead`: this call's share of the next tile to prefetch. */
+/* One tile of MT rows into y (row stride ldy). `next`/`ahead`: this call's share of the next tile
+ * to prefetch. `gated`: the tile's two vectors are 16 gate and 16 up columns of a SwiGLU, and
+ * silu(gate) * up goes out, 16 columns. */
 #define F32_TILE(MT)                                                                               \
-    static void f32_tile_##MT(const float *x, int64_t K, const float *wt, float *y, int64_t N,     \
-                              int64_t cols, const char *next, int ahead) {                         \
+    static void f32_tile_##MT(const float *x, int64_t K, const float *wt, float *y, int64_t ldy,   \
+                              int64_t cols, int gated, const char *next, int ahead) {              \
         __m512 acc[MT][VECS];                                                                      \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
@@ -46,15 +48,20 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
                     acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m][j]);       \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
+            if (gated) {                                                                           \
+                _mm512_storeu_ps(y + m * ldy, swiglu16(acc[m][0], acc[m][1], 0));                  \
+                continue;                                                                          \
+            }                                                                                      \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
-                _mm512_mask_storeu_ps(y + m * N + 16 * j, lanes(cols - 16 * j), acc[m][j]);        \
+                _mm512_mask_storeu_ps(y + m * ldy + 16 * j, lanes(cols - 16 * j), acc[m][j]);      \
+        }                                                                                          \
     }
 
 /* x here is float32 (bf16_linear widens it once per call). */
 #define BF16_TILE(MT)                                                                              \
     static void bf16_tile_##MT(const float *x, int64_t K, const uint16_t *wt, uint16_t *y,         \
-                               int64_t N, int64_t cols, const char *next, int ahead) {             \
+                               int64_t ldy, int64_t cols, int gated, const char *next, int ahead) { \
         __m512 acc[MT][VECS];                                                                      \
         const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);                                   \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
@@ -73,9 +80,14 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
+            if (gated) {                                                                           \
+                _mm256_storeu_si256((__m256i *)(y + m * ldy), to_bf16(swiglu16(acc[m][0], acc[m][1], 1))); \
+                continue;                                                                          \
+            }                                                                                      \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
-                _mm256_mask_storeu_epi16(y + m * N + 16 * j, lanes(cols - 16 * j), to_bf16(acc[m][j])); \
+                _mm256_mask_storeu_epi16(y + m * ldy + 16 * j, lanes(cols - 16 * j), to_bf16(acc[m][j])); \
+        }                                                                                          \
     }
 
 #define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
@@ -88,7 +100,7 @@ TILES(BF16_TILE)
  * all), so memory keeps streaming while the later chunks compute from cache. */
 #define TILED(TYPE, PREFIX)                                                                        \
     static void PREFIX##_tiled(const float *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
-                               TYPE *y) {                                                          \
+                               TYPE *y, int gated) {                                               \
         int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
         int64_t chunks = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;                                  \
         int ahead = (int)((VECS + chunks - 1) / chunks);                                           \
@@ -100,18 +112,19 @@ TILES(BF16_TILE)
             for (int64_t c = 0, m0 = 0; c < chunks; c++) {                                         \
                 int64_t m1 = M * (c + 1) / chunks;                                                 \
                 const float *xm = x + m0 * K;                                                      \
-                TYPE *ym = y + m0 * N + t * TILE_COLS;                                             \
+                int64_t ldy = gated ? N / 2 : N; /* gated: TILE_COLS / 2 outputs per tile */      \
+                TYPE *ym = y + m0 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);                 \
                 const char *next = (const char *)wt + tile_bytes + c * share;                      \
                 int lines = c * ahead < VECS ? ahead : 0; /* the next tile is whole by then */     \
                 switch (m1 - m0) {                                                                 \
-                case 1: PREFIX##_tile_1(xm, K, wt, ym, N, cols, next, lines); break;               \
-                case 2: PREFIX##_tile_2(xm, K, wt, ym, N, cols, next, lines); break;               \
-                case 3: PREFIX##_tile_3(xm, K, wt, ym, N, cols, next, lines); break;               \
-                case 4: PREFIX##_tile_4(xm, K, wt, ym, N, cols, next, lines); break;               \
-                case 5: PREFIX##_tile_5(xm, K, wt, ym, N, cols, next, lines); break;               \
-                case 6: PREFIX##_tile_6(xm, K, wt, ym, N, cols, next, lines); break;               \
-                case 7: PREFIX##_tile_7(xm, K, wt, ym, N, cols, next, lines); break;               \
-                default: PREFIX##_tile_8(xm, K, wt, ym, N, cols, next, lines); break;              \
+                case 1: PREFIX##_tile_1(xm, K, wt, ym, ldy, cols, gated, next, lines); break;               \
+                case 2: PREFIX##_tile_2(xm, K, wt, ym, ldy, cols, gated, next, lines); break;               \
+                case 3: PREFIX##_tile_3(xm, K, wt, ym, ldy, cols, gated, next, lines); break;               \
+                case 4: PREFIX##_tile_4(xm, K, wt, ym, ldy, cols, gated, next, lines); break;               \
+                case 5: PREFIX##_tile_5(xm, K, wt, ym, ldy, cols, gated, next, lines); break;               \
+                case 6: PREFIX##_tile_6(xm, K, wt, ym, ldy, cols, gated, next, lines); break;               \
+                case 7: PREFIX##_tile_7(xm, K, wt, ym, ldy, cols, gated, next, lines); break;               \
+                default: PREFIX##_tile_8(xm, K, wt, ym, ldy, cols, gated, next, lines); break;              \
                 }                                                                                  \
                 m0 = m1;                                                                           \
             }                                                                                      \
@@ -147,24 +160,26 @@ static int64_t rows_per_block(int64_t K) {
     return rows < MIN_BLOCK_ROWS ? MIN_BLOCK_ROWS : rows;
 }
 
-/* The entry points; 0 on success, -1 when memory for the widened rows cannot be had. */
-int f32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
-    int64_t block = rows_per_block(K);
+/* The entry points; 0 on success, -1 when memory for the widened rows cannot be had. gated = 1:
+ * w is a SwiGLU's w1 and w3 interleaved in runs of 16 rows (kernels.py), N a multiple of
+ * TILE_COLS, and y [M][N / 2] gets silu(x w1^T) * (x w3^T). */
+int f32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int gated) {
+    int64_t block = rows_per_block(K), ldy = gated ? N / 2 : N;
     for (int64_t m0 = 0; m0 < M; m0 += block)
-        f32_tiled(x + m0 * K, M - m0 < block ? M - m0 : block, K, w, N, y + m0 * N);
+        f32_tiled(x + m0 * K, M - m0 < block ? M - m0 : block, K, w, N, y + m0 * ldy, gated);
     return 0;
 }
 
-int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y) {
+int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y, int gated) {
     float *wide = malloc((size_t)(M * K) * sizeof(float));
     if (wide == NULL) return -1;
     for (int64_t i = 0; i < M * K; i++) {
         uint32_t bits = (uint32_t)x[i] << 16;
         __builtin_memcpy(&wide[i], &bits, 4);
     }
-    int64_t block = rows_per_block(K);
+    int64_t block = rows_per_block(K), ldy = gated ? N / 2 : N;
     for (int64_t m0 = 0; m0 < M; m0 += block)
-        bf16_tiled(wide + m0 * K, M - m0 < block ? M - m0 : block, K, w, N, y + m0 * N);
+        bf16_tiled(wide + m0 * K, M - m0 < block ? M - m0 : block, K, w, N, y + m0 * ldy, gated);
     free(wide);
     return 0;
 }

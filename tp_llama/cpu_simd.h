@@ -1,4 +1,5 @@
-/* AVX-512 helpers shared by cpu_matmul.c and cpu_layer.c: lane masks, bfloat16 <-> float32. */
+/* AVX-512 helpers shared by cpu_matmul.c and cpu_layer.c: lane masks, bfloat16 <-> float32,
+ * e^x and SwiGLU's gate. */
 #ifndef TP_LLAMA_CPU_SIMD_H
 #define TP_LLAMA_CPU_SIMD_H
 
@@ -41,6 +42,32 @@ static inline void store16(void *p, int64_t i, __m512 v, int bf16, __mmask16 m) 
 /* v as the array's type would hold it: the rounding PyTorch applies between two bfloat16 ops. */
 static inline __m512 as_stored(__m512 v, int bf16) {
     return bf16 ? from_bf16(to_bf16(v)) : v;
+}
+
+/* e^x to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* x second: NaN passes through */
+    x = _mm512_min_ps(_mm512_set1_ps(88.7f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* SwiGLU's silu(gate) * up, rounded where PyTorch's bfloat16 ops round (gate and up arrive as
+ * they were stored). */
+static inline __m512 swiglu16(__m512 gate, __m512 up, int bf16) {
+    gate = as_stored(gate, bf16);
+    __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+    return _mm512_mul_ps(as_stored(silu, bf16), as_stored(up, bf16));
 }
 
 #endif

@@ -6,8 +6,9 @@ Three kinds, picked per process by `matmul_kind` (TP_LLAMA_MATMUL forces one, fo
   use and cached. The weight is repacked into column tiles that stream once per call. On a
   bench model's weights (bench/bench_matmul.py) it takes 0.71-0.85x oneDNN's time at 1-32 rows
   in float32 and 0.52-0.80x at every row count in bfloat16, whose weights it widens to float32
-  in registers rather than use vdpbf16ps. The same library holds cpu_layer.c (rms_norm,
-  silu_mul, decode_attention), which the model uses with this kind only.
+  in registers rather than use vdpbf16ps. A SwiGLU's w1 and w3 go in one weight whose tiles
+  end in silu(gate) * up (`prepare_swiglu`). The same library holds cpu_layer.c (rms_norm,
+  decode_attention), which the model uses with this kind only.
 - "onednn", other CPUs: oneDNN's blocked layout, 15-35% faster than PyTorch's default matmul for
   batches of rows. oneDNN builds and keeps a kernel per row count, so row counts are rounded up
   to a few sizes (exact up to EXACT_ROWS, then multiples of it): the decode sizes are built at
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 EXACT_ROWS = 32
 MKL_ROWS = 256  # float32 calls with this many rows are compute-bound, where MKL's sgemm is ~20% faster
 TILE_COLS = 32  # cpu_matmul.c's TILE_COLS
+GATE_RUN = TILE_COLS // 2  # a gated tile: this many w1 rows, then as many w3 rows
 MAX_HEAD_DIM = 256  # cpu_layer.c's MAX_HEAD_DIM: larger heads attend through PyTorch
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_layer.c")]
 HEADER = Path(__file__).with_name("cpu_simd.h")
@@ -54,10 +56,15 @@ def cpu_flags() -> set[str]:
 
 @dataclass(frozen=True)
 class Tiled:
-    """A weight [out, in] (`shape`) in cpu_matmul.c's tile layout (`data`)."""
+    """A weight [out, in] (`shape`) in cpu_matmul.c's tile layout (`data`).
+
+    gated: the rows are a SwiGLU's w1 and w3 interleaved in runs of GATE_RUN, and `linear`
+    returns silu(x w1^T) * (x w3^T), out / 2 columns.
+    """
 
     data: torch.Tensor
     shape: torch.Size
+    gated: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -125,15 +132,13 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     for name in ("f32_linear", "bf16_linear"):
         fn = getattr(library, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p]
+                       ctypes.c_void_p, ctypes.c_int]
         fn.restype = ctypes.c_int
     library.pack_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     library.pack_tiles.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
-    library.silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-    library.silu_mul.restype = None
     library.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     library.decode_attention.restype = ctypes.c_int
     return library, ""
@@ -170,6 +175,16 @@ def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
     return weight
 
 
+def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | None:
+    """w1 and w3 [ffn, in] as one gated weight (see Tiled), or None where `kind` cannot run one."""
+    ffn, cols = w1.shape
+    if kind != "tiles" or ffn % GATE_RUN or (w1.dtype == torch.bfloat16 and cols % 2):
+        return None
+    runs = [w.detach().reshape(ffn // GATE_RUN, GATE_RUN, cols) for w in (w1, w3)]
+    tiled = prepare(torch.stack(runs, dim=1).reshape(2 * ffn, cols), kind)
+    return Tiled(tiled.data, tiled.shape, gated=True)
+
+
 def padded_rows(rows: int) -> int:
     return rows if rows <= EXACT_ROWS else -(-rows // EXACT_ROWS) * EXACT_ROWS
 
@@ -196,11 +211,16 @@ def _tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
     rows = x.numel() // in_features
     if x.dtype == torch.float32 and rows >= MKL_ROWS:  # each tile is an [in, TILE_COLS] matrix to MKL
         tiles = torch.matmul(x.view(rows, in_features), weight.data)
-        return tiles.transpose(0, 1).reshape(rows, -1)[:, :out_features].reshape(*x.shape[:-1], out_features)
-    y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+        y = tiles.transpose(0, 1).reshape(rows, -1)[:, :out_features]
+        if weight.gated:
+            gate, up = y.unflatten(-1, (-1, 2, GATE_RUN)).unbind(-2)
+            y = (F.silu(gate) * up).flatten(-2)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    y = torch.empty((*x.shape[:-1], out_features // 2 if weight.gated else out_features), dtype=x.dtype)
     library, _ = _library()
     fn = library.f32_linear if x.dtype == torch.float32 else library.bf16_linear
-    if rows and fn(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features, y.data_ptr()):
+    if rows and fn(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features, y.data_ptr(),
+                   weight.gated):
         raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
     return y
 
@@ -212,16 +232,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     _library()[0].rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps,
                            x.dtype == torch.bfloat16)
-    return y
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up from w1/w3's fused output [..., 2 * width], one C call."""
-    gate_up = gate_up.contiguous()
-    width = gate_up.shape[-1] // 2
-    y = gate_up.new_empty((*gate_up.shape[:-1], width))
-    _library()[0].silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * width), width, y.data_ptr(),
-                           gate_up.dtype == torch.bfloat16)
     return y
 
 

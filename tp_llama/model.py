@@ -249,22 +249,20 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w13: torch.Tensor | Tiled | None = None
-        self.fused = False  # cpu_layer.c's silu_mul
 
     def optimize(self, kind: str) -> None:
-        """w1 and w3 as one matmul; the separate projections go (inference only from then on)."""
-        self.w13 = fused_weight([self.w1, self.w3], kind)
+        """w1 and w3 as one matmul (ending in SwiGLU with the tiles); the projections go (inference only)."""
+        gated = kernels.prepare_swiglu(self.w1.weight, self.w3.weight, kind)
+        self.w13 = gated if gated is not None else fused_weight([self.w1, self.w3], kind)
         del self.w1, self.w3
         self.w2 = as_local_linear(self.w2, kind)
-        self.fused = kind == "tiles"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None:  # FSDP owns the weights' memory
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        gate_up = linear(x, self.w13)
-        if self.fused:
-            return self.w2(kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        if isinstance(self.w13, Tiled) and self.w13.gated:  # the matmul ends in silu(gate) * up
+            return self.w2(linear(x, self.w13))
+        gate, up = linear(x, self.w13).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
