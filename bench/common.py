@@ -63,6 +63,23 @@ def copy_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
+def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
+    """Best of a few dot products of a large tensor with itself: bytes read only, as a decode step reads."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    torch.dot(src, src)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.dot(src, src)
+        best = min(best, time.perf_counter() - started)
+    return src.numel() * 4 / best / 1e9
+
+
+def stream_bandwidth_gbs() -> float:
+    """The faster of a copy (read + write) and a read-only stream, each measured now."""
+    return max(copy_bandwidth_gbs(), read_bandwidth_gbs())
+
+
 def machine() -> dict[str, object]:
     """What the numbers were measured on, for the JSON and BENCHMARKS.md."""
     cpu = "unknown"
