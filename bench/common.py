@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,17 @@ def drop_file_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The shortest of `repeats` timed calls, after one untimed call that warms up."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def copy_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     """Best of a few large tensor copies, counted STREAM-style (bytes read + bytes written).
 
@@ -54,25 +66,13 @@ def copy_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     """
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
-    return 2 * src.numel() * 4 / best / 1e9
+    return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     """Best of a few dot products of a large tensor with itself: bytes read only, as a decode step reads."""
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    torch.dot(src, src)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.dot(src, src)
-        best = min(best, time.perf_counter() - started)
-    return src.numel() * 4 / best / 1e9
+    return src.numel() * 4 / best_seconds(lambda: torch.dot(src, src), repeats) / 1e9
 
 
 def stream_bandwidth_gbs() -> float:

@@ -21,6 +21,7 @@ A prepared weight replaces the plain one, so it costs no memory of its own.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -161,10 +162,15 @@ def matmul_kind(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     return "plain", why
 
 
+def _tileable(weight: torch.Tensor) -> bool:
+    """The tiles hold bfloat16 in pairs along k, so a bfloat16 weight needs an even width."""
+    return not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2)
+
+
 def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
     """weight [out, in] in the form `linear` runs fastest for `kind` (see matmul_kind)."""
     weight = weight.detach()
-    if kind == "tiles" and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
+    if kind == "tiles" and _tileable(weight):
         out, cols = weight.shape
         units = weight.contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
         data = torch.empty((-(-out // TILE_COLS), units.shape[1], TILE_COLS), dtype=torch.int32)
@@ -178,11 +184,10 @@ def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
 def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | None:
     """w1 and w3 [ffn, in] as one gated weight (see Tiled), or None where `kind` cannot run one."""
     ffn, cols = w1.shape
-    if kind != "tiles" or ffn % GATE_RUN or (w1.dtype == torch.bfloat16 and cols % 2):
+    if kind != "tiles" or ffn % GATE_RUN or not _tileable(w1):
         return None
     runs = [w.detach().reshape(ffn // GATE_RUN, GATE_RUN, cols) for w in (w1, w3)]
-    tiled = prepare(torch.stack(runs, dim=1).reshape(2 * ffn, cols), kind)
-    return Tiled(tiled.data, tiled.shape, gated=True)
+    return dataclasses.replace(prepare(torch.stack(runs, dim=1).reshape(2 * ffn, cols), kind), gated=True)
 
 
 def padded_rows(rows: int) -> int:

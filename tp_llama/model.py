@@ -312,8 +312,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.optimize(kind)
             layer.feed_forward.optimize(kind)
-        for norm in [self.norm, *(n for layer in self.layers for n in (layer.attention_norm, layer.ffn_norm))]:
-            norm.fused = kind == "tiles"
+            layer.attention_norm.fused = layer.ffn_norm.fused = kind == "tiles"
+        self.norm.fused = kind == "tiles"
         self.output = as_local_linear(self.output, kind)
         return kind, why
 
