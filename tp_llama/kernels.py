@@ -138,6 +138,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     library.pack_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     library.pack_tiles.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.untile_f32.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    library.untile_f32.restype = None
     library.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
     library.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
@@ -214,15 +216,12 @@ def _tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
     out_features, in_features = weight.shape
     x = x.contiguous()
     rows = x.numel() // in_features
-    if x.dtype == torch.float32 and rows >= MKL_ROWS:  # each tile is an [in, TILE_COLS] matrix to MKL
-        tiles = torch.matmul(x.view(rows, in_features), weight.data)
-        y = tiles.transpose(0, 1).reshape(rows, -1)[:, :out_features]
-        if weight.gated:
-            gate, up = y.unflatten(-1, (-1, 2, GATE_RUN)).unbind(-2)
-            y = (F.silu(gate) * up).flatten(-2)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
     y = torch.empty((*x.shape[:-1], out_features // 2 if weight.gated else out_features), dtype=x.dtype)
     library, _ = _library()
+    if x.dtype == torch.float32 and rows >= MKL_ROWS:  # each tile is an [in, TILE_COLS] matrix to MKL
+        tiles = torch.matmul(x.view(rows, in_features), weight.data)
+        library.untile_f32(tiles.data_ptr(), rows, out_features, y.data_ptr(), weight.gated)
+        return y
     fn = library.f32_linear if x.dtype == torch.float32 else library.bf16_linear
     if rows and fn(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features, y.data_ptr(),
                    weight.gated):
