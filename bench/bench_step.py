@@ -1,13 +1,14 @@
-"""Where a decode step's time goes: matmuls, attention, norms and the rest, per matmul kind.
+"""Where a decode step's time goes: matmuls, attention, norms, C half-layers and the rest, per engine.
 
     python -m bench.bench_step [--preset quarter] [--dtypes float32 bfloat16] [--batches 1 8] [--steps 64]
 
-One process, TP 1, the offline engine: for each dtype, kind (this checkout's C kernels, then
-TP_LLAMA_MATMUL=onednn: oneDNN's matmuls and PyTorch's eager layer ops) and batch size, a
-128-token prompt per row, then --steps decode steps. The model's matmuls, attention (RoPE, the
-cache write and softmax(qK)V), and RMSNorms are timed by wrapping the functions that run them;
-"rest" is the step's time outside them (residual adds, embedding, the step's Python, sampling).
-Milliseconds per decode step, medians over the steps.
+One process, TP 1, the offline engine: for each dtype, engine and batch size, a 128-token prompt
+per row, then --steps decode steps. The engines: this checkout's C kernels with a decode step's
+layers as two C calls each (cpu_decode.c), the same kernels called op by op from Python, and
+TP_LLAMA_MATMUL=onednn (oneDNN's matmuls and PyTorch's eager layer ops). The model's matmuls,
+attention (RoPE, the cache write and softmax(qK)V), RMSNorms and half-layer calls are timed by
+wrapping the functions that run them; "rest" is the step's time outside them (residual adds,
+embedding, the step's Python, sampling). Milliseconds per decode step, medians over the steps.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tp_llama import kernels, model, parallel
 from tp_llama.engine import Engine
 from tp_llama.scheduler import SamplingParams, Sequence
 
-PARTS = ("matmuls", "attention", "norms")
+PARTS = ("matmuls", "attention", "norms", "half-layers")
 
 
 class Clock:
@@ -54,6 +55,8 @@ def instrument(clock: Clock) -> None:
     model.apply_rope = clock.timed("attention", model.apply_rope)
     model.Attention._attend = clock.timed("attention", model.Attention._attend)
     model.RMSNorm.forward = clock.timed("norms", model.RMSNorm.forward)
+    kernels.attention_block = clock.timed("half-layers", kernels.attention_block)
+    kernels.ffn_block = clock.timed("half-layers", kernels.ffn_block)
 
 
 def measure(engine: Engine, clock: Clock, batch: int, steps: int) -> dict[str, float]:
@@ -88,20 +91,24 @@ def main(argv: list[str] | None = None) -> None:
     instrument(clock)
     rows = []
     for dtype in a.dtypes:
-        for label, forced in (("C kernels", None), ("oneDNN + eager", "onednn")):
+        for forced in (None, "onednn"):
             os.environ.pop("TP_LLAMA_MATMUL", None)
             if forced:
                 os.environ["TP_LLAMA_MATMUL"] = forced
             engine = Engine.load(ckpt, "tp", dtype, max_seq_len=128 + a.steps + 1, max_batch_size=max(a.batches),
                                  prefill_budget=128 * max(a.batches))  # every prompt in one step
             engine.generate([Sequence("warm", prompts(engine.args, 1, 16)[0], SamplingParams(4, ignore_eos=True))])
+            planned = engine.model.decode_layers
+            engines = [("oneDNN + eager", None)] if forced else [("C half-layers", planned), ("C kernels op by op", None)]
             for batch in a.batches:
-                m = measure(engine, clock, batch, a.steps)
-                rows.append([dtype, batch, label, m["step"], m["matmuls"], m["attention"], m["norms"], m["rest"]])
-                print(f"{dtype} batch {batch} {label}: step {m['step']:.2f} ms", flush=True)
+                for label, layers in engines:
+                    engine.model.decode_layers = layers
+                    m = measure(engine, clock, batch, a.steps)
+                    rows.append([dtype, batch, label, m["step"], *(m[p] for p in PARTS), m["rest"]])
+                    print(f"{dtype} batch {batch} {label}: step {m['step']:.2f} ms", flush=True)
             del engine
     os.environ.pop("TP_LLAMA_MATMUL", None)
-    print(table(["dtype", "batch", "kernels", "step ms", "matmuls ms", "attention ms", "norms ms", "rest ms"], rows))
+    print(table(["dtype", "batch", "engine", "step ms", *(f"{p} ms" for p in PARTS), "rest ms"], rows))
     print(f"\n{a.preset} preset, TP 1, {torch.get_num_threads()} threads; medians over {a.steps} decode steps "
           "after a 128-token prompt per row.")
 

@@ -185,3 +185,45 @@ def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
         if step == 2:
             rows.append((3, 0, prompts[0][:6], True))
         picked = compare(rows)
+
+
+@DTYPES
+@torch.inference_mode()
+def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
+    """cpu_decode.c runs a decode-only step's layers as two C calls each; logits and cache writes must
+    be the bits of the op-by-op path (itself checked against float64 by the parity tests)."""
+    from tp_llama.model import Batch, Transformer
+    from tp_llama.params import ModelArgs
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, family="llama3",
+                     rope_theta=500000.0, use_scaled_rope=True)
+    model = Transformer(args).to(dtype)
+    model.setup_caches(4, 32, dtype, torch.device("cpu"))
+    assert model.optimize_for_inference()[0] == "tiles"
+    planned = model.decode_layers
+    assert planned is not None and len(planned) == 2
+    caches = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
+    gen = torch.Generator().manual_seed(1)
+    lengths = {0: 9, 2: 4, 3: 15}  # slot 1 stays empty: a hole among the decode rows
+    prefill = [(slot, 0, torch.randint(0, 97, (n,), generator=gen).tolist(), True) for slot, n in lengths.items()]
+    picked = model(Batch.build(prefill, torch.device("cpu"))).argmax(-1).tolist()
+    for step in range(3):
+        rows = [(slot, n + step, [token], True) for (slot, n), token in zip(lengths.items(), picked)]
+        batch = Batch.build(rows, torch.device("cpu"))
+        before = [t.clone() for t in caches]
+        in_c = model(batch)
+        written = [t.clone() for t in caches]
+        for t, saved in zip(caches, before):
+            t.copy_(saved)
+        model.decode_layers = None
+        op_by_op = model(batch)
+        model.decode_layers = planned
+        assert torch.equal(in_c, op_by_op), f"step {step}"
+        assert all(torch.equal(a, b) for a, b in zip(written, caches))
+        assert not all(torch.equal(a, b) for a, b in zip(written, before))
+        picked = in_c.argmax(-1).tolist()
+    before = [t.clone() for t in caches]
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        model(Batch.build([(0, 5, [1], True), (4, 5, [1], True)], torch.device("cpu")))  # 4 slots
+    assert all(torch.equal(a, b) for a, b in zip(before, caches))

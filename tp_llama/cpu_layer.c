@@ -13,16 +13,17 @@
  * arithmetic is float32, rounded where PyTorch's bfloat16 ops round.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #define PARALLEL_ELEMENTS (1 << 15) /* below this, one thread: an OpenMP fork costs more */
 #define PREFETCH_KEYS 32            /* how far ahead of its scores a query asks for keys */
-#define MAX_HEAD_DIM 256            /* a query and its sums in registers (Llama's heads are 64 or 128) */
 
-void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16) {
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
+void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         __m512 squares = _mm512_setzero_ps();
         for (int64_t d = 0; d < dim; d += 16) {
@@ -36,6 +37,11 @@ void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t 
             store16(y, r * dim + d, _mm512_mul_ps(normed, load16(weight, d, bf16, m)), bf16, m);
         }
     }
+}
+
+void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16) {
+#pragma omp parallel if (rows * dim >= PARALLEL_ELEMENTS)
+    rms_norm_rows(x, weight, y, rows, dim, eps, bf16);
 }
 
 /* 16 lanes of a head rotated by Meta's RoPE: lanes (2i, 2i+1) are one complex number, times
@@ -135,6 +141,42 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
     }
 }
 
+int check_rows(const int64_t *slots, const int64_t *positions, int64_t rows, int64_t n_slots, int64_t max_seq_len,
+               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread) {
+    if (head_dim > MAX_HEAD_DIM) return -3;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        if (slots[r] < 0 || slots[r] >= n_slots || positions[r] < 0 || positions[r] >= max_seq_len) return -2;
+        longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    }
+    *scores_per_thread = n_heads / n_kv_heads * longest;
+    return 0;
+}
+
+void attention_rows(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
+                    int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
+                    void *cache_v, int64_t max_seq_len, void *out, int bf16, float *scores,
+                    int64_t scores_per_thread) {
+    const struct Attention a = {n_heads, n_kv_heads, max_seq_len};
+    const int64_t width = (n_heads + 2 * n_kv_heads) * head_dim, size = bf16 ? 2 : 4;
+    float *mine = scores + omp_get_thread_num() * scores_per_thread;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < n_kv_heads; g++) {
+            const void *row = (const char *)qkv + r * width * size;
+            const float *rot = rotation + r * head_dim;
+            void *out_row = (char *)out + r * n_heads * head_dim * size;
+#define ATTEND(HD, BF16) attend(&a, row, rot, slots[r], positions[r], g, cache_k, cache_v, out_row, mine, HD, BF16)
+            if (head_dim == 128)
+                bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
+            else if (head_dim == 64)
+                bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
+            else
+                ATTEND(head_dim, bf16);
+#undef ATTEND
+        }
+}
+
 /* qkv [rows][(n_heads + 2 n_kv_heads) head_dim]: each row's new token, q then k then v heads.
  * rotation [rows][head_dim]: cos, sin pairs at the row's position. cache_k/v [slots][n_kv_heads]
  * [max_seq_len][head_dim]. out [rows][n_heads head_dim]. Rows must be in distinct slots.
@@ -143,40 +185,14 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
 int decode_attention(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
                      int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
                      void *cache_v, int64_t n_slots, int64_t max_seq_len, void *out, int bf16) {
-    const struct Attention a = {n_heads, n_kv_heads, max_seq_len};
-    const int64_t rep = n_heads / n_kv_heads, size = bf16 ? 2 : 4;
-    if (head_dim > MAX_HEAD_DIM) return -3;
-    const int64_t width = (n_heads + 2 * n_kv_heads) * head_dim;
-    int64_t longest = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        if (slots[r] < 0 || slots[r] >= n_slots || positions[r] < 0 || positions[r] >= max_seq_len) return -2;
-        longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-    }
-    int failed = 0;
+    int64_t per_thread;
+    int status = check_rows(slots, positions, rows, n_slots, max_seq_len, n_heads, n_kv_heads, head_dim, &per_thread);
+    if (status) return status;
+    float *scores = malloc((size_t)(omp_get_max_threads() * per_thread) * sizeof(float));
+    if (scores == NULL) return -1;
 #pragma omp parallel
-    {
-        float *scores = malloc((size_t)(rep * longest) * sizeof(float));
-        if (scores == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t g = 0; g < n_kv_heads; g++) {
-                if (scores == NULL) continue;
-                const void *row = (const char *)qkv + r * width * size;
-                const float *rot = rotation + r * head_dim;
-                void *out_row = (char *)out + r * n_heads * head_dim * size;
-#define ATTEND(HD, BF16) attend(&a, row, rot, slots[r], positions[r], g, cache_k, cache_v, out_row, scores, HD, BF16)
-                if (head_dim == 128)
-                    bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
-                else if (head_dim == 64)
-                    bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
-                else
-                    ATTEND(head_dim, bf16);
-#undef ATTEND
-            }
-        free(scores);
-    }
-    return failed ? -1 : 0;
+    attention_rows(qkv, rotation, slots, positions, rows, n_heads, n_kv_heads, head_dim, cache_k, cache_v,
+                   max_seq_len, out, bf16, scores, per_thread);
+    free(scores);
+    return 0;
 }

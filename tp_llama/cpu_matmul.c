@@ -16,6 +16,7 @@
  */
 #include <stdlib.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #define TILE_COLS 32
@@ -58,7 +59,7 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
         }                                                                                          \
     }
 
-/* x here is float32 (bf16_linear widens it once per call). */
+/* x here is float32 (tiled_matmul widens it once per call). */
 #define BF16_TILE(MT)                                                                              \
     static void bf16_tile_##MT(const float *x, int64_t K, const uint16_t *wt, uint16_t *y,         \
                                int64_t ldy, int64_t cols, int gated, const char *next, int ahead) { \
@@ -97,7 +98,8 @@ TILES(BF16_TILE)
 /* Rows go in near-equal chunks of at most MAX_TILE_ROWS (10 rows: 5 + 5, not 8 + 2), so every
  * chunk has enough independent sums; the tile stays in cache between chunks. Each chunk
  * prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
- * all), so memory keeps streaming while the later chunks compute from cache. */
+ * all), so memory keeps streaming while the later chunks compute from cache. The threads of
+ * the enclosing parallel region split the tiles. */
 #define TILED(TYPE, PREFIX)                                                                        \
     static void PREFIX##_tiled(const float *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
                                TYPE *y, int gated) {                                               \
@@ -106,7 +108,7 @@ TILES(BF16_TILE)
         int ahead = (int)((VECS + chunks - 1) / chunks);                                           \
         int64_t tile_bytes = K * TILE_COLS * (int64_t)sizeof(TYPE);                                \
         int64_t share = ahead * (tile_bytes / VECS);                                               \
-        _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++) {         \
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < tiles; t++) {                  \
             const TYPE *wt = w + t * K * TILE_COLS;                                                \
             int64_t cols = N - t * TILE_COLS;                                                      \
             for (int64_t c = 0, m0 = 0; c < chunks; c++) {                                         \
@@ -160,26 +162,35 @@ static int64_t rows_per_block(int64_t K) {
     return rows < MIN_BLOCK_ROWS ? MIN_BLOCK_ROWS : rows;
 }
 
-/* The entry points; 0 on success, -1 when memory for the widened rows cannot be had. gated = 1:
- * w is a SwiGLU's w1 and w3 interleaved in runs of 16 rows (kernels.py), N a multiple of
- * TILE_COLS, and y [M][N / 2] gets silu(x w1^T) * (x w3^T). */
-int f32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int gated) {
-    int64_t block = rows_per_block(K), ldy = gated ? N / 2 : N;
-    for (int64_t m0 = 0; m0 < M; m0 += block)
-        f32_tiled(x + m0 * K, M - m0 < block ? M - m0 : block, K, w, N, y + m0 * ldy, gated);
-    return 0;
-}
-
-int bf16_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y, int gated) {
-    float *wide = malloc((size_t)(M * K) * sizeof(float));
-    if (wide == NULL) return -1;
-    for (int64_t i = 0; i < M * K; i++) {
-        uint32_t bits = (uint32_t)x[i] << 16;
-        __builtin_memcpy(&wide[i], &bits, 4);
+void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                  float *wide) {
+    const float *rows = x;
+    if (bf16) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t k = 0; k < K; k += 16)
+                _mm512_mask_storeu_ps(wide + r * K + k, lanes(K - k), load16(x, r * K + k, 1, lanes(K - k)));
+        rows = wide;
     }
     int64_t block = rows_per_block(K), ldy = gated ? N / 2 : N;
-    for (int64_t m0 = 0; m0 < M; m0 += block)
-        bf16_tiled(wide + m0 * K, M - m0 < block ? M - m0 : block, K, w, N, y + m0 * ldy, gated);
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        int64_t m = M - m0 < block ? M - m0 : block;
+        if (bf16)
+            bf16_tiled(rows + m0 * K, m, K, w, N, (uint16_t *)y + m0 * ldy, gated);
+        else
+            f32_tiled(rows + m0 * K, m, K, w, N, (float *)y + m0 * ldy, gated);
+    }
+}
+
+/* The entry point: tiled_matmul on this call's own threads; 0 on success, -1 when memory for
+ * the widened bfloat16 rows cannot be had. gated = 1: w is a SwiGLU's w1 and w3 interleaved in
+ * runs of 16 rows (kernels.py), N a multiple of TILE_COLS, and y [M][N / 2] gets
+ * silu(x w1^T) * (x w3^T). */
+int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16) {
+    float *wide = NULL;
+    if (bf16 && (wide = malloc((size_t)(M * K) * sizeof(float))) == NULL) return -1;
+#pragma omp parallel
+    tiled_matmul(x, M, K, w, N, y, gated, bf16, wide);
     free(wide);
     return 0;
 }

@@ -40,8 +40,8 @@ MKL_ROWS = 256  # float32 calls with this many rows are compute-bound, where MKL
 TILE_COLS = 32  # cpu_matmul.c's TILE_COLS
 GATE_RUN = TILE_COLS // 2  # a gated tile: this many w1 rows, then as many w3 rows
 MAX_HEAD_DIM = 256  # cpu_layer.c's MAX_HEAD_DIM: larger heads attend through PyTorch
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_layer.c")]
-HEADER = Path(__file__).with_name("cpu_simd.h")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matmul.c", "cpu_layer.c", "cpu_decode.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_kernels.h")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 KINDS = ("tiles", "onednn", "plain")
 
@@ -72,6 +72,23 @@ class Tiled:
         return self.data.dtype
 
 
+class DecodeLayer(ctypes.Structure):
+    """cpu_decode.c's struct DecodeLayer: a layer's shapes (this rank's share) and its tensors' addresses."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn", "n_slots", "max_seq_len")),
+        ("eps", ctypes.c_float),
+        ("bf16", ctypes.c_int32),
+        *((name, ctypes.c_void_p) for name in ("attention_norm", "ffn_norm", "wqkv", "wo", "w13", "w2", "cache_k", "cache_v")),
+    ]
+
+
+class DecodeRows(ctypes.Structure):
+    """cpu_decode.c's struct DecodeRows: a decode step's rows (rotation as cos, sin pairs)."""
+
+    _fields_ = [("rows", ctypes.c_int64), *((name, ctypes.c_void_p) for name in ("rotation", "slots", "positions"))]
+
+
 def _cache_dirs() -> list[Path]:
     """Where the built library is kept: the user's cache, else a per-user temp folder (e.g. no HOME)."""
     folders = [Path(tempfile.gettempdir()) / f"tp_llama-{os.getuid()}"]
@@ -87,7 +104,7 @@ def _build(compiler: str) -> Path:
 
     Ranks may build at the same time: each writes its own file and renames it into place.
     """
-    code = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
+    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(code + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     errors = []
     for folder in _cache_dirs():
@@ -130,20 +147,24 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"could not build tp_llama's C kernels: {exc}"
-    for name in ("f32_linear", "bf16_linear"):
-        fn = getattr(library, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    library.pack_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    library.tiled_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, flag, flag]
+    library.tiled_linear.restype = ctypes.c_int
+    library.pack_tiles.argtypes = [ptr, i64, i64, ptr]
     library.pack_tiles.restype = None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.untile_f32.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    library.untile_f32.argtypes = [ptr, i64, i64, ptr, flag]
     library.untile_f32.restype = None
-    library.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    library.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, flag]
     library.rms_norm.restype = None
-    library.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    library.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, flag]
     library.decode_attention.restype = ctypes.c_int
+    layer, rows = ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeRows)
+    library.decode_scratch_bytes.argtypes = [layer, i64]
+    library.decode_scratch_bytes.restype = i64
+    library.attention_block.argtypes = [layer, rows, ptr, ptr, ptr, ptr]
+    library.attention_block.restype = ctypes.c_int
+    library.ffn_block.argtypes = [layer, i64, ptr, ptr, ptr, ptr]
+    library.ffn_block.restype = None
     return library, ""
 
 
@@ -222,9 +243,8 @@ def _tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
         tiles = torch.matmul(x.view(rows, in_features), weight.data)
         library.untile_f32(tiles.data_ptr(), rows, out_features, y.data_ptr(), weight.gated)
         return y
-    fn = library.f32_linear if x.dtype == torch.float32 else library.bf16_linear
-    if rows and fn(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features, y.data_ptr(),
-                   weight.gated):
+    if rows and library.tiled_linear(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features,
+                                     y.data_ptr(), weight.gated, x.dtype == torch.bfloat16):
         raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
     return y
 
@@ -258,12 +278,68 @@ def decode_attention(qkv: torch.Tensor, rotation: torch.Tensor, slots: torch.Ten
         qkv.data_ptr(), torch.view_as_real(rotation).data_ptr(), slots.data_ptr(), positions.data_ptr(), rows,
         out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(), cache_v.data_ptr(), n_slots,
         max_seq_len, out.data_ptr(), qkv.dtype == torch.bfloat16)
+    _raise_for_attention(status, cache_k)
+
+
+def _raise_for_attention(status: int, cache_k: torch.Tensor) -> None:
     if status == -2:
         raise IndexError(f"a decode row's slot or position lies outside the KV cache {tuple(cache_k.shape)}")
     if status == -3:
-        raise ValueError(f"decode_attention takes heads of up to {MAX_HEAD_DIM}, not {head_dim}")
+        raise ValueError(f"decode attention takes heads of up to {MAX_HEAD_DIM}, not {cache_k.shape[-1]}")
     if status:
         raise MemoryError("no memory for attention scores")
+
+
+def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, eps: float) -> DecodeLayer | None:
+    """A layer as attention_block and ffn_block run it, or None where they cannot.
+
+    norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
+    shards) in tiles; the cache [slots, kv_heads, max_seq_len, head_dim]. The layer's tensors must
+    outlive the returned struct, which holds only their addresses.
+    """
+    wqkv, wo, w13, w2 = weights
+    if not all(isinstance(w, Tiled) for w in weights) or wqkv.gated or wo.gated or w2.gated or not w13.gated:
+        return None
+    n_slots, n_kv_heads, max_seq_len, head_dim = cache_k.shape
+    n_heads = wo.shape[1] // head_dim
+    if head_dim > MAX_HEAD_DIM or n_heads % n_kv_heads or wqkv.shape[0] != (n_heads + 2 * n_kv_heads) * head_dim:
+        return None
+    tensors = (*norms, *(w.data for w in weights), cache_k, cache_v)
+    if not all(t.is_contiguous() and t.dtype == cache_k.dtype for t in tensors):
+        return None
+    return DecodeLayer(wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], n_slots, max_seq_len, eps,
+                       cache_k.dtype == torch.bfloat16, *(t.data_ptr() for t in tensors))
+
+
+def decode_rows(rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> DecodeRows:
+    """A decode step's rows: rotation [rows, ..., head_dim / 2] complex, slots and positions [rows] int64.
+
+    The tensors must outlive the returned struct.
+    """
+    tensors = (rotation, slots, positions)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("decode rows need contiguous tensors")
+    return DecodeRows(slots.shape[0], torch.view_as_real(rotation).data_ptr(), slots.data_ptr(), positions.data_ptr())
+
+
+def decode_scratch(layer: DecodeLayer, rows: int) -> torch.Tensor:
+    return torch.empty(_library()[0].decode_scratch_bytes(ctypes.byref(layer), rows), dtype=torch.uint8)
+
+
+def attention_block(layer: DecodeLayer, rows: DecodeRows, h: torch.Tensor, delta: torch.Tensor | None,
+                    out: torch.Tensor, scratch: torch.Tensor, cache_k: torch.Tensor) -> None:
+    """h += delta, then out = wo(attention(attention_norm(h))), one C call (cpu_decode.c). h, delta, out [rows, dim]."""
+    status = _library()[0].attention_block(ctypes.byref(layer), ctypes.byref(rows), h.data_ptr(),
+                                           None if delta is None else delta.data_ptr(), out.data_ptr(),
+                                           scratch.data_ptr())
+    _raise_for_attention(status, cache_k)
+
+
+def ffn_block(layer: DecodeLayer, h: torch.Tensor, delta: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
+    """h += delta, then out = w2(SwiGLU(ffn_norm(h))), one C call (cpu_decode.c)."""
+    _library()[0].ffn_block(ctypes.byref(layer), h.shape[0], h.data_ptr(), delta.data_ptr(), out.data_ptr(),
+                            scratch.data_ptr())
 
 
 @torch.inference_mode()

@@ -19,7 +19,7 @@ from torch import nn
 
 from tp_llama import kernels
 from tp_llama.kernels import Tiled, linear, matmul_kind, prepare
-from tp_llama.layout import NONE
+from tp_llama.layout import ALL_REDUCE, NONE
 from tp_llama.parallel import LocalLinear
 from tp_llama.params import ModelArgs
 
@@ -289,6 +289,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_seq_len = 0
         self.max_batch_size = 0
+        self.decode_layers: list[kernels.DecodeLayer] | None = None  # see _plan_decode_layers
 
     def setup_caches(
         self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1
@@ -300,6 +301,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             attn = _unwrap(layer).attention
             attn.cache = KVCache(max_batch_size, max_seq_len, n_local_kv_heads, self.args.head_dim, dtype, device)
+        self._plan_decode_layers()
 
     def optimize_for_inference(self) -> tuple[str, str]:
         """Fewer, faster matmuls for serving: q/k/v and w1/w3 fused, weights prepared for the CPU's kernels.
@@ -315,7 +317,31 @@ class Transformer(nn.Module):
             layer.attention_norm.fused = layer.ffn_norm.fused = kind == "tiles"
         self.norm.fused = kind == "tiles"
         self.output = as_local_linear(self.output, kind)
+        self._plan_decode_layers()
         return kind, why
+
+    def _plan_decode_layers(self) -> None:
+        """Half a layer per C call for decode-only steps (cpu_decode.c), where the weights and cache allow it.
+
+        It needs the tiled kernels (optimize_for_inference) and the cache (setup_caches), whichever
+        comes last; otherwise decode steps run op by op, as every other step does.
+        """
+        self.decode_layers = None
+        layers = [_unwrap(layer) for layer in self.layers]
+        if not all(layer.attention.fused and layer.attention.cache is not None for layer in layers):
+            return
+        planned = []
+        for layer in layers:
+            attn, ffn = layer.attention, layer.feed_forward
+            if {attn.wo.comm, ffn.w2.comm} - {NONE, ALL_REDUCE}:
+                return
+            c_layer = kernels.decode_layer((layer.attention_norm.weight, layer.ffn_norm.weight),
+                                           (attn.wqkv, attn.wo.weight, ffn.w13, ffn.w2.weight),
+                                           attn.cache.k, attn.cache.v, layer.attention_norm.eps)
+            if c_layer is None:
+                return
+            planned.append(c_layer)
+        self.decode_layers = planned
 
     def matmul_weights(self) -> list[torch.Tensor | Tiled]:
         weights = [self.output.weight]
@@ -328,9 +354,29 @@ class Transformer(nn.Module):
         """Logits [len(batch.logits_at), V] (float32) of the tokens the batch asks for."""
         rotation = self.rope[batch.positions].unsqueeze(1)
         h = self.tok_embeddings(batch.tokens)
-        for layer in self.layers:
-            h = layer(h, rotation, batch)
+        if self.decode_layers is not None and 0 < batch.n_decode == len(batch.tokens):
+            h = self._decode_layers(h, rotation, batch)
+        else:
+            for layer in self.layers:
+                h = layer(h, rotation, batch)
         return self.output(self.norm(h[batch.logits_at])).float()
+
+    def _decode_layers(self, h: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The layers of a decode-only step, two C calls each with the all-reduces between them.
+
+        Each call first adds the previous one's output (delta) to the residual stream h, in place.
+        """
+        rows = kernels.decode_rows(rotation, batch.slots, batch.positions)
+        scratch = kernels.decode_scratch(self.decode_layers[0], len(h))
+        h = h.contiguous()
+        delta = torch.empty_like(h)
+        for i, (layer, c_layer) in enumerate(zip(self.layers, self.decode_layers)):
+            attn, ffn = layer.attention, layer.feed_forward
+            kernels.attention_block(c_layer, rows, h, delta if i else None, delta, scratch, attn.cache.k)
+            attn.wo.communicate(delta)
+            kernels.ffn_block(c_layer, h, delta, delta, scratch)
+            ffn.w2.communicate(delta)
+        return h + delta
 
 
 def dense_logits(

@@ -114,7 +114,10 @@ class LocalLinear(nn.Module):
         self.comm, self.group = comm, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
+        return self.communicate(linear(x, self.weight))
+
+    def communicate(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's product as the whole layer's output (all-reduced in place)."""
         if self.comm == ALL_REDUCE:
             return all_reduce_sum(out, self.group)
         if self.comm == ALL_GATHER:

@@ -1,0 +1,105 @@
+/* A decode step's layers, half a layer per call, on the tiled weights.
+ *
+ * Run op by op from Python, a decode layer is nine calls, each with its own Python frames, output
+ * allocation and OpenMP fork: about 1.4 ms of an 11 ms step on the bench's quarter model. Here
+ * each half runs in one parallel region, its ops separated by barriers only:
+ *   attention_block  h += delta; x = attention_norm(h); qkv = x wqkv; attention; delta = . wo
+ *   ffn_block        h += delta; x = ffn_norm(h);       g = SwiGLU(x w1, x w3);  delta = g w2
+ * Under tensor parallelism delta is this rank's part of the sum, and the caller all-reduces it
+ * between the calls; each half starts by adding the previous half's delta. The ops are the ones
+ * the op-by-op path runs, in the same order, so both give the same bits.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+#include "cpu_simd.h"
+
+/* One layer's shapes (this rank's share) and tensors; kernels.py fills it (DecodeLayer). */
+struct DecodeLayer {
+    int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_slots, max_seq_len;
+    float eps;
+    int32_t bf16;
+    const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
+    void *cache_k, *cache_v;
+};
+
+/* The step's rows: one new token each, in distinct slots. */
+struct DecodeRows {
+    int64_t rows;
+    const float *rotation; /* [rows][head_dim]: cos, sin pairs at the row's position */
+    const int64_t *slots, *positions;
+};
+
+static void add_rows(void *h, const void *delta, int64_t rows, int64_t dim, int bf16) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < dim; d += 16) {
+            __mmask16 m = lanes(dim - d);
+            store16(h, r * dim + d, _mm512_add_ps(load16(h, r * dim + d, bf16, m), load16(delta, r * dim + d, bf16, m)),
+                    bf16, m);
+        }
+}
+
+static int64_t widest_input(const struct DecodeLayer *L) {
+    int64_t attn = L->n_heads * L->head_dim, widest = L->dim > attn ? L->dim : attn;
+    return widest > L->ffn ? widest : L->ffn;
+}
+
+/* Bytes of scratch either block needs for `rows` rows: the normed rows, the widest matmul
+ * output, the next matmul's input, and that input widened to float32. */
+int64_t decode_scratch_bytes(const struct DecodeLayer *L, int64_t rows) {
+    int64_t size = L->bf16 ? 2 : 4, qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
+    int64_t first = qkv > L->ffn ? qkv : L->ffn, second = L->n_heads * L->head_dim;
+    return rows * ((L->dim + first + second) * size + widest_input(L) * (int64_t)sizeof(float)) + 64;
+}
+
+struct Scratch {
+    void *normed, *first, *second;
+    float *wide;
+};
+
+static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, void *scratch) {
+    int64_t size = L->bf16 ? 2 : 4, qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
+    int64_t first = qkv > L->ffn ? qkv : L->ffn;
+    char *at = scratch;
+    struct Scratch s = {at, at + rows * L->dim * size, at + rows * (L->dim + first) * size, NULL};
+    s.wide = (float *)(((uintptr_t)(at + rows * (L->dim + first + L->n_heads * L->head_dim) * size) + 63) & ~(uintptr_t)63);
+    return s;
+}
+
+/* 0 on success; -1, -2, -3 as decode_attention (cpu_layer.c), with nothing written then. */
+int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, void *h, const void *delta_in,
+                    void *delta_out, void *scratch) {
+    int64_t per_thread, rows = R->rows, attn = L->n_heads * L->head_dim;
+    int status = check_rows(R->slots, R->positions, rows, L->n_slots, L->max_seq_len, L->n_heads, L->n_kv_heads,
+                            L->head_dim, &per_thread);
+    if (status) return status;
+    float *scores = malloc((size_t)(omp_get_max_threads() * per_thread) * sizeof(float));
+    if (scores == NULL) return -1;
+    struct Scratch s = carve(L, rows, scratch);
+    int64_t qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
+#pragma omp parallel
+    {
+        if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
+        rms_norm_rows(h, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
+        tiled_matmul(s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, L->bf16, s.wide);
+        attention_rows(s.first, R->rotation, R->slots, R->positions, rows, L->n_heads, L->n_kv_heads, L->head_dim,
+                       L->cache_k, L->cache_v, L->max_seq_len, s.second, L->bf16, scores, per_thread);
+        tiled_matmul(s.second, rows, attn, L->wo, L->dim, delta_out, 0, L->bf16, s.wide);
+    }
+    free(scores);
+    return 0;
+}
+
+void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *delta_in, void *delta_out,
+               void *scratch) {
+    struct Scratch s = carve(L, rows, scratch);
+#pragma omp parallel
+    {
+        if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
+        rms_norm_rows(h, L->ffn_norm, s.normed, rows, L->dim, L->eps, L->bf16);
+        tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide);
+        tiled_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, L->bf16, s.wide);
+    }
+}
