@@ -1,12 +1,12 @@
-"""Where a decode step's time goes: matmuls, attention, norms, C half-layers and the rest, per engine.
+"""Where a decode step's time goes: matmuls, attention, norms, C layers and the rest, per engine.
 
     python -m bench.bench_step [--preset quarter] [--dtypes float32 bfloat16] [--batches 1 8] [--steps 64]
 
 One process, TP 1, the offline engine: for each dtype, engine and batch size, a 128-token prompt
 per row, then --steps decode steps. The engines: this checkout's C kernels with a decode step's
-layers as two C calls each (cpu_decode.c), the same kernels called op by op from Python, and
-TP_LLAMA_MATMUL=onednn (oneDNN's matmuls and PyTorch's eager layer ops). The model's matmuls,
-attention (RoPE, the cache write and softmax(qK)V), RMSNorms and half-layer calls are timed by
+layers in one C call (cpu_decode.c; two per layer under TP), the same kernels called op by op
+from Python, and TP_LLAMA_MATMUL=onednn (oneDNN's matmuls and PyTorch's eager layer ops). The
+model's matmuls, attention (RoPE, the cache write and softmax(qK)V), RMSNorms and C layer calls are timed by
 wrapping the functions that run them; "rest" is the step's time outside them (residual adds,
 embedding, the step's Python, sampling). Milliseconds per decode step, medians over the steps.
 """
@@ -28,7 +28,7 @@ from tp_llama import kernels, model, parallel
 from tp_llama.engine import Engine
 from tp_llama.scheduler import SamplingParams, Sequence
 
-PARTS = ("matmuls", "attention", "norms", "half-layers")
+PARTS = ("matmuls", "attention", "norms", "C layers")
 
 
 class Clock:
@@ -55,8 +55,9 @@ def instrument(clock: Clock) -> None:
     model.apply_rope = clock.timed("attention", model.apply_rope)
     model.Attention._attend = clock.timed("attention", model.Attention._attend)
     model.RMSNorm.forward = clock.timed("norms", model.RMSNorm.forward)
-    kernels.attention_block = clock.timed("half-layers", kernels.attention_block)
-    kernels.ffn_block = clock.timed("half-layers", kernels.ffn_block)
+    kernels.attention_block = clock.timed("C layers", kernels.attention_block)
+    kernels.ffn_block = clock.timed("C layers", kernels.ffn_block)
+    kernels.decode_stack = clock.timed("C layers", kernels.decode_stack)
 
 
 def measure(engine: Engine, clock: Clock, batch: int, steps: int) -> dict[str, float]:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                                  prefill_budget=128 * max(a.batches))  # every prompt in one step
             engine.generate([Sequence("warm", prompts(engine.args, 1, 16)[0], SamplingParams(4, ignore_eos=True))])
             planned = engine.model.decode_layers
-            engines = [("oneDNN + eager", None)] if forced else [("C half-layers", planned), ("C kernels op by op", None)]
+            engines = [("oneDNN + eager", None)] if forced else [("C layers", planned), ("C kernels op by op", None)]
             for batch in a.batches:
                 for label, layers in engines:
                     engine.model.decode_layers = layers

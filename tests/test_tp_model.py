@@ -54,9 +54,14 @@ def write_checkpoint(folder: Path, family: str, mp: int) -> Path:
     return folder
 
 
-def forward_twice(model: Transformer, tokens: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of a 2-row prefill (every position), then of one decode step (last position only)."""
+def forward_twice(model: Transformer, tokens: torch.Tensor, tp: int, c_layers: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a 2-row prefill (every position), then of one decode step (last position only).
+
+    c_layers=False: the decode step op by op, even where it could run as C half-layers.
+    """
     model.setup_caches(2, 16, torch.float32, torch.device("cpu"), tp)
+    if not c_layers:
+        model.decode_layers = None
     with torch.inference_mode():
         prefill = dense_logits(model, tokens, torch.zeros(2, dtype=torch.long), last_only=False)
         decode = dense_logits(model, tokens[:, :1], torch.full((2,), tokens.shape[1]))
@@ -125,6 +130,16 @@ def loaded_matches_whole_and_dtensor(family: str, folders: dict[int, str]) -> st
         torch.testing.assert_close(got_prefill, want_prefill, rtol=0, atol=1e-5, msg=lambda m: f"MP {mp}: {m}")
         torch.testing.assert_close(got_decode, want_decode, rtol=0, atol=1e-5, msg=lambda m: f"MP {mp}: {m}")
         torch.testing.assert_close(got_prefill, dtensor_prefill, rtol=0, atol=1e-5)
+
+    # Served: prepared weights, and where the C kernels run, a decode step's layers as two C calls
+    # each with the all-reduces between them: the bits of the op-by-op path, the whole model's logits.
+    kind, _ = model.optimize_for_inference()
+    got_prefill, got_decode = forward_twice(model, tokens, tp)
+    assert (model.decode_layers is not None) == (kind == "tiles")
+    if kind == "tiles":
+        assert torch.equal(forward_twice(model, tokens, tp, c_layers=False)[1], got_decode)
+    torch.testing.assert_close(got_prefill, want_prefill, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_decode, want_decode, rtol=0, atol=1e-5)
     return "ok"
 
 

@@ -1,13 +1,14 @@
-/* A decode step's layers, half a layer per call, on the tiled weights.
+/* A decode step's layers on the tiled weights, in a few C calls.
  *
  * Run op by op from Python, a decode layer is nine calls, each with its own Python frames, output
  * allocation and OpenMP fork: about 1.4 ms of an 11 ms step on the bench's quarter model. Here
- * each half runs in one parallel region, its ops separated by barriers only:
+ * each half of a layer runs in one parallel region, its ops separated by barriers only:
  *   attention_block  h += delta; x = attention_norm(h); qkv = x wqkv; attention; delta = . wo
  *   ffn_block        h += delta; x = ffn_norm(h);       g = SwiGLU(x w1, x w3);  delta = g w2
  * Under tensor parallelism delta is this rank's part of the sum, and the caller all-reduces it
- * between the calls; each half starts by adding the previous half's delta. The ops are the ones
- * the op-by-op path runs, in the same order, so both give the same bits.
+ * between the calls; each half starts by adding the previous half's delta. Without it,
+ * decode_stack runs all the layers in one call. The ops are the ones the op-by-op path runs, in
+ * the same order, so both give the same bits.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -102,4 +103,19 @@ void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *d
         tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide);
         tiled_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, L->bf16, s.wide);
     }
+}
+
+/* Without tensor parallelism nothing happens between the halves: every layer in one call, and
+ * h ends as the residual stream after the last layer. delta [rows][dim] is scratch. */
+int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *R, void *h, void *delta,
+                 void *scratch) {
+    if (n_layers == 0) return 0;
+    for (int64_t i = 0; i < n_layers; i++) {
+        int status = attention_block(&layers[i], R, h, i ? delta : NULL, delta, scratch);
+        if (status) return status; /* only the first layer can refuse: every layer sees the same rows */
+        ffn_block(&layers[i], R->rows, h, delta, delta, scratch);
+    }
+#pragma omp parallel
+    add_rows(h, delta, R->rows, layers[0].dim, layers[0].bf16);
+    return 0;
 }

@@ -165,6 +165,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     library.attention_block.restype = ctypes.c_int
     library.ffn_block.argtypes = [layer, i64, ptr, ptr, ptr, ptr]
     library.ffn_block.restype = None
+    library.decode_stack.argtypes = [layer, i64, rows, ptr, ptr, ptr]
+    library.decode_stack.restype = ctypes.c_int
     return library, ""
 
 
@@ -324,6 +326,7 @@ def decode_rows(rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Te
 
 
 def decode_scratch(layer: DecodeLayer, rows: int) -> torch.Tensor:
+    """The scratch attention_block, ffn_block and decode_stack need for `rows` rows of these layers."""
     return torch.empty(_library()[0].decode_scratch_bytes(ctypes.byref(layer), rows), dtype=torch.uint8)
 
 
@@ -340,6 +343,15 @@ def ffn_block(layer: DecodeLayer, h: torch.Tensor, delta: torch.Tensor, out: tor
     """h += delta, then out = w2(SwiGLU(ffn_norm(h))), one C call (cpu_decode.c)."""
     _library()[0].ffn_block(ctypes.byref(layer), h.shape[0], h.data_ptr(), delta.data_ptr(), out.data_ptr(),
                             scratch.data_ptr())
+
+
+def decode_stack(layers: ctypes.Array, rows: DecodeRows, h: torch.Tensor, scratch: torch.Tensor,
+                 cache_k: torch.Tensor) -> None:
+    """Every layer (a DecodeLayer array; no tensor parallelism) on h [rows, dim], in place, one C call."""
+    delta = torch.empty_like(h)
+    status = _library()[0].decode_stack(layers, len(layers), ctypes.byref(rows), h.data_ptr(), delta.data_ptr(),
+                                        scratch.data_ptr())
+    _raise_for_attention(status, cache_k)
 
 
 @torch.inference_mode()

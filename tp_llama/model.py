@@ -10,6 +10,7 @@ scheduler planned. Only attention looks at rows: decode rows together, prefill r
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -289,7 +290,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_seq_len = 0
         self.max_batch_size = 0
-        self.decode_layers: list[kernels.DecodeLayer] | None = None  # see _plan_decode_layers
+        self.decode_layers: ctypes.Array | None = None  # of kernels.DecodeLayer, see _plan_decode_layers
 
     def setup_caches(
         self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1
@@ -341,7 +342,7 @@ class Transformer(nn.Module):
             if c_layer is None:
                 return
             planned.append(c_layer)
-        self.decode_layers = planned
+        self.decode_layers = (kernels.DecodeLayer * len(planned))(*planned)
 
     def matmul_weights(self) -> list[torch.Tensor | Tiled]:
         weights = [self.output.weight]
@@ -362,13 +363,18 @@ class Transformer(nn.Module):
         return self.output(self.norm(h[batch.logits_at])).float()
 
     def _decode_layers(self, h: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The layers of a decode-only step, two C calls each with the all-reduces between them.
+        """The layers of a decode-only step in C: one call for them all, or under tensor parallelism two
+        per layer with the all-reduces between them.
 
-        Each call first adds the previous one's output (delta) to the residual stream h, in place.
+        Each half-layer call first adds the previous one's output (delta) to the residual stream h, in place.
         """
         rows = kernels.decode_rows(rotation, batch.slots, batch.positions)
         scratch = kernels.decode_scratch(self.decode_layers[0], len(h))
         h = h.contiguous()
+        first = self.layers[0].attention
+        if first.wo.comm == NONE:
+            kernels.decode_stack(self.decode_layers, rows, h, scratch, first.cache.k)
+            return h
         delta = torch.empty_like(h)
         for i, (layer, c_layer) in enumerate(zip(self.layers, self.decode_layers)):
             attn, ffn = layer.attention, layer.feed_forward
