@@ -123,3 +123,23 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
     full = linear(x, weight)
     for rows in (slice(0, 1), slice(4, 5), slice(3, 12), slice(20, 21), slice(2, 19)):
         assert torch.equal(linear(x[rows], weight), full[rows])
+
+
+@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_prefill_rows_through_mkl_in_slices_of_the_weight(monkeypatch, gated: bool):
+    """float32 calls of MKL_ROWS or more lay the tiles out plainly a slice at a time (here two tiles,
+    so a weight of five takes three slices, the last one short) and place each product."""
+    monkeypatch.setattr(kernels, "PLAIN_FLOATS", 96 * kernels.TILE_COLS * 2)
+    gen = torch.Generator().manual_seed(2)
+    out_features = 160 if gated else 130  # five tiles either way
+    w = torch.randn(out_features, 96, generator=gen) / 96**0.5
+    x = torch.randn(kernels.MKL_ROWS + 44, 96, generator=gen)
+    product = x.double() @ w.double().T
+    if gated:
+        gate, up = product.chunk(2, dim=-1)
+        expected = gate / (1 + torch.exp(-gate)) * up
+        got = linear(x, kernels.prepare_swiglu(*w.chunk(2), "tiles"))
+    else:
+        expected, got = product, linear(x, prepare(w, "tiles"))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

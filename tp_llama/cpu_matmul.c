@@ -195,21 +195,33 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
     return 0;
 }
 
-/* The MKL path's product [tiles][M][TILE_COLS] (one matmul per tile) as y [M][N], or, gated, as
- * y [M][N / 2] of silu(gate) * up: one pass, instead of a transpose and three elementwise ops. */
-void untile_f32(const float *tiled, int64_t M, int64_t N, float *y, int gated) {
-    int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N;
+/* Tiles t0 .. t0 + n - 1 of a float32 weight as one plain matrix [K][n * TILE_COLS], the layout
+ * MKL's GEMM runs fastest on: the prefill path (kernels.py) multiplies many rows by it. */
+void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out) {
+    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < K; k++) {
+        for (int64_t t = 0; t < n; t++) {
+            const float *src = w + ((t0 + t) * K + k) * TILE_COLS;
+            _mm512_storeu_ps(out + (k * n + t) * TILE_COLS, _mm512_loadu_ps(src));
+            _mm512_storeu_ps(out + (k * n + t) * TILE_COLS + 16, _mm512_loadu_ps(src + 16));
+        }
+    }
+}
+
+/* x times untile_weight's matrix, [M][n * TILE_COLS], into y's columns of those tiles (N columns
+ * in all); gated, as SwiGLU's silu(gate) * up into y [M][N / 2]. */
+void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated) {
+    int64_t ldy = gated ? N / 2 : N;
     _Pragma("omp parallel for schedule(static)") for (int64_t m = 0; m < M; m++) {
-        for (int64_t t = 0; t < tiles; t++) {
-            const float *src = tiled + (t * M + m) * TILE_COLS;
+        for (int64_t t = 0; t < n; t++) {
+            const float *src = product + (m * n + t) * TILE_COLS;
             __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
             if (gated) {
-                _mm512_storeu_ps(y + m * ldy + t * (TILE_COLS / 2), swiglu16(lo, hi, 0));
+                _mm512_storeu_ps(y + m * ldy + (t0 + t) * (TILE_COLS / 2), swiglu16(lo, hi, 0));
                 continue;
             }
-            int64_t cols = N - t * TILE_COLS;
-            _mm512_mask_storeu_ps(y + m * ldy + t * TILE_COLS, lanes(cols), lo);
-            _mm512_mask_storeu_ps(y + m * ldy + t * TILE_COLS + 16, lanes(cols - 16), hi);
+            int64_t col = (t0 + t) * TILE_COLS;
+            _mm512_mask_storeu_ps(y + m * ldy + col, lanes(N - col), lo);
+            _mm512_mask_storeu_ps(y + m * ldy + col + 16, lanes(N - col - 16), hi);
         }
     }
 }
