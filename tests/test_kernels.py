@@ -130,11 +130,12 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
 def test_prefill_rows_through_mkl_in_slices_of_the_weight(monkeypatch, gated: bool):
     """float32 calls of MKL_ROWS or more lay the tiles out plainly a slice at a time (here two tiles,
     so a weight of five takes three slices, the last one short) and place each product."""
-    monkeypatch.setattr(kernels, "PLAIN_FLOATS", 96 * kernels.TILE_COLS * 2)
+    rows = kernels.MKL_ROWS + 44
+    monkeypatch.setattr(kernels, "PLAIN_FLOATS", rows * kernels.TILE_COLS * 2)  # the rows outnumber the inputs
     gen = torch.Generator().manual_seed(2)
     out_features = 160 if gated else 130  # five tiles either way
     w = torch.randn(out_features, 96, generator=gen) / 96**0.5
-    x = torch.randn(kernels.MKL_ROWS + 44, 96, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
     product = x.double() @ w.double().T
     if gated:
         gate, up = product.chunk(2, dim=-1)

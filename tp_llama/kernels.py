@@ -7,15 +7,18 @@ Three kinds, picked per process by `matmul_kind` (TP_LLAMA_MATMUL forces one, fo
   bench model's weights (bench/bench_matmul.py) it takes 0.71-0.85x oneDNN's time at 1-32 rows
   in float32 and 0.52-0.80x at every row count in bfloat16, whose weights it widens to float32
   in registers rather than use vdpbf16ps. A SwiGLU's w1 and w3 go in one weight whose tiles
-  end in silu(gate) * up (`prepare_swiglu`). The same library holds cpu_layer.c (rms_norm,
-  decode_attention), which the model uses with this kind only.
+  end in silu(gate) * up (`prepare_swiglu`). float32 calls of MKL_ROWS rows or more go to
+  MKL on the weight laid out plainly again, a slice at a time. The same library holds
+  cpu_layer.c (rms_norm, decode_attention) and cpu_decode.c (a decode-only step's layers in one
+  call, or one per half layer under TP), which the model uses with this kind only.
 - "onednn", other CPUs: oneDNN's blocked layout, 15-35% faster than PyTorch's default matmul for
   batches of rows. oneDNN builds and keeps a kernel per row count, so row counts are rounded up
   to a few sizes (exact up to EXACT_ROWS, then multiples of it): the decode sizes are built at
   load, the few prefill sizes when first met.
 - "plain", CUDA and anything else: F.linear.
 
-A prepared weight replaces the plain one, so it costs no memory of its own.
+A prepared weight replaces the plain one, so it costs no memory of its own (the MKL path keeps
+two buffers of up to PLAIN_FLOATS floats each).
 """
 
 from __future__ import annotations
@@ -259,7 +262,7 @@ def _mkl_linear(library: ctypes.CDLL, x: torch.Tensor, weight: Tiled, y: torch.T
     MKL on the [in, TILE_COLS] tiles themselves (a batch of narrow GEMMs) runs 10-35% slower.
     """
     tiles, in_features, _ = weight.data.shape
-    per = max(1, PLAIN_FLOATS // (in_features * TILE_COLS))
+    per = max(1, PLAIN_FLOATS // (max(in_features, x.shape[0]) * TILE_COLS))  # tiles per slice: both buffers bounded
     plain = _scratch("plain", in_features * min(per, tiles) * TILE_COLS)
     product = _scratch("product", x.shape[0] * min(per, tiles) * TILE_COLS)
     for t0 in range(0, tiles, per):
