@@ -328,7 +328,7 @@ def _raise_for_attention(status: int, cache_k: torch.Tensor) -> None:
 
 def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],
                  cache_k: torch.Tensor, cache_v: torch.Tensor, eps: float) -> DecodeLayer | None:
-    """A layer as attention_block and ffn_block run it, or None where they cannot.
+    """A layer as decode_stack, attention_block and ffn_block run it, or None where they cannot.
 
     norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
     shards) in tiles; the cache [slots, kv_heads, max_seq_len, head_dim]. The layer's tensors must

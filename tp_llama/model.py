@@ -322,7 +322,7 @@ class Transformer(nn.Module):
         return kind, why
 
     def _plan_decode_layers(self) -> None:
-        """Half a layer per C call for decode-only steps (cpu_decode.c), where the weights and cache allow it.
+        """Decode-only steps' layers as C calls (cpu_decode.c), where the weights and cache allow it.
 
         It needs the tiled kernels (optimize_for_inference) and the cache (setup_caches), whichever
         comes last; otherwise decode steps run op by op, as every other step does.
