@@ -151,24 +151,27 @@ def test_decode_attention_rejects_rows_off_the_cache():
         assert torch.equal(case.k, before)
 
 
-@torch.inference_mode()
-def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
-    """With the C kernels every op of a step is per row (or per output over k in a fixed order), so a
-    bfloat16 row's logits do not depend on what shares its step."""
-    from tp_llama.model import Batch, Transformer
+def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
+    """A small GQA Llama 3.1 model (the same weights every call) with 4 cache slots, prepared for serving."""
+    from tp_llama.model import Transformer
     from tp_llama.params import ModelArgs
 
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, family="llama3",
                      rope_theta=500000.0, use_scaled_rope=True)
-    models = []
-    for _ in range(2):  # one runs rows together, the other each row alone
-        torch.manual_seed(0)
-        model = Transformer(args).to(torch.bfloat16)
-        model.setup_caches(4, 64, torch.bfloat16, torch.device("cpu"))
-        assert model.optimize_for_inference()[0] == "tiles"
-        models.append(model)
-    together, alone = models
+    model = Transformer(args).to(dtype)
+    model.setup_caches(4, max_seq_len, dtype, torch.device("cpu"))
+    assert model.optimize_for_inference()[0] == "tiles"
+    return model
+
+
+@torch.inference_mode()
+def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
+    """With the C kernels every op of a step is per row (or per output over k in a fixed order), so a
+    bfloat16 row's logits do not depend on what shares its step."""
+    from tp_llama.model import Batch
+
+    together, alone = (served_model(torch.bfloat16, 64) for _ in range(2))  # rows together, each row alone
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (9, 4, 15)]
     rows = [(slot, 0, ids, True) for slot, ids in enumerate(prompts)]
@@ -192,15 +195,9 @@ def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
 def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
     """cpu_decode.c runs a decode-only step's layers as two C calls each; logits and cache writes must
     be the bits of the op-by-op path (itself checked against float64 by the parity tests)."""
-    from tp_llama.model import Batch, Transformer
-    from tp_llama.params import ModelArgs
+    from tp_llama.model import Batch
 
-    torch.manual_seed(0)
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, family="llama3",
-                     rope_theta=500000.0, use_scaled_rope=True)
-    model = Transformer(args).to(dtype)
-    model.setup_caches(4, 32, dtype, torch.device("cpu"))
-    assert model.optimize_for_inference()[0] == "tiles"
+    model = served_model(dtype, 32)
     planned = model.decode_layers
     assert planned is not None and len(planned) == 2
     caches = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]

@@ -42,31 +42,33 @@ static void add_rows(void *h, const void *delta, int64_t rows, int64_t dim, int 
         }
 }
 
-static int64_t widest_input(const struct DecodeLayer *L) {
-    int64_t attn = L->n_heads * L->head_dim, widest = L->dim > attn ? L->dim : attn;
-    return widest > L->ffn ? widest : L->ffn;
-}
-
-/* Bytes of scratch either block needs for `rows` rows: the normed rows, the widest matmul
- * output, the next matmul's input, and that input widened to float32. */
-int64_t decode_scratch_bytes(const struct DecodeLayer *L, int64_t rows) {
-    int64_t size = L->bf16 ? 2 : 4, qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
-    int64_t first = qkv > L->ffn ? qkv : L->ffn, second = L->n_heads * L->head_dim;
-    return rows * ((L->dim + first + second) * size + widest_input(L) * (int64_t)sizeof(float)) + 64;
-}
-
+/* The scratch of either block for `rows` rows, laid out from address `at`: the normed rows, the
+ * widest matmul output (qkv or SwiGLU's), attention's output, and the next matmul's input widened
+ * to float32 (64-byte aligned); `end` is one past its last byte. */
 struct Scratch {
     void *normed, *first, *second;
     float *wide;
+    uintptr_t end;
 };
 
-static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, void *scratch) {
-    int64_t size = L->bf16 ? 2 : 4, qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
-    int64_t first = qkv > L->ffn ? qkv : L->ffn;
-    char *at = scratch;
-    struct Scratch s = {at, at + rows * L->dim * size, at + rows * (L->dim + first) * size, NULL};
-    s.wide = (float *)(((uintptr_t)(at + rows * (L->dim + first + L->n_heads * L->head_dim) * size) + 63) & ~(uintptr_t)63);
+static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, uintptr_t at) {
+    int64_t size = L->bf16 ? 2 : 4, attn = L->n_heads * L->head_dim, qkv = attn + 2 * L->n_kv_heads * L->head_dim;
+    int64_t first = qkv > L->ffn ? qkv : L->ffn, widest = L->dim > attn ? L->dim : attn;
+    widest = widest > L->ffn ? widest : L->ffn;
+    struct Scratch s;
+    s.normed = (void *)at;
+    s.first = (void *)(at += rows * L->dim * size);
+    s.second = (void *)(at += rows * first * size);
+    at = (at + rows * attn * size + 63) & ~(uintptr_t)63;
+    s.wide = (float *)at;
+    s.end = at + rows * widest * sizeof(float);
     return s;
+}
+
+/* Bytes of scratch either block needs for `rows` rows (laid out from 0, plus the most that
+ * aligning `wide` can add elsewhere). */
+int64_t decode_scratch_bytes(const struct DecodeLayer *L, int64_t rows) {
+    return (int64_t)carve(L, rows, 0).end + 63;
 }
 
 /* 0 on success; -1, -2, -3 as decode_attention (cpu_layer.c), with nothing written then. */
@@ -78,7 +80,7 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
     if (status) return status;
     float *scores = malloc((size_t)(omp_get_max_threads() * per_thread) * sizeof(float));
     if (scores == NULL) return -1;
-    struct Scratch s = carve(L, rows, scratch);
+    struct Scratch s = carve(L, rows, (uintptr_t)scratch);
     int64_t qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
 #pragma omp parallel
     {
@@ -95,7 +97,7 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
 
 void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *delta_in, void *delta_out,
                void *scratch) {
-    struct Scratch s = carve(L, rows, scratch);
+    struct Scratch s = carve(L, rows, (uintptr_t)scratch);
 #pragma omp parallel
     {
         if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);

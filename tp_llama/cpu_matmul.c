@@ -30,6 +30,17 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
     for (int i = 0; i < ahead; i++) _mm_prefetch(next + (step * ahead + i) * 64, _MM_HINT_T1);
 }
 
+/* One row of a float32 tile's sums (its two vectors, `cols` of them real) into y, or, gated,
+ * silu(gate) * up: 16 columns. */
+static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int gated) {
+    if (gated) {
+        _mm512_storeu_ps(y, swiglu16(lo, hi, 0));
+        return;
+    }
+    _mm512_mask_storeu_ps(y, lanes(cols), lo);
+    _mm512_mask_storeu_ps(y + 16, lanes(cols - 16), hi);
+}
+
 /* One tile of MT rows into y (row stride ldy). `next`/`ahead`: this call's share of the next tile
  * to prefetch. `gated`: the tile's two vectors are 16 gate and 16 up columns of a SwiGLU, and
  * silu(gate) * up goes out, 16 columns. */
@@ -49,14 +60,8 @@ static inline void prefetch(const char *next, int64_t step, int ahead) {
                     acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m][j]);       \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
-            if (gated) {                                                                           \
-                _mm512_storeu_ps(y + m * ldy, swiglu16(acc[m][0], acc[m][1], 0));                  \
-                continue;                                                                          \
-            }                                                                                      \
-            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
-                _mm512_mask_storeu_ps(y + m * ldy + 16 * j, lanes(cols - 16 * j), acc[m][j]);      \
-        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            put_f32_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                           \
     }
 
 /* x here is float32 (tiled_matmul widens it once per call). */
@@ -214,14 +219,9 @@ void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64
     _Pragma("omp parallel for schedule(static)") for (int64_t m = 0; m < M; m++) {
         for (int64_t t = 0; t < n; t++) {
             const float *src = product + (m * n + t) * TILE_COLS;
-            __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
-            if (gated) {
-                _mm512_storeu_ps(y + m * ldy + (t0 + t) * (TILE_COLS / 2), swiglu16(lo, hi, 0));
-                continue;
-            }
             int64_t col = (t0 + t) * TILE_COLS;
-            _mm512_mask_storeu_ps(y + m * ldy + col, lanes(N - col), lo);
-            _mm512_mask_storeu_ps(y + m * ldy + col + 16, lanes(N - col - 16), hi);
+            put_f32_row(y + m * ldy + (gated ? col / 2 : col), _mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), N - col,
+                        gated);
         }
     }
 }
