@@ -73,7 +73,7 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
 }
 
 /* Asks for keys j0 .. j0 + 15 of a head (key 0 at element `base`), those that exist. */
-static inline void prefetch_keys(const void *cache, int64_t base, int64_t j0, int64_t keys, int64_t hd, int bf16) {
+static inline __attribute__((always_inline)) void prefetch_keys(const void *cache, int64_t base, int64_t j0, int64_t keys, int64_t hd, int bf16) {
     int64_t size = bf16 ? 2 : 4, end = j0 + 16 < keys ? j0 + 16 : keys;
     const char *first = (const char *)cache + (base + j0 * hd) * size;
     for (int64_t at = 0; at < (end - j0) * hd * size; at += 64) _mm_prefetch(first + at, _MM_HINT_T0);
