@@ -24,6 +24,7 @@ from tp_llama.tokenizer import (
     _llama3_pieces,
     load_tokenizer,
 )
+from tp_llama.generate import prompt_token_bound
 from tp_llama.tokenizer_train import build_tokenizer
 
 LLAMA2_VOCAB = 512
@@ -343,6 +344,16 @@ def test_bad_calls_raise(tok: Tokenizer) -> None:
 # ---------------------------------------------------------------------------------------------
 # Meta's own Llama 3 tokenizer as the oracle: the real 128,256-id tokenizer.model shipped in the
 # llama-models package, read by both Meta's reference Tokenizer/ChatFormat and ours.
+
+
+def test_the_cli_cache_bound_holds_for_any_text(tok: Tokenizer):
+    """The offline CLI sizes its KV cache by this bound: a prompt over it would be cut short."""
+    rng = random.Random(5)
+    alphabet = "ab \t\n.,!0123456789éß€漢字🦙\u0301\u200b"
+    texts = TEXTS + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(300)]
+    texts += [" " * 40, "a " * 30, "\n" * 17, "🦙" * 9, "x"]
+    for text in texts:
+        assert len(tok.encode(text, bos=True)) <= prompt_token_bound(text), repr(text)
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=MODES, default="tp")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32")
-    parser.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="KV-cache length per slot")
-    parser.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="KV-cache slots: sequences decoded together")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help=f"KV-cache length per slot (default: what the prompts and --max-new-tokens can need, "
+                             f"at most {DEFAULT_MAX_SEQ_LEN})")
+    parser.add_argument("--slots", type=int, default=None,
+                        help=f"KV-cache slots: sequences decoded together (default: one per prompt, at most {DEFAULT_SLOTS})")
     parser.add_argument("--prefill-budget", type=int, default=DEFAULT_PREFILL_BUDGET,
                         help="prompt tokens per step (longer prompts are prefilled in chunks)")
     return parser.parse_args(argv)
@@ -51,8 +54,26 @@ def largest_over_ranks(value: float) -> float:
     return max(values)
 
 
+def prompt_token_bound(prompt: str) -> int:
+    """The most tokens `prompt` can encode to: one per UTF-8 byte (byte fallback), SentencePiece's
+    leading space and BOS."""
+    return len(prompt.encode()) + 2
+
+
+def cache_size(a: argparse.Namespace) -> tuple[int, int]:
+    """(max_seq_len, slots) for this run where not given: a cache sized to the job, not to a server.
+
+    The server's default (16 slots of 2048 positions, 0.5 GB for a 1B model) took longer to page
+    in than the rest of the load.
+    """
+    longest = max(prompt_token_bound(prompt) for prompt in a.prompt) + a.max_new_tokens
+    max_seq_len = a.max_seq_len if a.max_seq_len is not None else max(2, min(longest, DEFAULT_MAX_SEQ_LEN))
+    slots = a.slots if a.slots is not None else min(len(a.prompt), DEFAULT_SLOTS)
+    return max_seq_len, slots
+
+
 def run(a: argparse.Namespace) -> None:
-    engine = Engine.load(a.ckpt_dir, a.mode, a.dtype, a.max_seq_len, a.slots, a.prefill_budget)
+    engine = Engine.load(a.ckpt_dir, a.mode, a.dtype, *cache_size(a), a.prefill_budget)
     params = SamplingParams(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.ignore_eos)
     sequences = [Sequence(str(i), engine.tokenizer.encode(p, bos=True), params) for i, p in enumerate(a.prompt)]
     error = None
