@@ -72,6 +72,26 @@ def test_tiled_layout_and_its_edges():
 
 
 @pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_tiles_packed_in_the_weights_own_memory(dtype: torch.dtype):
+    """out[t][k][c] = w[t * 32 + c][k], written out here by index; a width of 16 + 5 units
+    crosses the packer's blocks of 16 and ends inside one."""
+    weight = torch.randn(96, 42).to(dtype)
+    units = weight.view(torch.int32)
+    expected = torch.stack([units[t * 32:(t + 1) * 32].T for t in range(3)])
+    tiled = prepare(weight.clone(), "tiles", own=True)
+    assert torch.equal(tiled.data.view(torch.int32), expected)
+    owned = weight.clone()
+    assert prepare(owned, "tiles", own=True).data.data_ptr() == owned.data_ptr()
+    assert prepare(weight, "tiles").data.data_ptr() != weight.data_ptr()
+    x = torch.randn(3, 42).to(dtype)
+    assert torch.equal(linear(x, tiled), linear(x, prepare(weight, "tiles")))
+    rows = torch.randn(40, 42).to(dtype)  # not whole tiles: packed into a padded copy
+    ragged = prepare(rows, "tiles", own=True)
+    assert ragged.data.view(torch.int32).shape == (2, units.shape[1], 32) and ragged.data.data_ptr() != rows.data_ptr()
+
+
+@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
 def test_threads_split_columns_without_changing_results():
     weight = prepare(torch.randn(1000, 256), "tiles")
     x = torch.randn(9, 256)

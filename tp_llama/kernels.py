@@ -156,6 +156,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     library.tiled_linear.restype = ctypes.c_int
     library.pack_tiles.argtypes = [ptr, i64, i64, ptr]
     library.pack_tiles.restype = None
+    library.pack_tiles_in_place.argtypes = [ptr, i64, i64]
+    library.pack_tiles_in_place.restype = ctypes.c_int
     library.untile_weight.argtypes = [ptr, i64, i64, i64, ptr]
     library.untile_weight.restype = None
     library.place_product.argtypes = [ptr, i64, i64, i64, i64, ptr, flag]
@@ -198,14 +200,23 @@ def _tileable(weight: torch.Tensor) -> bool:
     return not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2)
 
 
-def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
-    """weight [out, in] in the form `linear` runs fastest for `kind` (see matmul_kind)."""
+def prepare(weight: torch.Tensor, kind: str, own: bool = False) -> torch.Tensor | Tiled:
+    """weight [out, in] in the form `linear` runs fastest for `kind` (see matmul_kind).
+
+    own: nothing else holds `weight` (a fused copy), so the tiles may take over its memory.
+    """
     weight = weight.detach()
     if kind == "tiles" and _tileable(weight):
         out, cols = weight.shape
         units = weight.contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
-        data = torch.empty((-(-out // TILE_COLS), units.shape[1], TILE_COLS), dtype=torch.int32)
-        _library()[0].pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr())
+        shape = (-(-out // TILE_COLS), units.shape[1], TILE_COLS)
+        library = _library()[0]
+        if own and out % TILE_COLS == 0:
+            if library.pack_tiles_in_place(units.data_ptr(), out, units.shape[1]):
+                raise MemoryError(f"no memory to pack a {tuple(weight.shape)} weight")
+            return Tiled(units.view(shape).view(weight.dtype), weight.shape)
+        data = torch.empty(shape, dtype=torch.int32)
+        library.pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr())
         return Tiled(data.view(weight.dtype), weight.shape)
     if kind in ("tiles", "onednn"):
         return torch.ops.mkldnn._reorder_linear_weight(weight, EXACT_ROWS)
@@ -218,7 +229,7 @@ def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | Non
     if kind != "tiles" or ffn % GATE_RUN or not _tileable(w1):
         return None
     runs = [w.detach().reshape(ffn // GATE_RUN, GATE_RUN, cols) for w in (w1, w3)]
-    return dataclasses.replace(prepare(torch.stack(runs, dim=1).reshape(2 * ffn, cols), kind), gated=True)
+    return dataclasses.replace(prepare(torch.stack(runs, dim=1).reshape(2 * ffn, cols), kind, own=True), gated=True)
 
 
 def padded_rows(rows: int) -> int:

@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
 def fused_weight(modules: list[nn.Module], kind: str) -> torch.Tensor | Tiled:
     """One weight for several projections of the same input, so that they run as one matmul."""
-    return prepare(torch.cat([m.weight.detach() for m in modules]), kind)
+    return prepare(torch.cat([m.weight.detach() for m in modules]), kind, own=True)
 
 
 def as_local_linear(module: nn.Module, kind: str) -> LocalLinear:
