@@ -63,8 +63,8 @@ def prompt_token_bound(prompt: str) -> int:
 def cache_size(a: argparse.Namespace) -> tuple[int, int]:
     """(max_seq_len, slots) for this run where not given: a cache sized to the job, not to a server.
 
-    The server's default (16 slots of 2048 positions, 0.5 GB for a 1B model) took longer to page
-    in than the rest of the load.
+    The server's default (DEFAULT_SLOTS x DEFAULT_MAX_SEQ_LEN, 0.5 GB for a 1B model) took longer
+    to page in than the rest of the load.
     """
     longest = max(prompt_token_bound(prompt) for prompt in a.prompt) + a.max_new_tokens
     max_seq_len = a.max_seq_len if a.max_seq_len is not None else max(2, min(longest, DEFAULT_MAX_SEQ_LEN))
