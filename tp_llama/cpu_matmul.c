@@ -25,27 +25,44 @@
 #define VECS (TILE_COLS / 16)
 #define MAX_TILE_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows beat 4 x 6 by 15-25% at 8-16 rows */
 #define NEAR_ROWS 16    /* how far ahead in its own tile a thread asks for the next lines */
-#define STREAM_SHIFT 2  /* 1 << STREAM_SHIFT runs of the next tile asked for side by side */
+#define STREAMS 4       /* runs of the next tile asked for side by side */
 #define X_BLOCK_BYTES (1 << 20) /* the rows of x that share one pass over the weights, kept in L2 */
 #define MIN_BLOCK_ROWS 64       /* a decode step's rows always share one pass */
 
 /* What one tile call asks for of the next tile: per_step cache lines each step, from line
- * number `first` on, numbered across the runs of `run` lines in turn. The L2's hardware
- * streamer follows each run, so more lines are in flight than the core's own fill buffers
- * allow: 8-15% faster at 8 rows, where the FMAs leave the prefetches less room. */
+ * number `first` on. A call with all the rows (VECS lines a step) numbers them across STREAMS
+ * runs of `run` lines in turn: the L2's hardware streamer follows each run, so more lines are in
+ * flight than the core's own fill buffers allow, 8-15% faster at 8 rows, where the FMAs leave the
+ * prefetches less room. Chunks of more rows ask front to back (four runs were 5% slower at 16). */
 struct Ahead {
     const char *next;
     int64_t first, run;
-    int per_step, shift; /* 1 << shift runs */
+    int per_step; /* 0, 1 or VECS */
 };
 
-/* By value: gcc 12's ipa-modref drops prefetches made through a pointer to this struct. */
-static inline void prefetch(struct Ahead a, int64_t step) {
-    for (int i = 0; i < a.per_step; i++) {
-        int64_t n = a.first + step * a.per_step + i;
-        _mm_prefetch(a.next + ((n & ((1 << a.shift) - 1)) * a.run + (n >> a.shift)) * 64, _MM_HINT_T1);
+/* per_step is a constant at each call, so a loop that asks for nothing carries no address
+ * arithmetic (it cost 8% of a 128-row prefill). gcc 12's ipa-modref deleted these prefetches
+ * when the struct came through a pointer to an outlined function. */
+static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64_t step, const int per_step) {
+    for (int i = 0; i < per_step; i++) {
+        uint64_t n = (uint64_t)(a.first + step * per_step + i);
+        uint64_t line = per_step == VECS ? n % STREAMS * (uint64_t)a.run + n / STREAMS : n;
+        _mm_prefetch(a.next + line * 64, _MM_HINT_T1);
     }
 }
+
+/* The tile function for each prefetch count: STEPS (a tile's loops, always inlined) with it as a
+ * constant. */
+#define BY_PREFETCH(PREFIX, TYPE, MT)                                                              \
+    static void PREFIX##_tile_##MT(const float *x, int64_t K, const TYPE *wt, TYPE *y, int64_t ldy, \
+                                   int64_t cols, int gated, struct Ahead ahead) {                  \
+        if (ahead.per_step == VECS)                                                                \
+            PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, VECS);                       \
+        else if (ahead.per_step)                                                                   \
+            PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, 1);                          \
+        else                                                                                       \
+            PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, 0);                          \
+    }
 
 /* One row of a float32 tile's sums (its two vectors, `cols` of them real) into y, or, gated,
  * silu(gate) * up: 16 columns. */
@@ -58,17 +75,19 @@ static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int
     _mm512_mask_storeu_ps(y + 16, lanes(cols - 16), hi);
 }
 
-/* One tile of MT rows into y (row stride ldy), asking for its share of the next tile (`ahead`). `gated`: the tile's two vectors are 16 gate and 16 up columns of a SwiGLU, and
- * silu(gate) * up goes out, 16 columns. */
+/* One tile of MT rows into y (row stride ldy), asking for its share of the next tile (`ahead`).
+ * `gated`: the tile's two vectors are 16 gate and 16 up columns of a SwiGLU, and silu(gate) * up
+ * goes out, 16 columns. */
 #define F32_TILE(MT)                                                                               \
-    static void f32_tile_##MT(const float *x, int64_t K, const float *wt, float *y, int64_t ldy,   \
-                              int64_t cols, int gated, struct Ahead ahead) {                      \
+    static inline __attribute__((always_inline)) void f32_steps_##MT(                              \
+        const float *x, int64_t K, const float *wt, float *y, int64_t ldy, int64_t cols, int gated, \
+        struct Ahead ahead, const int per_step) {                                                  \
         __m512 acc[MT][VECS];                                                                      \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
         for (int64_t k = 0; k < K; k++) {                                                          \
             const float *wk = wt + k * TILE_COLS;                                                  \
-            prefetch(ahead, k);                                                                    \
+            prefetch(ahead, k, per_step);                                                          \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
                 _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 16 * j), _MM_HINT_T0);    \
                 __m512 w = _mm512_loadu_ps(wk + 16 * j);                                           \
@@ -78,19 +97,21 @@ static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             put_f32_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                           \
-    }
+    }                                                                                              \
+    BY_PREFETCH(f32, float, MT)
 
 /* x here is float32 (tiled_matmul widens it once per call). */
 #define BF16_TILE(MT)                                                                              \
-    static void bf16_tile_##MT(const float *x, int64_t K, const uint16_t *wt, uint16_t *y,         \
-                               int64_t ldy, int64_t cols, int gated, struct Ahead ahead) {         \
+    static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
+        const float *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,     \
+        int gated, struct Ahead ahead, const int per_step) {                                       \
         __m512 acc[MT][VECS];                                                                      \
         const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);                                   \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
         for (int64_t k = 0; k < K; k += 2) {                                                       \
             const uint16_t *wk = wt + k * TILE_COLS;                                               \
-            prefetch(ahead, k / 2);                                                                \
+            prefetch(ahead, k / 2, per_step);                                                      \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
                 _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 32 * j), _MM_HINT_T0);    \
                 __m512i pairs = _mm512_loadu_si512((const void *)(wk + 32 * j));                   \
@@ -110,7 +131,8 @@ static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
                 _mm256_mask_storeu_epi16(y + m * ldy + 16 * j, lanes(cols - 16 * j), to_bf16(acc[m][j])); \
         }                                                                                          \
-    }
+    }                                                                                              \
+    BY_PREFETCH(bf16, uint16_t, MT)
 
 #define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
 TILES(F32_TILE)
@@ -128,8 +150,7 @@ TILES(BF16_TILE)
         int64_t chunks = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;                                  \
         int per_step = (int)((VECS + chunks - 1) / chunks);                                        \
         int64_t tile_bytes = K * TILE_COLS * (int64_t)sizeof(TYPE), steps = tile_bytes / (VECS * 64); \
-        int shift = chunks == 1 ? STREAM_SHIFT : 0; /* 9+ rows: one run (4 are 5% slower at 16) */     \
-        int64_t run = (tile_bytes / 64 + (1 << shift) - 1) >> shift; /* a short last run asks past the tile */ \
+        int64_t run = (tile_bytes / 64 + STREAMS - 1) / STREAMS; /* a short last run asks past the tile */ \
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < tiles; t++) {                  \
             const TYPE *wt = w + t * K * TILE_COLS;                                                \
             int64_t cols = N - t * TILE_COLS;                                                      \
@@ -139,7 +160,7 @@ TILES(BF16_TILE)
                 int64_t ldy = gated ? N / 2 : N; /* gated: TILE_COLS / 2 outputs per tile */      \
                 TYPE *ym = y + m0 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);                 \
                 struct Ahead ahead = {(const char *)wt + tile_bytes, c * per_step * steps, run,            \
-                                      c * per_step < VECS ? per_step : 0, shift}; /* later: it is whole */   \
+                                      c * per_step < VECS ? per_step : 0}; /* later: it is whole */          \
                 switch (m1 - m0) {                                                                 \
                 case 1: PREFIX##_tile_1(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
                 case 2: PREFIX##_tile_2(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
@@ -177,7 +198,7 @@ void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out) {
 
 /* pack_tiles on the weight's own memory, for N a multiple of TILE_COLS: each tile is the
  * transpose of TILE_COLS whole rows, so it goes through a per-thread copy and back. A buffer the
- * caller no longer needs then costs no fresh pages, which a load pays for at 1-5 us each.
+ * caller no longer needs then costs no fresh pages, which a load paid for at 1-7 us each here.
  * 0 on success, -1 when the copies' memory cannot be had. */
 int pack_tiles_in_place(uint32_t *w, int64_t N, int64_t K) {
     int failed = 0;
