@@ -179,21 +179,22 @@ TILES(BF16_TILE)
 TILED(float, f32)
 TILED(uint16_t, bf16)
 
-/* The tile layout from a plain weight [N][K] of 4-byte units (a float32, or a pair of bfloat16
- * along k): out[t][k][c] = w[t * TILE_COLS + c][k], zeros past row N. Blocks of 16 units per row
- * keep reads a cache line long and writes within 2 KiB, so packing runs near copy speed. */
+/* One tile from `real` plain rows [real][K] of 4-byte units (a float32, or a pair of bfloat16
+ * along k): out[k][c] = rows[c][k], zeros past row `real`. Blocks of 16 units per row keep reads a
+ * cache line long and writes within 2 KiB, so packing runs near copy speed. */
+static void pack_tile(const uint32_t *rows, int64_t real, int64_t K, uint32_t *out) {
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
+        for (int64_t c = 0; c < TILE_COLS; c++)
+            for (int64_t k = k0; k < k1; k++) out[k * TILE_COLS + c] = c < real ? rows[c * K + k] : 0;
+    }
+}
+
+/* The tile layout of a plain weight [N][K]: out[t][k][c] = w[t * TILE_COLS + c][k], zeros past row N. */
 void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out) {
     int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
-    _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t k0 = 0; k0 < K; k0 += 16) {
-            int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
-            for (int c = 0; c < TILE_COLS; c++) {
-                int64_t n = t * TILE_COLS + c;
-                for (int64_t k = k0; k < k1; k++)
-                    out[(t * K + k) * TILE_COLS + c] = n < N ? w[n * K + k] : 0;
-            }
-        }
-    }
+    _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++)
+        pack_tile(w + t * TILE_COLS * K, N - t * TILE_COLS, K, out + t * K * TILE_COLS);
 }
 
 /* pack_tiles on the weight's own memory, for N a multiple of TILE_COLS: each tile is the
@@ -214,11 +215,7 @@ int pack_tiles_in_place(uint32_t *w, int64_t N, int64_t K) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < N / TILE_COLS; t++) {
                 uint32_t *rows = w + t * TILE_COLS * K;
-                for (int64_t k0 = 0; k0 < K; k0 += 16) {
-                    int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
-                    for (int c = 0; c < TILE_COLS; c++)
-                        for (int64_t k = k0; k < k1; k++) block[k * TILE_COLS + c] = rows[c * K + k];
-                }
+                pack_tile(rows, TILE_COLS, K, block);
                 memcpy(rows, block, (size_t)(K * TILE_COLS) * sizeof(uint32_t));
             }
         }
