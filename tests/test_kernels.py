@@ -14,7 +14,8 @@ from tp_llama.kernels import Tiled, _build, cpu_flags, linear, matmul_kind, prep
 
 CPU = torch.device("cpu")
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags()
-HAS_COMPILER = shutil.which("gcc") is not None or shutil.which("cc") is not None
+COMPILER = shutil.which("gcc") or shutil.which("cc")
+HAS_COMPILER = COMPILER is not None
 
 
 def available_kinds() -> list[str]:
@@ -128,11 +129,10 @@ def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
 def test_the_build_is_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_cache_dirs", lambda: [tmp_path / "unwritable", tmp_path / "cache"])
     (tmp_path / "unwritable").write_text("a file where the folder should be")
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    first = _build(compiler)
+    first = _build(COMPILER)
     assert first.parent == tmp_path / "cache" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert _build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert _build(COMPILER) == first and first.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
@@ -142,10 +142,9 @@ def test_the_build_is_cached(monkeypatch, tmp_path):
 ])
 def test_the_prefetches_survive_compilation(source: str, hint: str):
     """gcc 12 deleted attention's prefetches (ipa-modref) without a word: the kernel ran 1.5x slower."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
     flags = [flag for flag in kernels.FLAGS if flag not in ("-shared", "-fPIC")]
     path = next(path for path in kernels.SOURCES if path.name == source)
-    listing = subprocess.run([compiler, *flags, "-S", "-o", "-", str(path)], check=True, capture_output=True,
+    listing = subprocess.run([COMPILER, *flags, "-S", "-o", "-", str(path)], check=True, capture_output=True,
                              text=True, timeout=120).stdout
     assert re.search(rf"^\s*{hint}\s", listing, re.M)
 
