@@ -43,7 +43,7 @@ Usage: ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store D
                      port) and the model API is off.
 
 Every listener is on 127.0.0.1 and token authorization stays on (keys in key_file.json);
-handler/server_config.py writes MODEL_STORE/config.properties. See README.md, Security.
+deploy/server_config.py writes MODEL_STORE/config.properties. See README.md, Security.
 
 Ports (environment): INFERENCE_PORT=$INFERENCE_PORT MANAGEMENT_PORT=$MANAGEMENT_PORT (only with --management)
 METRICS_PORT=$METRICS_PORT GRPC_INFERENCE_PORT=$GRPC_INFERENCE_PORT GRPC_MANAGEMENT_PORT=$GRPC_MANAGEMENT_PORT
@@ -90,6 +90,8 @@ setup_python() {
     echo "$want" > "$stamp"
   fi
   "$PY" -c "import torch, ts, model_archiver, tp_llama; print('torch', torch.__version__)"
+  # The C kernels, built once for this machine now rather than by the first worker to start.
+  "$PY" -m tp_llama.kernels.cpu.build
 }
 
 java_major() {
@@ -136,7 +138,7 @@ setup_checkpoint() {
 
 build_archive() {
   step "[4/4] Model archive $MODEL_STORE/$NAME (weights stay in $CKPT_DIR)"
-  "$PY" "$REPO/handler/make_archive.py" --ckpt-dir "$CKPT_DIR" --tp "$TP" --name "$NAME" --model-store "$MODEL_STORE"
+  "$PY" "$REPO/deploy/make_archive.py" --ckpt-dir "$CKPT_DIR" --tp "$TP" --name "$NAME" --model-store "$MODEL_STORE"
 }
 
 # Loopback only, token authorization on, management on a unix socket unless --management.
@@ -144,7 +146,7 @@ write_server_config() {
   CONFIG="$MODEL_STORE/config.properties"
   local where=(--management-socket "$MANAGEMENT_SOCKET")
   if [ "$MANAGEMENT" = 1 ]; then where=(--management-port "$MANAGEMENT_PORT"); fi
-  "$PY" "$REPO/handler/server_config.py" write --model-store "$MODEL_STORE" --out "$CONFIG" \
+  "$PY" "$REPO/deploy/server_config.py" write --model-store "$MODEL_STORE" --out "$CONFIG" \
     --inference-port "$INFERENCE_PORT" --metrics-port "$METRICS_PORT" \
     --grpc-inference-port "$GRPC_INFERENCE_PORT" --grpc-management-port "$GRPC_MANAGEMENT_PORT" \
     "${where[@]}" >/dev/null || die "could not write $CONFIG"
@@ -179,7 +181,7 @@ EOF
 # Prints the worker states of the model ("READY" when it can answer), or nothing; asks the
 # management API wherever the config put it (the unix socket, or the port with --management).
 model_status() {
-  "$PY" "$REPO/handler/server_config.py" model-status --config "$CONFIG" --name "$NAME" \
+  "$PY" "$REPO/deploy/server_config.py" model-status --config "$CONFIG" --name "$NAME" \
     --key-file "$REPO/key_file.json" 2>/dev/null || true
 }
 

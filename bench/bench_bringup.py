@@ -18,7 +18,7 @@ import time
 
 from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import drop_file_cache, table, torchrun, write_json
-from tp_llama.checkpoint import find_shards
+from tp_llama.checkpoint.shards import find_shards
 
 CHUNK = 8 << 20
 

@@ -7,11 +7,11 @@
     .venv/bin/python -m bench.bench_cb --report bench/out/bench_cb.json   # tables and plot again
 
 Servers, one at a time (only one is up while another is measured, the machine has few cores):
-- "ours": TorchServe with the handler built from this checkout (handler/make_archive.build_archive),
+- "ours": TorchServe with the handler built from this checkout (deploy/make_archive.build_archive),
   TP --tp ranks of --omp-threads OpenMP threads each, dtype --dtype; --yaml KEY=VALUE sets any key
   of the archive's model-config.yaml (e.g. continuousBatching=true, handler.max_batch_size=32).
 - "before": the same from an older checkout: a folder, or a commit checked out with
-  `git worktree add` under bench/out/; its own handler/make_archive.py builds its archive
+  `git worktree add` under bench/out/; its own make_archive.py builds its archive
   (--yaml-before for its keys: an older handler refuses keys it does not know).
 - "vllm": vLLM's CPU build on the same weights converted to a Hugging Face folder, with
   --skip-tokenizer-init; prompts go as token ids to /v1/completions.
@@ -49,14 +49,12 @@ from pathlib import Path
 
 from bench.bench_serve import percentile, prompt_text
 from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import OUT, REPO, table, write_json
+from bench.common import OUT, REPO, before_root, table, write_json
 from bench.vllm_peer import VLLM_VENV, VLLMServer, convert_in_venv, openai_stream, vllm_stream
 from tp_llama.tokenizer import load_tokenizer
 
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "handler"))
-from make_archive import build_archive  # noqa: E402
-from serving_util import TorchServe, free_ports  # noqa: E402
+from deploy.make_archive import build_archive
+from tests.support.serving_util import TorchServe, free_ports
 
 NAME = "bench"
 WORK = OUT / "bench_cb"
@@ -210,25 +208,12 @@ def disconnects(server: TorchServe, prompt: str, timeout: float, clients: int = 
 
 # ---------------------------------------------------------------------------- servers
 
-def before_root(spec: str) -> Path:
-    """A checkout folder as given, or a commit checked out (once) as a worktree under bench/out/."""
-    path = Path(spec)
-    if path.is_dir():
-        return path.resolve()
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{spec}^{{commit}}"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout.strip()
-    tree = OUT / f"before-{sha[:12]}"
-    if not (tree / "handler" / "make_archive.py").is_file():
-        OUT.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=REPO, check=True)
-    return tree
-
-
 def archive(root: Path, ckpt: Path, store: Path, tp: int, overrides: list[str]) -> Path:
     """The model folder built by `root`'s own make_archive (its handler, tp_llama and model-config.yaml)."""
     if root == REPO:
         return build_archive(ckpt, store, NAME, tp, overrides=overrides)
-    command = [sys.executable, str(root / "handler" / "make_archive.py"), "--ckpt-dir", str(ckpt), "--tp", str(tp),
+    script = next(p for p in (root / "deploy" / "make_archive.py", root / "handler" / "make_archive.py") if p.is_file())
+    command = [sys.executable, str(script), "--ckpt-dir", str(ckpt), "--tp", str(tp),
                "--name", NAME, "--model-store", str(store), "--config", str(root / "model-config.yaml")]
     for assignment in overrides:
         command += ["--set", assignment]

@@ -1,7 +1,7 @@
 """Generation benchmark: prefill and decode tokens/s of our engine (TP 1, TP 2) and of transformers.
 
     python -m bench.bench_generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
-                                   [--rounds 3] [--repeats 1]
+                                   [--rounds 3] [--repeats 1] [--engines ...] [--before COMMIT_OR_PATH]
 
 float32 (or --dtype bfloat16) on CPU, greedy, stop tokens ignored, the same random prompts for every engine. Both
 engines are timed the same way, from the moments new tokens reach the caller: prefill ends
@@ -11,7 +11,8 @@ the same run (the best of a copy and a read-only stream, measured before every l
 slow spell of the machine cannot lower the floor): every weight except the embedding table, plus
 (second floor) the KV cache of every row at the decode's mean context length. "ours oneDNN" is this checkout with
 TP_LLAMA_MATMUL=onednn: oneDNN's matmuls and PyTorch's eager layer ops, the engine as it was
-before tp_llama's C kernels (cpu_matmul.c, cpu_layer.c).
+before tp_llama's C kernels. "before TP1" (with --before) is an older checkout (a folder, or a
+commit checked out under bench/out/) running its own engine the same way, in the same turns.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ from pathlib import Path
 import torch
 
 from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import last_json, stream_bandwidth_gbs, table, torchrun, write_json
+from bench.common import REPO, before_root, last_json, stream_bandwidth_gbs, table, torchrun, write_json
 from bench.hf_convert import hf_config, meta_to_hf
-from tp_llama.checkpoint import find_shards, load_shard
-from tp_llama.engine import Engine
-from tp_llama.scheduler import SamplingParams, Sequence
-from tp_llama.layout import full_shapes
-from tp_llama.params import ModelArgs, read_params
+from tp_llama.checkpoint.shards import find_shards, load_shard
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.parallel.layout import full_shapes
+from tp_llama.checkpoint.params import read_params
+from tp_llama.model import ModelArgs
 from tp_llama.tokenizer import load_tokenizer
+
+
+# name: (worker, ranks, environment)
+ENGINES = {"ours TP1": ("ours", 1, {}), "ours TP2": ("ours", 2, {}),
+           "ours oneDNN": ("ours", 1, {"TP_LLAMA_MATMUL": "onednn"}), "transformers": ("hf", 1, {})}
 
 
 def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
@@ -92,8 +100,8 @@ def kv_cache_bytes(args: ModelArgs, batch: int, context: float, elt: int = 4) ->
 
 def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> dict:
     """Engine.generate on every rank; per-step times come from its on_step callback."""
-    engine = Engine.load(ckpt, "tp", dtype, max_seq_len=prompt_len + new_tokens, max_batch_size=max(batches),
-                         prefill_budget=max(batches) * prompt_len)
+    engine = Engine.load(EngineConfig(str(ckpt), "tp", dtype, max_seq_len=prompt_len + new_tokens,
+                                      max_batch_size=max(batches), prefill_budget=max(batches) * prompt_len))
     warm = prompts(engine.args, 1, 16)[0]
     engine.generate([Sequence("warm", warm, SamplingParams(4, ignore_eos=True))])
 
@@ -175,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="generations per batch size in each launch")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines")
     parser.add_argument("--out", default="generate", help="name of the JSON under bench/out/")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES) + ["before TP1"], metavar="ENGINE",
+                        help=f"which to run: {', '.join(ENGINES)}, before TP1 (needs --before)")
+    parser.add_argument("--before", help="older checkout to run as 'before TP1': a folder or a commit")
     parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
@@ -197,14 +208,15 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--ckpt", str(ckpt), "--batches", *map(str, a.batches),
               "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats),
               "--dtype", a.dtype]
-    engines_run = (("ours TP1", "ours", 1, {}), ("ours TP2", "ours", 2, {}),
-                   ("ours oneDNN", "ours", 1, {"TP_LLAMA_MATMUL": "onednn"}), ("transformers", "hf", 1, {}))
+    engines_run = [(name, *ENGINES[name], REPO) for name in a.engines if name in ENGINES]
+    if a.before and "before TP1" in a.engines:
+        engines_run.append(("before TP1", "ours", 1, {}, before_root(a.before)))
     launches: dict[str, list[dict]] = {name: [] for name, *_ in engines_run}
     for _ in range(a.rounds):  # engines take turns, so a change in the machine's load hits all of them
-        for name, worker, nproc, env in engines_run:
+        for name, worker, nproc, env, root in engines_run:
             bandwidths.append(stream_bandwidth_gbs())
             out = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common], nproc, timeout=900,
-                                     env=env))
+                                     env=env, repo=root))
             launches[name].append(out)
             print(f"{name}: " + ", ".join(f"batch {r['batch']} prefill {r['prefill_tok_s']:.0f} decode "
                                           f"{r['decode_tok_s']:.1f} tok/s" for r in out["results"]), flush=True)

@@ -7,9 +7,9 @@ For each MP:TP pair (checkpoint files : tensor-parallel ranks), one launch of TP
 runs every method in turn, each after evicting the checkpoint from the page cache (cold reads)
 and resetting the kernel's peak-RSS counter:
   floor   pread exactly the bytes of this rank's slices into one buffer, nothing else;
-  direct  tp_llama.loader.load_tp_model (positioned reads straight into the local modules' weights),
-          then optimize_for_inference (fuse, repack for the matmul kernel), as Engine.load does;
-  seed    tp_llama.loader.load_fsdp_model (converter + FSDP1), only where MP divides TP;
+  direct  tp_llama.checkpoint.loader.load_tp_model (positioned reads straight into the local modules' weights),
+          then backend.optimize (fuse, repack for the matmul kernel), as Engine.load does;
+  seed    tp_llama.checkpoint.loader.load_fsdp_model (converter + FSDP1), only where MP divides TP;
   merge   rank 0 torch.loads every file, concatenates them into the full state dict and
           scatters each rank its slice (what a user would otherwise write).
 Memory is reported as the rank's resident set before any load (torch and torch._dynamo imported,
@@ -31,13 +31,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import drop_file_cache, last_json, read_bytes, table, torchrun, write_json
-from tp_llama.checkpoint import find_shards
-from tp_llama.distributed import DistInfo, init_distributed
-from tp_llama.layout import full_shapes, shard_dim, source_split_dim
-from tp_llama.loader import load_fsdp_model, load_tp_model
+from tp_llama.checkpoint.shards import find_shards
+from tp_llama.parallel.distributed import DistInfo, init_distributed
+from tp_llama.parallel.layout import full_shapes, shard_dim, source_split_dim
+from tp_llama import backend
+from tp_llama.checkpoint.loader import load_fsdp_model, load_tp_model
 from tp_llama.model import Transformer
-from tp_llama.params import ModelArgs, read_params
-from tp_llama.parallel import apply_tensor_parallel, make_mesh
+from tp_llama.checkpoint.params import read_params
+from tp_llama.model import ModelArgs
+from tp_llama.parallel.fsdp import make_mesh
+from tp_llama.testing.oracle import apply_tensor_parallel
 
 METHODS = ("floor", "direct", "seed", "merge")
 DTYPE = torch.bfloat16  # the checkpoint's own dtype: loading is then pure reading, no conversion
@@ -213,7 +216,7 @@ def measure(method: str, ckpt: Path, args: ModelArgs, info: DistInfo, keep: list
             loaded: object = read_plan(plan)
         elif method == "direct":  # as Engine.load does: load, then fuse and repack for the matmul kernel
             loaded = load_tp_model(ckpt, args, info, DTYPE)
-            loaded.optimize_for_inference()
+            backend.optimize(loaded)
         elif method == "seed":
             loaded = load_fsdp_model(ckpt, args, info, DTYPE)
         else:

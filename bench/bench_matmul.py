@@ -1,4 +1,4 @@
-"""The CPU matmul kinds of tp_llama/kernels.py on one model's weight shapes, side by side in one run.
+"""The CPU matmul kinds of tp_llama.kernels on one model's weight shapes, side by side in one run.
 
     python -m bench.bench_matmul [--preset quarter] [--rows 1 2 4 8 16 32 128 1024] [--repeats 10]
 
@@ -18,8 +18,8 @@ import torch
 
 from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import copy_bandwidth_gbs, table
-from tp_llama.kernels import linear, matmul_kind, prepare
-from tp_llama.params import read_params
+from tp_llama.kernels import linear, choose, prepare
+from tp_llama.checkpoint.params import read_params
 
 KINDS = ("plain", "onednn", "tiles")
 
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 1024])
     parser.add_argument("--repeats", type=int, default=10)
     a = parser.parse_args(argv)
-    if matmul_kind(torch.device("cpu"), torch.float32)[0] != "tiles":
-        raise SystemExit(f"no tiled kernel here: {matmul_kind(torch.device('cpu'), torch.float32)[1]}")
+    if choose(torch.device("cpu"), torch.float32)[0] != "tiles":
+        raise SystemExit(f"no tiled kernel here: {choose(torch.device('cpu'), torch.float32)[1]}")
     shapes = weight_shapes(a.preset)
     print(f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s; {torch.get_num_threads()} threads; "
           f"{len(shapes)} weights of {a.preset}", flush=True)

@@ -15,7 +15,6 @@ import argparse
 import http.client
 import json
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,10 +23,8 @@ from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import OUT, REPO, last_json, table, torchrun, write_json
 from tp_llama.tokenizer import load_tokenizer
 
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "handler"))
-from make_archive import build_archive  # noqa: E402
-from serving_util import TorchServe, free_ports  # noqa: E402
+from deploy.make_archive import build_archive
+from tests.support.serving_util import TorchServe, free_ports
 
 NAME = "bench"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from bench.common import OUT
-from tp_llama.synthetic import write_checkpoint
+from tp_llama.testing.synthetic import write_checkpoint
 
 
 @dataclass(frozen=True)

@@ -149,9 +149,38 @@ def torchrun(module: str, args: list[str], nproc: int, timeout: float, env: dict
     return stdout
 
 
+def run_module(module: str, args: list[str], repo: Path, timeout: float) -> str:
+    """`python -m module` in one fresh process running `repo`'s code, on every core."""
+    return torchrun(module, args, 1, timeout, repo=repo)
+
+
+def parse_table(text: str) -> list[dict[str, str]]:
+    """The rows of the first markdown table (`table`'s format) in text, as {header: cell}."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    if len(lines) < 2:
+        raise ValueError(f"no table in:\n{text[-2000:]}")
+    headers = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [dict(zip(headers, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[2:]]
+
+
 def last_json(stdout: str) -> dict:
     """Workers print one JSON line last; logs and warnings may come before it."""
     for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
     raise ValueError(f"no JSON line in output:\n{stdout[-2000:]}")
+
+
+def before_root(spec: str) -> Path:
+    """An older checkout to compare with: a folder as given, or a commit checked out (once) as a
+    worktree under bench/out/."""
+    path = Path(spec)
+    if path.is_dir():
+        return path.resolve()
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{spec}^{{commit}}"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    tree = OUT / f"before-{sha[:12]}"
+    if not (tree / ".git").exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=REPO, check=True)
+    return tree

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tp_llama.params import ModelArgs
+from tp_llama.model import ModelArgs
 
 if TYPE_CHECKING:  # transformers is a bench-only dependency, imported where it is used
     from transformers import LlamaConfig

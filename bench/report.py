@@ -14,10 +14,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from bench import bench_generate, bench_load, bench_serve  # noqa: E402
-from bench.common import BENCH, OUT, REPO, table  # noqa: E402
+from bench import bench_generate, bench_load, bench_serve
+from bench.common import BENCH, OUT, REPO, table
 
 DOC = REPO / "BENCHMARKS.md"
 PLOT = BENCH / "benchmarks.png"

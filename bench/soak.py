@@ -16,16 +16,14 @@ import shutil
 import sys
 import time
 
-from bench.common import OUT, REPO, table, write_json
-from tp_llama.synthetic import write_checkpoint
+from bench.common import OUT, table, write_json
+from tp_llama.testing.synthetic import write_checkpoint
 from tp_llama.tokenizer import load_tokenizer
 
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "handler"))
-from hostile_corpus import hostile_corpus  # noqa: E402
-from make_archive import build_archive  # noqa: E402
-from reliability_util import rank_processes, run_corpus, run_soak, stray_ranks  # noqa: E402
-from serving_util import TorchServe  # noqa: E402
+from tests.support.hostile_corpus import hostile_corpus
+from deploy.make_archive import build_archive
+from tests.support.reliability_util import rank_processes, run_corpus, run_soak, stray_ranks
+from tests.support.serving_util import TorchServe
 
 MAX_SEQ_LEN = 256
 MAX_BODY = 65536

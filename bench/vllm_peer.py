@@ -39,8 +39,8 @@ def convert(ckpt: Path, out: Path, max_len: int) -> Path:
     from safetensors.torch import save_file
 
     from bench.hf_convert import hf_config, meta_to_hf
-    from tp_llama.checkpoint import find_shards, load_shard
-    from tp_llama.params import read_params
+    from tp_llama.checkpoint.shards import find_shards, load_shard
+    from tp_llama.checkpoint.params import read_params
     from tp_llama.tokenizer import load_tokenizer
 
     stamp = out / "bench-source.json"

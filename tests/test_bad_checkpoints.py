@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_util import launch_cli
-from tp_llama.synthetic import write_checkpoint
+from tests.support.cli_util import launch_cli
+from tp_llama.testing.faults import fault_env
+from tp_llama.testing.synthetic import write_checkpoint
 
 FAIL_FAST_S = 45  # two interpreter start-ups and torchrun included; a hang would hit the 60 s collective timeout
 
@@ -114,7 +115,7 @@ def test_pickled_callable_is_refused_and_never_run(ckpt, tmp_path):
 def _fault_env(tmp_path: Path, fault: dict) -> dict:
     path = tmp_path / "faults.json"
     path.write_text(json.dumps([fault]))
-    return {"TP_LLAMA_FAULT_FILE": str(path)}
+    return fault_env(path)
 
 
 def test_out_of_memory_on_one_rank_fails_every_rank(ckpt, tmp_path):

@@ -7,16 +7,16 @@ greedy tokens equal to the reference's for as long as the reference's top-2 marg
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from reference import ReferenceModel, greedy
-from tp_llama.engine import Engine, resolve_dtype
-from tp_llama.model import dense_logits
-from tp_llama.scheduler import SamplingParams, Sequence
-from tp_llama.synthetic import write_checkpoint
+from tests.support.reference import ReferenceModel, greedy
+from tp_llama.config import EngineConfig, resolve_dtype
+from tp_llama.engine.core import Engine
+from tests.support.run_model import dense_logits
+from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.testing.synthetic import write_checkpoint
 
 # bfloat16 rounds each matmul's inputs to ~3 significant digits: logits stay within this share
 # of the largest logit, and a top-2 margin above CLEAR_MARGIN (in logits) never flips.
@@ -43,7 +43,7 @@ def test_default_dtype_follows_the_device_and_cpu_and_names_win():
 @pytest.fixture(scope="module", params=["llama2", "llama3"])
 def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param) / "ckpt", family=request.param, mp=2)
-    engine = Engine.load(Path(ckpt), "tp", "bfloat16", max_seq_len=128, max_batch_size=2, prefill_budget=64)
+    engine = Engine.load(EngineConfig(str(ckpt), "tp", "bfloat16", max_seq_len=128, max_batch_size=2, prefill_budget=64))
     return engine, ReferenceModel.load(ckpt, engine.tokenizer.n_words)
 
 

@@ -11,8 +11,8 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
-from dist_util import run_ranks
-from reference import split_dim
+from tests.support.dist_util import run_ranks
+from tests.support.reference import split_dim
 from tp_llama.checkpoint_converter import (
     _all_gather_into_list,
     _is_tp_sharded,
@@ -21,7 +21,7 @@ from tp_llama.checkpoint_converter import (
 )
 from tp_llama.errors import CheckpointError
 from tp_llama.model import Transformer
-from tp_llama.params import ModelArgs
+from tp_llama.model import ModelArgs
 
 ARGS = {
     "llama2": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=96, family="llama2"),

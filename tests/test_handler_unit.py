@@ -8,27 +8,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
-import llama_handler  # noqa: E402
-from llama_request import Job, RequestError, decode_body, parse_request  # noqa: E402
-from llama_settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml  # noqa: E402
-from llama_stream import StreamDecoder  # noqa: E402
+import handler.llama_handler as llama_handler
+from tp_llama.serving.native import parse_request
+from tp_llama.serving.request import Job, RequestError, decode_body
+from tp_llama.config import EngineConfig
+from tp_llama.serving.settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
+from tp_llama.serving.stream import StreamDecoder
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hostile_corpus import hostile_corpus  # noqa: E402
+from tests.support.hostile_corpus import hostile_corpus
 
-from tp_llama.tokenizer import load_tokenizer  # noqa: E402
-from tp_llama.tokenizer_train import build_tokenizer  # noqa: E402
+from tp_llama.tokenizer import load_tokenizer
+from tp_llama.testing.tokenizer_train import build_tokenizer
 
-SETTINGS = HandlerSettings(ckpt_dir="/ckpt", max_seq_len=64, default_max_new_tokens=16, max_new_tokens_limit=32,
+SETTINGS = HandlerSettings(EngineConfig("/ckpt", max_seq_len=64), default_max_new_tokens=16, max_new_tokens_limit=32,
                            temperature=0.6, top_p=0.9, max_request_bytes=512)
 
 
@@ -138,7 +137,7 @@ def test_bodies_torchserve_already_decoded() -> None:
 
 
 def test_settings_reject_typos_and_bad_values(tmp_path: Path) -> None:
-    assert settings_from_yaml({"ckpt_dir": "c"}) == HandlerSettings(ckpt_dir="c")
+    assert settings_from_yaml({"ckpt_dir": "c"}) == HandlerSettings(EngineConfig("c"))
     for block, message in [
         ({}, "ckpt_dir"),
         ({"ckpt_dir": "c", "max_seqlen": 5}, "unknown key"),
@@ -220,12 +219,12 @@ class FakeContext:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     """A real one-process engine on a tiny synthetic Llama 3 checkpoint."""
-    from tp_llama.engine import Engine
-    from tp_llama.synthetic import write_checkpoint
+    from tp_llama.engine.core import Engine
+    from tp_llama.testing.synthetic import write_checkpoint
 
     ckpt = tmp_path_factory.mktemp("ckpt")
     write_checkpoint(ckpt, "llama3", 1, 64, 2, 4, 2, 512, 32, None, torch.float32, 0)
-    return Engine.load(ckpt, "tp", "float32", max_seq_len=64, max_batch_size=3, prefill_budget=8)
+    return Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=64, max_batch_size=3, prefill_budget=8))
 
 
 def new_handler(engine) -> llama_handler.LlamaHandler:
@@ -353,7 +352,7 @@ def test_an_unexpected_error_fails_only_its_own_request(engine, monkeypatch: pyt
 
 def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
     """Every hostile body is a 400 (never an internal error); the valid ones parse to their own prompt."""
-    settings = HandlerSettings(ckpt_dir="/ckpt", max_seq_len=256, default_max_new_tokens=8, max_request_bytes=65536)
+    settings = HandlerSettings(EngineConfig("/ckpt", max_seq_len=256), default_max_new_tokens=8, max_request_bytes=65536)
     corpus = hostile_corpus(seed=1, max_seq_len=256, max_body=65536, server_cap=262144)
     assert len(corpus) >= 500
     for case in corpus:
@@ -370,9 +369,9 @@ def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
 
 # --- The OpenAI-compatible front door (openai_api) ---------------------------------------------
 
-import openai_api  # noqa: E402
-from llama_metrics import GENERATED_TOKENS, PROMPT_TOKENS, REQUESTS, TPOT, TTFT, ServingMetrics  # noqa: E402
-from openai_api import CHAT, COMPLETIONS, StopWatcher, parse_openai  # noqa: E402
+import tp_llama.serving.openai_api as openai_api
+from tp_llama.serving.metrics import GENERATED_TOKENS, PROMPT_TOKENS, REQUESTS, TPOT, TTFT, ServingMetrics
+from tp_llama.serving.openai_api import CHAT, COMPLETIONS, StopWatcher, parse_openai
 
 
 def parse_oa(path: str, body: bytes | dict, settings: HandlerSettings = SETTINGS, tokenizer=None):
@@ -458,7 +457,7 @@ def test_openai_refusals_name_the_field(path: str, body: dict, message: str, par
 
 def test_openai_paths_refuse_every_hostile_body(real_tokenizer) -> None:
     """The hostile corpus's bodies (native requests, valid or not) are all 400s on both OpenAI paths."""
-    settings = HandlerSettings(ckpt_dir="/ckpt", max_seq_len=256, default_max_new_tokens=8, max_request_bytes=65536)
+    settings = HandlerSettings(EngineConfig("/ckpt", max_seq_len=256), default_max_new_tokens=8, max_request_bytes=65536)
     corpus = hostile_corpus(seed=1, max_seq_len=256, max_body=65536, server_cap=262144)
     for path in (COMPLETIONS, CHAT):
         for case in corpus:

@@ -1,4 +1,4 @@
-"""The CPU matmul kernels (tp_llama/kernels.py, tp_llama/cpu_matmul.c) against a float64 matmul."""
+"""The CPU matmul kernels (tp_llama/kernels, kernels/cpu/matmul.c) against a float64 matmul, and their build."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import subprocess
 import pytest
 import torch
 
-from tp_llama import kernels
-from tp_llama.kernels import Tiled, _build, cpu_flags, linear, matmul_kind, prepare
+from tp_llama.kernels import Tiled, choose, cpu_flags, linear, prepare, prepare_swiglu
+from tp_llama.kernels.cpu import build as cpu_build
+from tp_llama.kernels.cpu import ops
+from tp_llama.kernels.cpu.build import COMMON_FLAGS, HERE, VARIANTS, build
 
 CPU = torch.device("cpu")
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags()
@@ -22,7 +24,7 @@ def available_kinds() -> list[str]:
     kinds = ["plain"]
     if torch.backends.mkldnn.is_available():
         kinds.append("onednn")
-    if matmul_kind(CPU, torch.float32)[0] == "tiles":
+    if choose(CPU, torch.float32)[0] == "tiles":
         kinds.append("tiles")
     return kinds
 
@@ -32,7 +34,7 @@ def test_avx512_cpus_get_the_tiled_kernel():
     if not (AVX512 and HAS_COMPILER):
         pytest.skip("no AVX-512 or no C compiler here: the fallback is what runs")
     for dtype in (torch.float32, torch.bfloat16):
-        assert matmul_kind(CPU, dtype) == ("tiles", "")
+        assert choose(CPU, dtype) == ("tiles", "")
 
 
 @pytest.mark.parametrize("kind", available_kinds())
@@ -108,42 +110,42 @@ def test_threads_split_columns_without_changing_results():
 
 def test_forced_kind_and_bad_values(monkeypatch):
     monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
-    assert matmul_kind(CPU, torch.float32) == ("plain", "")
+    assert choose(CPU, torch.float32) == ("plain", "")
     monkeypatch.setenv("TP_LLAMA_MATMUL", "onednn")
-    assert matmul_kind(CPU, torch.float32)[0] == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
+    assert choose(CPU, torch.float32)[0] == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
     monkeypatch.setenv("TP_LLAMA_MATMUL", "fast")
     with pytest.raises(ValueError, match="TP_LLAMA_MATMUL"):
-        matmul_kind(CPU, torch.float32)
+        choose(CPU, torch.float32)
     monkeypatch.delenv("TP_LLAMA_MATMUL")
-    assert matmul_kind(CPU, torch.float16) == ("plain", "")
+    assert choose(CPU, torch.float16) == ("plain", "")
 
 
 def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "_cache_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path])
     with pytest.raises(OSError, match="false failed"):
-        _build("false")
+        build("avx512", "false")
     assert not list(tmp_path.glob("*.so"))
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
 def test_the_build_is_cached(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "_cache_dirs", lambda: [tmp_path / "unwritable", tmp_path / "cache"])
+    monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path / "unwritable", tmp_path / "cache"])
     (tmp_path / "unwritable").write_text("a file where the folder should be")
-    first = _build(COMPILER)
+    first = build("avx512", COMPILER)
     assert first.parent == tmp_path / "cache" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert _build(COMPILER) == first and first.stat().st_mtime_ns == stamp
+    assert build("avx512", COMPILER) == first and first.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
 @pytest.mark.parametrize(("source", "hint"), [
-    ("cpu_layer.c", "prefetcht0"),  # attention's keys and values ahead of use
-    ("cpu_matmul.c", "prefetcht1"),  # the next weight tile
+    ("layer.c", "prefetcht0"),  # attention's keys and values ahead of use
+    ("matmul.c", "prefetcht1"),  # the next weight tile
 ])
 def test_the_prefetches_survive_compilation(source: str, hint: str):
     """gcc 12 deleted attention's prefetches (ipa-modref) without a word: the kernel ran 1.5x slower."""
-    flags = [flag for flag in kernels.FLAGS if flag not in ("-shared", "-fPIC")]
-    path = next(path for path in kernels.SOURCES if path.name == source)
+    flags = [flag for flag in [*COMMON_FLAGS, *VARIANTS["avx512"][1]] if flag not in ("-shared", "-fPIC")]
+    path = HERE / source
     listing = subprocess.run([COMPILER, *flags, "-S", "-o", "-", str(path)], check=True, capture_output=True,
                              text=True, timeout=120).stdout
     assert re.search(rf"^\s*{hint}\s", listing, re.M)
@@ -166,8 +168,8 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
 def test_prefill_rows_through_mkl_in_slices_of_the_weight(monkeypatch, gated: bool):
     """float32 calls of MKL_ROWS or more lay the tiles out plainly a slice at a time (here two tiles,
     so a weight of five takes three slices, the last one short) and place each product."""
-    rows = kernels.MKL_ROWS + 44
-    monkeypatch.setattr(kernels, "PLAIN_FLOATS", rows * kernels.TILE_COLS * 2)  # the rows outnumber the inputs
+    rows = ops.MKL_ROWS + 44
+    monkeypatch.setattr(ops, "PLAIN_FLOATS", rows * 32 * 2)  # the rows outnumber the inputs
     gen = torch.Generator().manual_seed(2)
     out_features = 160 if gated else 130  # five tiles either way
     w = torch.randn(out_features, 96, generator=gen) / 96**0.5
@@ -176,7 +178,7 @@ def test_prefill_rows_through_mkl_in_slices_of_the_weight(monkeypatch, gated: bo
     if gated:
         gate, up = product.chunk(2, dim=-1)
         expected = gate / (1 + torch.exp(-gate)) * up
-        got = linear(x, kernels.prepare_swiglu(*w.chunk(2), "tiles"))
+        got = linear(x, prepare_swiglu(*w.chunk(2), "tiles"))
     else:
         expected, got = product, linear(x, prepare(w, "tiles"))
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

@@ -1,4 +1,5 @@
-"""The fused layer ops (tp_llama/cpu_layer.c through tp_llama/kernels.py) against float64 written plainly."""
+"""The C layer ops (kernels/cpu/layer.c and decode.c through ops.py, the modules of tp_llama.backend.cpu)
+against float64 written plainly."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import math
 import pytest
 import torch
 
-from tp_llama import kernels
-from tp_llama.kernels import matmul_kind
+from tp_llama import backend
+from tp_llama.kernels import choose, linear, prepare_swiglu
+from tp_llama.kernels.cpu import ops
+from tp_llama.model.llama import Layers
 
-pytestmark = pytest.mark.skipif(matmul_kind(torch.device("cpu"), torch.float32)[0] != "tiles",
+pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] != "tiles",
                                 reason="the C kernels need AVX-512 and a compiler (test_kernels checks they load here)")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 
@@ -26,7 +29,7 @@ def test_rms_norm_matches_float64(dtype: torch.dtype):
         x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
         weight = torch.randn(dim, generator=gen).to(dtype)
         expected = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * weight.double()
-        got = kernels.rms_norm(x, weight, 1e-5)
+        got = ops.rms_norm(x, weight, 1e-5)
         assert got.dtype == dtype and got.shape == x.shape
         tol = tolerance(dtype)
         torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
@@ -38,13 +41,13 @@ def test_gated_matmul_gives_swiglu_of_w1_and_w3(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(1)
     for ffn, dim in ((16, 64), (96, 250), (2816, 512)):
         w1, w3 = (torch.randn(ffn, dim, generator=gen).div(dim**0.5).to(dtype) for _ in range(2))
-        gated = kernels.prepare_swiglu(w1, w3, "tiles")
+        gated = prepare_swiglu(w1, w3, "tiles")
         assert gated.gated and gated.shape == (2 * ffn, dim)
         for rows in (1, 3, 8, 13, 70, 300):
             x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
             gate, up = x.double() @ w1.double().T, x.double() @ w3.double().T
             expected = gate / (1 + torch.exp(-gate)) * up
-            got = kernels.linear(x, gated)
+            got = linear(x, gated)
             assert got.shape == (rows, ffn) and got.dtype == dtype
             tol = tolerance(dtype)
             torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item(),
@@ -55,10 +58,10 @@ def test_gated_matmul_keeps_nan_in_its_row_and_refuses_odd_widths():
     w1, w3 = torch.randn(32, 64), torch.randn(32, 64)
     x = torch.randn(3, 64)
     x[1, 5] = float("nan")
-    got = kernels.linear(x, kernels.prepare_swiglu(w1, w3, "tiles"))
+    got = linear(x, prepare_swiglu(w1, w3, "tiles"))
     assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
-    assert kernels.prepare_swiglu(torch.randn(24, 64), torch.randn(24, 64), "tiles") is None
-    assert kernels.prepare_swiglu(w1, w3, "onednn") is None
+    assert prepare_swiglu(torch.randn(24, 64), torch.randn(24, 64), "tiles") is None
+    assert prepare_swiglu(w1, w3, "onednn") is None
 
 
 def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -87,7 +90,7 @@ class Case:
         k, v = self.k.clone(), self.v.clone()
         qkv = self.qkv[rows].contiguous()
         out = qkv.new_empty((qkv.shape[0], self.heads * self.hd))
-        kernels.decode_attention(qkv, self.rotation[rows].contiguous(), self.slots[rows].contiguous(),
+        ops.decode_attention(qkv, self.rotation[rows].contiguous(), self.slots[rows].contiguous(),
                                  self.positions[rows].contiguous(), k, v, out)
         return out, k, v
 
@@ -146,7 +149,7 @@ def test_decode_attention_rejects_rows_off_the_cache():
     out = torch.empty(2, 4 * 64)
     for slots, positions in (([0, 3], [1, 2]), ([0, 1], [1, 40]), ([0, -1], [1, 2])):
         with pytest.raises(IndexError, match="outside the KV cache"):
-            kernels.decode_attention(case.qkv, case.rotation, torch.tensor(slots), torch.tensor(positions),
+            ops.decode_attention(case.qkv, case.rotation, torch.tensor(slots), torch.tensor(positions),
                                      case.k, case.v, out)
         assert torch.equal(case.k, before)
 
@@ -154,14 +157,14 @@ def test_decode_attention_rejects_rows_off_the_cache():
 def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
     """A small GQA Llama 3.1 model (the same weights every call) with 4 cache slots, prepared for serving."""
     from tp_llama.model import Transformer
-    from tp_llama.params import ModelArgs
+    from tp_llama.model import ModelArgs
 
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, family="llama3",
                      rope_theta=500000.0, use_scaled_rope=True)
     model = Transformer(args).to(dtype)
+    assert backend.optimize(model)[0] == "tiles"
     model.setup_caches(4, max_seq_len, dtype, torch.device("cpu"))
-    assert model.optimize_for_inference()[0] == "tiles"
     return model
 
 
@@ -198,8 +201,8 @@ def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
     from tp_llama.model import Batch
 
     model = served_model(dtype, 32)
-    planned = model.decode_layers
-    assert planned is not None and len(planned) == 2
+    in_c_layers = model.layers
+    assert in_c_layers._structs() is not None and len(in_c_layers._structs()) == 2
     caches = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
     gen = torch.Generator().manual_seed(1)
     lengths = {0: 9, 2: 4, 3: 15}  # slot 1 stays empty: a hole among the decode rows
@@ -213,9 +216,9 @@ def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
         written = [t.clone() for t in caches]
         for t, saved in zip(caches, before):
             t.copy_(saved)
-        model.decode_layers = None
+        model.layers = Layers(in_c_layers)  # the same blocks, op by op
         op_by_op = model(batch)
-        model.decode_layers = planned
+        model.layers = in_c_layers
         assert torch.equal(in_c, op_by_op), f"step {step}"
         assert all(torch.equal(a, b) for a, b in zip(written, caches))
         assert not all(torch.equal(a, b) for a, b in zip(written, before))

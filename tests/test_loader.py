@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tp_llama.errors import CheckpointError
-from tp_llama.layout import full_shapes
-from tp_llama.loader import ShardFiles, _Reader, read_local_shard
+from tp_llama.parallel.layout import full_shapes
+from tp_llama.checkpoint.reader import ShardFiles, _Reader, read_local_shard
 
 FULL = {
     "rows": torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8),
@@ -158,7 +158,7 @@ def test_a_file_cut_short_after_opening_names_file_and_tensor(tmp_path):
 def test_peak_memory_is_the_share_not_the_file(tmp_path):
     """A one-rank load of ~100 MB: the peak resident set grows by about the weights, not twice that
     (mapped file pages kept resident while copying would double it)."""
-    from tp_llama.params import ModelArgs
+    from tp_llama.model import ModelArgs
 
     args = ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=16384, ffn_dim=1536, family="llama2")
     gen = torch.Generator().manual_seed(0)
@@ -173,9 +173,9 @@ def test_peak_memory_is_the_share_not_the_file(tmp_path):
     del weights
     script = f"""
 import torch
-from tp_llama.distributed import DistInfo
-from tp_llama.loader import load_tp_model
-from tp_llama.params import ModelArgs
+from tp_llama.parallel.distributed import DistInfo
+from tp_llama.checkpoint.loader import load_tp_model
+from tp_llama.model import ModelArgs
 
 def status(field):
     for line in open("/proc/self/status"):

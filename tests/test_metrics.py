@@ -20,11 +20,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
-from make_archive import build_archive  # noqa: E402
-from serving_util import TorchServe, free_ports  # noqa: E402
+from tests.support.serving_util import TorchServe, live_server
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_SEQ_LEN = 256
@@ -40,22 +37,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     done = subprocess.run([sys.executable, "-m", "tp_llama.synthetic", str(ckpt), "--family", "llama2", "--mp", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
-    work = tmp_path_factory.mktemp("serve-metrics")
-    (rdzv_port,) = free_ports(1)
-    build_archive(ckpt, work / "model_store", name="llama", tp=2, overrides=[
+    overrides = [
         f"handler.max_seq_len={MAX_SEQ_LEN}",
         "handler.max_new_tokens_limit=200",
         f"handler.max_batch_size={SLOTS}",
         "handler.prefill_budget=32",
         "batchSize=10",
         "maxBatchDelay=20",
-        f"startupTimeout={STARTUP_TIMEOUT}",
-        f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
-    ])
-    ts = TorchServe(work, work / "model_store", "llama")
-    with ts:
-        ts.start()
-        ts.wait_ready(STARTUP_TIMEOUT)
+    ]
+    with live_server(tmp_path_factory.mktemp("serve-metrics"), ckpt, overrides, startup_timeout=STARTUP_TIMEOUT) as ts:
         yield ts
 
 

@@ -20,12 +20,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
-from hostile_corpus import hostile_corpus  # noqa: E402
-from make_archive import build_archive  # noqa: E402
-from serving_util import TorchServe, free_ports  # noqa: E402
+from tests.support.hostile_corpus import hostile_corpus
+from tests.support.serving_util import TorchServe, live_server
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Grüße aus Köln: the quick brown fox"
@@ -50,9 +47,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("serve-openai")
-    (rdzv_port,) = free_ports(1)
-    build_archive(checkpoint, work / "model_store", name="llama", tp=2, overrides=[
+    overrides = [
         f"handler.max_seq_len={MAX_SEQ_LEN}",
         f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
         f"handler.default_max_new_tokens={MAX_NEW}",
@@ -63,13 +58,9 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         "batchSize=12",
         "maxBatchDelay=20",
         "responseTimeout=120",
-        f"startupTimeout={STARTUP_TIMEOUT}",
-        f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
-    ])
-    ts = TorchServe(work, work / "model_store", "llama", extra_config=[f"max_request_size={SERVER_CAP}"])
-    with ts:
-        ts.start()
-        ts.wait_ready(STARTUP_TIMEOUT)
+    ]
+    with live_server(tmp_path_factory.mktemp("serve-openai"), checkpoint, overrides, startup_timeout=STARTUP_TIMEOUT,
+                     extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
         yield ts
 
 

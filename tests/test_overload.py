@@ -11,19 +11,14 @@ polls more jobs before the queue fills.
 from __future__ import annotations
 
 import json
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
-from make_archive import build_archive  # noqa: E402
-from serving_util import TorchServe, free_ports  # noqa: E402
+from tests.support.serving_util import TorchServe, live_server
 
-from tp_llama.synthetic import write_checkpoint  # noqa: E402
+from tp_llama.testing.synthetic import write_checkpoint
 
 SLOTS, HELD, QUEUE, SENT = 2, 3, 2, 10
 
@@ -32,15 +27,9 @@ SLOTS, HELD, QUEUE, SENT = 2, 3, 2, 10
 def server(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("overload")
     ckpt = write_checkpoint(work / "ckpt", family="llama3", mp=1)
-    (rdzv_port,) = free_ports(1)
-    build_archive(ckpt, work / "model_store", tp=1, overrides=[
-        f"handler.max_batch_size={SLOTS}", f"batchSize={HELD}", "handler.dtype=float32", "handler.max_seq_len=256",
-        "torchrun.OMP_NUMBER_THREADS=1", f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}", "startupTimeout=240",
-    ])
-    ts = TorchServe(work, work / "model_store", "llama", extra_config=[f"job_queue_size={QUEUE}"])
-    with ts:
-        ts.start()
-        ts.wait_ready(240)
+    overrides = [f"handler.max_batch_size={SLOTS}", f"batchSize={HELD}", "handler.dtype=float32",
+                 "handler.max_seq_len=256", "torchrun.OMP_NUMBER_THREADS=1"]
+    with live_server(work, ckpt, overrides, tp=1, extra_config=[f"job_queue_size={QUEUE}"]) as ts:
         yield ts
 
 

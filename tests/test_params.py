@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tp_llama.errors import CheckpointError
-from tp_llama.params import read_params
+from tp_llama.checkpoint.params import read_params
 
 LLAMA2_7B = {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}
 LLAMA3_8B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,

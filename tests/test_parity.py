@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from tp_llama.synthetic import write_checkpoint
+from tp_llama.testing.synthetic import write_checkpoint
 from tp_llama.tokenizer import load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cli_util import launch_cli  # noqa: E402
-from reference import ReferenceModel, ReferenceResult, greedy, reassemble, read_config  # noqa: E402
+from tests.support.cli_util import launch_cli
+from tests.support.reference import ReferenceModel, ReferenceResult, greedy, reassemble, read_config
 
 MAX_NEW_TOKENS = 12
 RUN_TIMEOUT_S = 120
@@ -228,11 +226,12 @@ def test_engine_logits_match_reference(store: Store, family: str):
     Greedy tokens only see the argmax; this sees every logit of an ~85-token prompt, long
     enough for Llama 3.1's rope scaling to move logits by far more than the tolerance.
     """
-    from tp_llama.engine import Engine
-    from tp_llama.model import dense_logits
+    from tp_llama.config import EngineConfig
+    from tp_llama.engine.core import Engine
+    from tests.support.run_model import dense_logits
 
     ckpt = store.ckpt(family, 2)
-    engine = Engine.load(ckpt, "tp", "float32", max_seq_len=128, max_batch_size=1)
+    engine = Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=128, max_batch_size=1))
     ids = engine.tokenizer.encode(f"{LONG_PROMPT} {LONG_PROMPT}", bos=True)
     assert len(ids) > 60
     with torch.inference_mode():

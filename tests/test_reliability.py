@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
-from hostile_corpus import hostile_corpus  # noqa: E402
-from make_archive import build_archive  # noqa: E402
-from reliability_util import rank_processes, run_corpus, run_soak, stray_ranks  # noqa: E402
-from serving_util import TorchServe, free_ports  # noqa: E402
+from tests.support.hostile_corpus import hostile_corpus
+from tp_llama.testing.faults import fault_env
+from tests.support.reliability_util import rank_processes, run_corpus, run_soak, stray_ranks
+from tests.support.serving_util import TorchServe, live_server
 
-from tp_llama.synthetic import write_checkpoint  # noqa: E402
+from tp_llama.testing.synthetic import write_checkpoint
 
 MAX_SEQ_LEN = 256
 MAX_BODY = 65536
@@ -47,30 +44,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("rel-serve")
-    (rdzv_port,) = free_ports(1)
-    build_archive(
-        checkpoint,
-        work / "model_store",
-        overrides=[
-            f"handler.max_seq_len={MAX_SEQ_LEN}",
-            f"handler.max_request_bytes={MAX_BODY}",
-            f"handler.default_max_new_tokens={DEFAULT_NEW}",
-            "handler.max_new_tokens_limit=200",
-            "handler.max_batch_size=8",
-            "handler.dtype=float32",  # replies are compared with the same request sent alone, exactly
-            "batchSize=12",
-            "maxBatchDelay=20",
-            "responseTimeout=120",
-            f"startupTimeout={STARTUP_TIMEOUT}",
-            f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
-        ],
-    )
-    ts = TorchServe(work, work / "model_store", "llama", extra_config=[f"max_request_size={SERVER_CAP}"])
-    ts.fault_file = work / "faults.json"
-    ts.env.update(TP_LLAMA_FAULT_FILE=str(ts.fault_file), TP_LLAMA_COLLECTIVE_TIMEOUT_S=str(COLLECTIVE_TIMEOUT_S))
-    with ts:
-        ts.start()
-        ts.wait_ready(STARTUP_TIMEOUT)
+    overrides = [
+        f"handler.max_seq_len={MAX_SEQ_LEN}",
+        f"handler.max_request_bytes={MAX_BODY}",
+        f"handler.default_max_new_tokens={DEFAULT_NEW}",
+        "handler.max_new_tokens_limit=200",
+        "handler.max_batch_size=8",
+        "handler.dtype=float32",  # replies are compared with the same request sent alone, exactly
+        "batchSize=12",
+        "maxBatchDelay=20",
+        "responseTimeout=120",
+    ]
+    env = {**fault_env(work / "faults.json"), "TP_LLAMA_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
+    with live_server(work, checkpoint, overrides, startup_timeout=STARTUP_TIMEOUT, env=env, with_testing=True,
+                     extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
+        ts.fault_file = work / "faults.json"
         yield ts
 
 

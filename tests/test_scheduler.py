@@ -12,10 +12,12 @@ import copy
 import pytest
 import torch
 
-from tp_llama.model import Batch, Transformer, dense_logits
-from tp_llama.params import ModelArgs
-from tp_llama.sampling import sample, sample_rows
-from tp_llama.scheduler import SamplingParams, Scheduler, Sequence
+from tests.support.run_model import dense_logits
+from tp_llama import backend
+from tp_llama.model import Batch, Transformer
+from tp_llama.model import ModelArgs
+from tp_llama.engine.sampling import sample, sample_rows
+from tp_llama.engine.scheduler import SamplingParams, Scheduler, Sequence
 
 EOS = 2
 
@@ -25,7 +27,7 @@ def seq(name: str, prompt_len: int, max_new: int = 4, **kw) -> Sequence:
 
 
 def step(scheduler: Scheduler, pick=lambda row: 7):
-    plan = scheduler.plan()
+    plan = scheduler.schedule()
     picked = [pick(row) for row in plan.rows if row.sample]
     scheduler.commit(plan, picked)
     return plan
@@ -79,7 +81,7 @@ def test_a_sequence_cancelled_while_its_step_runs_is_left_alone():
     scheduler = Scheduler(slots=1, max_seq_len=64, prefill_budget=64, stop_ids=frozenset())
     a = seq("a", 2)
     scheduler.add(a)
-    plan = scheduler.plan()
+    plan = scheduler.schedule()
     scheduler.cancel(a)
     scheduler.commit(plan, [9])
     assert a.output == [] and a.finish_reason == "cancelled" and scheduler.busy_slots == 0
@@ -142,7 +144,7 @@ def test_rows_give_the_same_logits_in_any_mix_of_chunks_and_slots(model: Transfo
     runner = model
     if fused:  # q/k/v and w1/w3 as one matmul each, weights prepared for this CPU's kernels
         runner = copy.deepcopy(model)
-        runner.optimize_for_inference()
+        backend.optimize(runner)
 
     def check(rows, expected):
         got = runner(Batch.build(rows, cpu))
@@ -159,9 +161,10 @@ def test_rows_give_the_same_logits_in_any_mix_of_chunks_and_slots(model: Transfo
 
 
 def test_a_kv_cache_too_big_for_memory_fails_the_load_naming_the_keys(tmp_path):
-    from tp_llama.engine import Engine
-    from tp_llama.synthetic import write_checkpoint
+    from tp_llama.config import EngineConfig
+    from tp_llama.engine.core import Engine
+    from tp_llama.testing.synthetic import write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=1)
     with pytest.raises(MemoryError, match="lower handler.max_batch_size or handler.max_seq_len"):
-        Engine.load(ckpt, "tp", "float32", max_seq_len=2**20, max_batch_size=2**20)
+        Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=2**20, max_batch_size=2**20))

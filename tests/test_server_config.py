@@ -1,4 +1,4 @@
-"""handler/server_config.py: the config.properties every server of this project runs with.
+"""deploy/server_config.py: the config.properties every server of this project runs with.
 
 Secure defaults: every TCP listener on 127.0.0.1, the management API on a unix socket (no TCP
 port) unless a port is asked for, the model API off unless it is, nothing that turns token
@@ -15,10 +15,9 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "handler"))
 
-import server_config  # noqa: E402
-from server_config import FRONTEND_MAX_REQUEST_SIZE, config_properties, management_address  # noqa: E402
+import deploy.server_config as server_config
+from deploy.server_config import FRONTEND_MAX_REQUEST_SIZE, config_properties, management_address
 
 STORE = Path("/srv/models")
 SOCKET = Path("/run/tpls/management.sock")
@@ -111,7 +110,7 @@ def test_bad_arguments_are_refused() -> None:
 def test_cli_writes_the_same_config(tmp_path: Path) -> None:
     out = tmp_path / "config.properties"
     done = subprocess.run(
-        [sys.executable, str(REPO / "handler" / "server_config.py"), "write", "--model-store", str(STORE),
+        [sys.executable, str(REPO / "deploy" / "server_config.py"), "write", "--model-store", str(STORE),
          "--out", str(out), "--inference-port", "18080", "--management-socket", str(SOCKET)],
         capture_output=True, text=True, timeout=60,
     )
@@ -119,7 +118,7 @@ def test_cli_writes_the_same_config(tmp_path: Path) -> None:
     assert out.read_text() == config_properties(STORE, inference_port=18080, management_socket=SOCKET)
     assert server_config.read_properties(out)["management_address"] == f"unix:{SOCKET}"
     refused = subprocess.run(
-        [sys.executable, str(REPO / "handler" / "server_config.py"), "write", "--model-store", str(STORE),
+        [sys.executable, str(REPO / "deploy" / "server_config.py"), "write", "--model-store", str(STORE),
          "--out", str(out), "--management-socket", str(SOCKET), "--set", "disable_token_authorization=true"],
         capture_output=True, text=True, timeout=60,
     )

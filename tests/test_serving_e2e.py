@@ -18,11 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handler"))
 
-from make_archive import build_archive  # noqa: E402
-from serving_util import VENV_BIN, TorchServe, free_ports, port_is_open  # noqa: E402
+from deploy.make_archive import build_archive
+from tests.support.serving_util import VENV_BIN, TorchServe, free_ports, port_is_open, live_server
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Grüße aus Köln: the quick brown fox"
@@ -73,33 +71,20 @@ def cli_reference(checkpoint: Path, setup: tuple[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, setup: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("serve")
-    (rdzv_port,) = free_ports(1)
-    build_archive(
-        checkpoint,
-        work / "model_store",
-        name="llama",
-        tp=2,
-        overrides=[
-            f"handler.max_seq_len={MAX_SEQ_LEN}",
-            f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
-            f"handler.default_max_new_tokens={MAX_NEW}",
-            f"handler.max_request_bytes={MAX_BODY}",
-            f"handler.mode={setup[1]}",
-            f"handler.dtype={DTYPE}",
-            "handler.max_batch_size=4",
-            "handler.prefill_budget=32",
-            "batchSize=6",
-            "maxBatchDelay=20",
-            "responseTimeout=120",
-            f"startupTimeout={STARTUP_TIMEOUT}",
-            f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}",
-        ],
-    )
-    ts = TorchServe(work, work / "model_store", "llama")
-    with ts:
-        ts.start()
-        ts.startup_s = ts.wait_ready(STARTUP_TIMEOUT)
+    overrides = [
+        f"handler.max_seq_len={MAX_SEQ_LEN}",
+        f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
+        f"handler.default_max_new_tokens={MAX_NEW}",
+        f"handler.max_request_bytes={MAX_BODY}",
+        f"handler.mode={setup[1]}",
+        f"handler.dtype={DTYPE}",
+        "handler.max_batch_size=4",
+        "handler.prefill_budget=32",
+        "batchSize=6",
+        "maxBatchDelay=20",
+        "responseTimeout=120",
+    ]
+    with live_server(tmp_path_factory.mktemp("serve"), checkpoint, overrides, startup_timeout=STARTUP_TIMEOUT) as ts:
         yield ts
 
 

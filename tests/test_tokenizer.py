@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import regex
 
-import tp_llama
 from tp_llama.tokenizer import (
     LLAMA3_MAX_RUN_CHARS,
     LLAMA3_SLICE_CHARS,
@@ -24,8 +23,8 @@ from tp_llama.tokenizer import (
     _llama3_pieces,
     load_tokenizer,
 )
-from tp_llama.generate import prompt_token_bound
-from tp_llama.tokenizer_train import build_tokenizer
+from tp_llama.cli.generate import prompt_token_bound
+from tp_llama.testing.tokenizer_train import CORPUS_PATH, build_tokenizer
 
 LLAMA2_VOCAB = 512
 LLAMA3_VOCAB = 768
@@ -95,7 +94,7 @@ def test_build_is_deterministic(tmp_path: Path, family: str, vocab: int) -> None
 def test_build_does_not_depend_on_hash_seed(tmp_path: Path) -> None:
     build_tokenizer("llama3", tmp_path / "here.model", LLAMA3_VOCAB)
     script = (
-        "import sys; from tp_llama.tokenizer_train import build_tokenizer; "
+        "import sys; from tp_llama.testing.tokenizer_train import build_tokenizer; "
         f"build_tokenizer('llama3', sys.argv[1], {LLAMA3_VOCAB})"
     )
     repo_root = Path(__file__).resolve().parents[1]
@@ -209,7 +208,7 @@ def test_llama3_pre_tokenizer_pattern() -> None:
 
 
 def test_llama3_first_merge_is_the_most_frequent_pair(built: dict[str, Path]) -> None:
-    corpus = (Path(tp_llama.__file__).parent / "data" / "corpus.txt").read_text(encoding="utf-8")
+    corpus = CORPUS_PATH.read_text(encoding="utf-8")
     pairs: Counter[bytes] = Counter()
     for word in regex.findall(LLAMA3_SPLIT_PATTERN, corpus):
         raw = word.encode("utf-8")
@@ -359,7 +358,7 @@ def test_the_cli_cache_bound_holds_for_any_text(tok: Tokenizer):
 @pytest.fixture(scope="module")
 def meta():
     try:
-        from meta_reference import load_meta_reference
+        from tests.support.meta_reference import load_meta_reference
 
         return load_meta_reference()
     except ImportError as err:  # a missing oracle is a failure, never a skip

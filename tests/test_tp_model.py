@@ -2,7 +2,7 @@
 
 Two gloo ranks load checkpoints written with fairscale's split (MP 1, 2 and 4 onto TP 2), and
 their logits are compared with the whole single-process model's and with the DTensor model's
-(parallelize_module from parallel.tp_plan, the oracle), which `localize` turns into local modules.
+(parallelize_module from testing.oracle.tp_plan), which `localize` turns into local modules.
 """
 
 from __future__ import annotations
@@ -15,14 +15,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_util import run_ranks
-from reference import split_dim
-from tp_llama.distributed import DistInfo
-from tp_llama.layout import full_shapes
-from tp_llama.loader import load_tp_model
-from tp_llama.model import Transformer, dense_logits
-from tp_llama.parallel import LocalEmbedding, LocalLinear, localize
-from tp_llama.params import ModelArgs
+from tests.support.dist_util import run_ranks
+from tests.support.reference import split_dim
+from tp_llama.parallel.distributed import DistInfo
+from tp_llama.parallel.layout import full_shapes
+from tp_llama.checkpoint.loader import load_tp_model
+from tests.support.run_model import dense_logits
+from tp_llama import backend
+from tp_llama.backend.cpu import DecodeLayers
+from tp_llama.model.llama import Layers
+from tp_llama.model import Transformer
+from tp_llama.parallel.modules import LocalEmbedding, LocalLinear
+from tp_llama.testing.oracle import localize
+from tp_llama.model import ModelArgs
 
 ARGS = {
     "llama2": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=96, family="llama2"),
@@ -59,12 +64,14 @@ def forward_twice(model: Transformer, tokens: torch.Tensor, tp: int, c_layers: b
 
     c_layers=False: the decode step op by op, even where it could run as C half-layers.
     """
-    model.setup_caches(2, 16, torch.float32, torch.device("cpu"), tp)
+    model.setup_caches(2, 16, torch.float32, torch.device("cpu"), model.args.n_kv_heads // tp)
+    layers = model.layers
     if not c_layers:
-        model.decode_layers = None
+        model.layers = Layers(layers)
     with torch.inference_mode():
         prefill = dense_logits(model, tokens, torch.zeros(2, dtype=torch.long), last_only=False)
         decode = dense_logits(model, tokens[:, :1], torch.full((2,), tokens.shape[1]))
+    model.layers = layers
     return prefill, decode
 
 
@@ -87,7 +94,8 @@ def check_local(model: Transformer, weights: dict[str, torch.Tensor], family: st
 def loaded_matches_whole_and_dtensor(family: str, folders: dict[int, str]) -> str:
     from torch.distributed.tensor import DTensor, Shard
 
-    from tp_llama.parallel import apply_tensor_parallel, make_mesh
+    from tp_llama.parallel.fsdp import make_mesh
+    from tp_llama.testing.oracle import apply_tensor_parallel
 
     args, rank, tp = ARGS[family], dist.get_rank(), dist.get_world_size()
     weights = full_weights(args)
@@ -133,9 +141,11 @@ def loaded_matches_whole_and_dtensor(family: str, folders: dict[int, str]) -> st
 
     # Served: prepared weights, and where the C kernels run, a decode step's layers as two C calls
     # each with the all-reduces between them: the bits of the op-by-op path, the whole model's logits.
-    kind, _ = model.optimize_for_inference()
+    kind, _ = backend.optimize(model)
     got_prefill, got_decode = forward_twice(model, tokens, tp)
-    assert (model.decode_layers is not None) == (kind == "tiles")
+    assert isinstance(model.layers, DecodeLayers) == (kind == "tiles")
+    if kind == "tiles":
+        assert model.layers._structs() is not None
     if kind == "tiles":
         assert torch.equal(forward_twice(model, tokens, tp, c_layers=False)[1], got_decode)
     torch.testing.assert_close(got_prefill, want_prefill, rtol=0, atol=1e-5)
@@ -155,10 +165,10 @@ def test_tp1_load_is_the_plain_model_and_imports_nothing_heavy(tmp_path):
     out = tmp_path / "loaded.pt"
     script = f"""
 import sys, torch
-import tp_llama.engine
-from tp_llama.distributed import DistInfo
-from tp_llama.loader import load_tp_model
-from tp_llama.params import ModelArgs
+import tp_llama.engine.core
+from tp_llama.parallel.distributed import DistInfo
+from tp_llama.checkpoint.loader import load_tp_model
+from tp_llama.model import ModelArgs
 args = ModelArgs(**{ARGS["llama3"].__dict__!r})
 model = load_tp_model({str(folder)!r}, args, DistInfo(0, 1, 0, torch.device("cpu"), "none"), torch.bfloat16)
 assert type(model.output) is torch.nn.Linear and type(model.tok_embeddings) is torch.nn.Embedding

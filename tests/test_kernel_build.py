@@ -1,0 +1,132 @@
+"""The C kernels as a library: one header whose structs, constants and signatures Python reads and
+checks against the built library, one build per machine under a lock, a clear fallback, and a
+non-editable install that can still build them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tp_llama.kernels.cpu import ffi
+from tp_llama.kernels.cpu.build import COMMON_FLAGS, HEADERS, HERE, SOURCES, VARIANTS, unsupported
+
+REPO = Path(__file__).resolve().parents[1]
+COMPILER = shutil.which("gcc") or shutil.which("cc")
+CAN_BUILD = COMPILER is not None and not unsupported("avx512")
+needs_build = pytest.mark.skipif(not CAN_BUILD, reason="needs AVX-512 and a C compiler to build the kernels")
+
+
+def build_edited(tmp_path: Path, edit: dict[str, tuple[str, str]]) -> tuple[Path, str]:
+    """The kernels built (unoptimised: layouts do not depend on it) from sources with `edit` applied:
+    file -> (old text, new text). Returns the library and the header it was built from."""
+    for name in (*SOURCES, *HEADERS):
+        text = (HERE / name).read_text()
+        if name in edit:
+            old, new = edit[name]
+            assert old in text, f"{old!r} not in {name}"
+            text = text.replace(old, new)
+        (tmp_path / name).write_text(text)
+    library = tmp_path / "kernels.so"
+    subprocess.run([COMPILER, "-O0", *COMMON_FLAGS[1:], *VARIANTS["avx512"][1], "-o", str(library),
+                    *(str(tmp_path / s) for s in SOURCES)], check=True, capture_output=True, timeout=300)
+    return library, (tmp_path / "api.h").read_text()
+
+
+def test_the_header_parses_into_every_struct_function_and_constant():
+    structs, functions, constants = ffi.parse_header((HERE / "api.h").read_text())
+    assert [f for f, *_ in structs["DecodeRows"]] == ["rows", "rotation", "slots", "positions"]
+    assert ("cache_v", "void", True) in structs["DecodeLayer"] and ("eps", "float", False) in structs["DecodeLayer"]
+    assert functions["decode_stack"] == (("int", False), [("struct DecodeLayer", True), ("int64_t", False),
+                                                           ("struct DecodeRows", True), ("void", True),
+                                                           ("void", True), ("void", True)])
+    assert {"TILE_COLS", "GATE_RUN", "MAX_HEAD_DIM", "TPL_OK", "TPL_OFF_CACHE"} <= set(constants)
+    assert "TP_LLAMA_API_H" not in constants  # the include guard has no value
+
+
+@needs_build
+def test_the_library_describes_what_python_reads():
+    lib, why = ffi.load()
+    assert lib is not None, why
+    assert lib.constants["TILE_COLS"] == 32 and lib.constants["TPL_OFF_CACHE"] == -2
+    rows = lib.structs["DecodeRows"]
+    assert ctypes.sizeof(rows) == lib.tpl_struct_size(b"DecodeRows") == 32
+    assert lib.decode_stack.argtypes[0] is ctypes.POINTER(lib.structs["DecodeLayer"])
+
+
+@needs_build
+def test_a_python_struct_that_disagrees_with_the_library_is_refused():
+    lib, _ = ffi.load()
+    good = lib.structs["DecodeRows"]
+    swapped = type("DecodeRows", (ctypes.Structure,), {"_fields_": [good._fields_[1], good._fields_[0], *good._fields_[2:]]})
+    with pytest.raises(ffi.LayoutError, match="DecodeRows.rotation: at byte 8 in the library, 0 by api.h"):
+        ffi.check_layout(lib.lib, swapped)
+    short = type("DecodeLayer", (ctypes.Structure,), {"_fields_": lib.structs["DecodeLayer"]._fields_[:-1]})
+    with pytest.raises(ffi.LayoutError, match="struct DecodeLayer: the library's is 128 bytes"):
+        ffi.check_layout(lib.lib, short)
+
+
+@needs_build
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"api.h": ("    int64_t rows;\n", "    int64_t rows, spare;\n")}, r"DecodeRows.* 40 bytes, api.h's 40|DecodeRows.spare"),
+    ({"api.h": ("#define MAX_HEAD_DIM 256", "#define MAX_HEAD_DIM 256\n#define SPARE_ROWS 4")},
+     "constant SPARE_ROWS of api.h is unknown to the library"),
+    ({"abi.c": ("FIELD(DecodeRows, slots),", "")}, r"DecodeRows.slots: at byte -1 in the library"),
+], ids=["field-added-to-the-header", "constant-added-to-the-header", "field-missing-from-the-library"])
+def test_a_header_and_library_that_disagree_are_refused(tmp_path: Path, edit: dict, message: str):
+    library, header = build_edited(tmp_path, edit)
+    with pytest.raises(ffi.LayoutError, match=message):
+        ffi.Library(library, header)
+
+
+@needs_build
+def test_ranks_starting_together_build_once(tmp_path: Path):
+    """Three processes ask for the library of a cold cache at once: one compiles, the others wait for it."""
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f"#!/bin/sh\necho $$ >> {log}\nexec {COMPILER} \"$@\"\n")
+    wrapper.chmod(0o755)
+    script = ("import sys; from tp_llama.kernels.cpu.build import build; "
+              f"print(build('avx512', {str(wrapper)!r}))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(3)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err for _, err in outputs]
+    assert len({out.strip() for out, _ in outputs}) == 1
+    assert len(log.read_text().split()) == 1
+
+
+def test_a_failed_build_falls_back_to_onednn_and_says_why(tmp_path: Path):
+    script = ("import torch; from tp_llama.kernels import choose; "
+              "print(choose(torch.device('cpu'), torch.float32))")
+    env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    kind, why = eval(run.stdout.strip())  # noqa: S307 - our own repr of a tuple of two strings
+    assert kind in ("onednn", "plain")
+    assert ("false failed on tp_llama's C kernels" in why) if CAN_BUILD else why
+
+
+@needs_build
+def test_a_non_editable_install_builds_the_kernels(tmp_path: Path):
+    """`pip install .` ships the C sources and the headers they include, so the installed copy builds."""
+    target = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                              "--target", str(target), str(REPO)], capture_output=True, text=True, timeout=600,
+                             cwd=tmp_path)
+    assert install.returncode == 0, install.stderr[-3000:]
+    assert {p.name for p in (target / "tp_llama" / "kernels" / "cpu").iterdir()} >= {*SOURCES, *HEADERS}
+    script = ("import tp_llama; from tp_llama.kernels.cpu import ffi; lib, why = ffi.load(); "
+              "print(tp_llama.__file__, lib.path if lib else why)")
+    env = {**os.environ, "PYTHONPATH": str(target), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    module, library = run.stdout.split()
+    assert module.startswith(str(target)) and library.startswith(str(tmp_path / "cache")), run.stdout

@@ -1,0 +1,131 @@
+"""The C kernels' modules (AVX-512 CPUs, tp_llama.kernels.cpu), swapped in after fusion.
+
+- RMSNorm in one C call.
+- SwiGLU in the w1/w3 matmul's tiles: a gated weight whose matmul ends in silu(gate) * up.
+- Decode rows' attention (RoPE, the cache write, softmax(qK)V) in one C call; prompt chunks go
+  through the model's attention as before.
+- A decode-only step's layers in C: one call for them all without tensor parallelism, two per
+  layer under it (the all-reduces between them).
+
+Every output is computed from its own row in a fixed order, so a row gets the same bits alone
+and batched, and the C layers give the op-by-op path's bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from tp_llama.backend.fused import FusedAttention, FusedFeedForward, serving_linear
+from tp_llama.kernels import Tiled, linear, prepare_swiglu
+from tp_llama.kernels.cpu import ops
+from tp_llama.kernels.cpu.ffi import library
+from tp_llama.model.batch import Batch
+from tp_llama.model.kv_cache import KVCache
+from tp_llama.model.llama import FeedForward, Layers, RMSNorm, Transformer
+from tp_llama.parallel.layout import ALL_REDUCE, NONE
+
+
+class CRMSNorm(nn.Module):
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedFeedForward(nn.Module):
+    def __init__(self, w13: Tiled, w2: nn.Module):
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(linear(x, self.w13))
+
+
+def feed_forward(ffn: FeedForward) -> nn.Module:
+    """The gated tiles where the FFN's width allows them, else w1/w3 fused as on other devices."""
+    w13 = prepare_swiglu(ffn.w1.weight, ffn.w3.weight, "tiles")
+    return FusedFeedForward(ffn, "tiles") if w13 is None else GatedFeedForward(w13, serving_linear(ffn.w2, "tiles"))
+
+
+class CAttention(FusedAttention):
+    """Decode rows' attention in one C call; the rest as FusedAttention."""
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        qkv = linear(x, self.wqkv)
+        done = batch.n_decode
+        out = qkv.new_empty((qkv.shape[0], self.widths[0]))
+        if done:
+            ops.decode_attention(qkv[:done], rotation[:done], batch.slots[:done], batch.positions[:done],
+                                 self.cache.k, self.cache.v, out[:done])
+        if done < qkv.shape[0]:
+            out[done:] = self.attend(qkv[done:], rotation[done:], batch, done)
+        return self.wo(out)
+
+
+class DecodeLayers(Layers):
+    """The blocks, with a decode-only step's layers in C when every block can run there."""
+
+    def __init__(self, layers: Layers):
+        super().__init__(layers)
+        self._planned: tuple[list[KVCache], ctypes.Array | None] | None = None
+
+    def forward(self, h: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        structs = self._structs() if 0 < batch.n_decode == len(batch.tokens) else None
+        if structs is None:
+            return super().forward(h, rotation, batch)
+        rows = ops.decode_rows(rotation, batch.slots, batch.positions)
+        scratch = ops.decode_scratch(structs[0], len(h))
+        h = h.contiguous()
+        first = self[0].attention
+        if first.wo.comm == NONE:
+            ops.decode_stack(structs, rows, h, scratch, first.cache.k)
+            return h
+        delta = torch.empty_like(h)
+        for i, (layer, c_layer) in enumerate(zip(self, structs)):
+            attention, ffn = layer.attention, layer.feed_forward
+            ops.attention_block(c_layer, rows, h, delta if i else None, delta, scratch, attention.cache.k)
+            attention.wo.communicate(delta)
+            ops.ffn_block(c_layer, h, delta, delta, scratch)
+            ffn.w2.communicate(delta)
+        return h + delta
+
+    def _structs(self) -> ctypes.Array | None:
+        """The layers as C structs, planned again whenever the caches they point into were replaced."""
+        caches = [layer.attention.cache for layer in self]
+        if self._planned is None or any(a is not b for a, b in zip(self._planned[0], caches)):
+            self._planned = (caches, self._plan())
+        return self._planned[1]
+
+    def _plan(self) -> ctypes.Array | None:
+        planned = []
+        for layer in self:
+            attention, ffn = layer.attention, layer.feed_forward
+            if not (isinstance(attention, CAttention) and isinstance(ffn, GatedFeedForward)
+                    and isinstance(layer.attention_norm, CRMSNorm) and attention.cache is not None
+                    and {attention.wo.comm, ffn.w2.comm} <= {NONE, ALL_REDUCE}):
+                return None
+            c_layer = ops.decode_layer((layer.attention_norm.weight, layer.ffn_norm.weight),
+                                       (attention.wqkv, attention.wo.weight, ffn.w13, ffn.w2.weight),
+                                       attention.cache.k, attention.cache.v, layer.attention_norm.eps)
+            if c_layer is None:
+                return None
+            planned.append(c_layer)
+        return ops.decode_layers(planned)
+
+
+def apply(model: Transformer) -> None:
+    """Fuse the model's projections into the C kernels' forms and swap in their modules."""
+    max_head_dim = library().constants["MAX_HEAD_DIM"]
+    for layer in model.layers:
+        c_attention = layer.attention.head_dim <= max_head_dim
+        layer.attention = (CAttention if c_attention else FusedAttention)(layer.attention, "tiles")
+        layer.feed_forward = feed_forward(layer.feed_forward)
+        layer.attention_norm, layer.ffn_norm = CRMSNorm(layer.attention_norm), CRMSNorm(layer.ffn_norm)
+    model.norm = CRMSNorm(model.norm)
+    model.output = serving_linear(model.output, "tiles")
+    model.layers = DecodeLayers(model.layers)

@@ -1,0 +1,74 @@
+"""Fused projections for serving, on any device: q/k/v as one matmul, w1/w3 as one.
+
+Each module replaces the model's own after it is built and loaded (inference only: Meta's
+separate projections are gone afterwards), with every weight in the form `kind` of matmul runs
+fastest (tp_llama.kernels.prepare).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_llama.kernels import Tiled, linear, prepare
+from tp_llama.model.batch import Batch
+from tp_llama.model.kv_cache import attend
+from tp_llama.model.llama import Attention, FeedForward, Transformer, apply_rope
+from tp_llama.parallel.layout import NONE
+from tp_llama.parallel.modules import LocalLinear
+
+
+def serving_linear(module: nn.Module, kind: str) -> LocalLinear:
+    """A Linear (or this rank's LocalLinear) with its weight prepared for `kind` of matmul."""
+    local = module if isinstance(module, LocalLinear) else LocalLinear(module.weight.detach(), NONE, None)
+    prepared = prepare(local.weight, kind)
+    del local.weight
+    local.weight = prepared
+    return local
+
+
+class FusedAttention(nn.Module):
+    """The model's attention with q, k and v in one matmul."""
+
+    def __init__(self, attention: Attention, kind: str):
+        super().__init__()
+        self.head_dim = attention.head_dim
+        self.widths = (attention.wq.weight.shape[0], attention.wk.weight.shape[0])  # this rank's q and k features
+        fused = torch.cat([w.weight.detach() for w in (attention.wq, attention.wk, attention.wv)])
+        self.wqkv: torch.Tensor | Tiled = prepare(fused, kind, own=True)
+        self.wo = serving_linear(attention.wo, kind)
+        self.cache = attention.cache
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self.wo(self.attend(linear(x, self.wqkv), rotation, batch))
+
+    def attend(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int = 0) -> torch.Tensor:
+        """Attention [T, q features] of the batch's tokens from `done` on, from their fused projections."""
+        n_q, n_kv = self.widths
+        qk = apply_rope(qkv[:, : n_q + n_kv].unflatten(-1, (-1, self.head_dim)), rotation)
+        q, k = qk.split([n_q // self.head_dim, n_kv // self.head_dim], dim=1)
+        v = qkv[:, n_q + n_kv :].unflatten(-1, (-1, self.head_dim))
+        return attend(self.cache, q, k, v, batch, done).flatten(1)
+
+
+class FusedFeedForward(nn.Module):
+    """The model's SwiGLU with w1 and w3 in one matmul."""
+
+    def __init__(self, ffn: FeedForward, kind: str):
+        super().__init__()
+        self.w13: torch.Tensor | Tiled = prepare(torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()]), kind,
+                                                 own=True)
+        self.w2 = serving_linear(ffn.w2, kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.w13).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+def apply(model: Transformer, kind: str) -> None:
+    """Fuse the model's projections, every matmul weight prepared for `kind`."""
+    for layer in model.layers:
+        layer.attention = FusedAttention(layer.attention, kind)
+        layer.feed_forward = FusedFeedForward(layer.feed_forward, kind)
+    model.output = serving_linear(model.output, kind)

@@ -1,0 +1,1 @@
+"""Command-line tools: the offline generator (generate)."""

@@ -1,0 +1,125 @@
+"""Offline generation, to check a checkpoint before serving it.
+
+    torchrun --nproc-per-node N -m tp_llama.generate --ckpt-dir DIR --prompt TEXT --max-new-tokens K
+
+Also runs as one plain process. Rank 0 prints one JSON object per prompt on stdout; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+
+import torch.distributed as dist
+
+from tp_llama.config import DTYPES, MODES, EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.scheduler import SamplingParams, Sequence, check_sequence
+from tp_llama.errors import CheckpointError
+from tp_llama.parallel.distributed import leave_group, log, raise_if_any_rank_failed
+
+SERVER = EngineConfig(ckpt_dir="-")  # the server's defaults, which bound a run's own
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt-dir", required=True, help="folder with params.json, tokenizer.model, consolidated.*.pth")
+    parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past stop tokens")
+    parser.add_argument("--mode", choices=MODES, default="tp")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help=f"KV-cache length per slot (default: what the prompts and --max-new-tokens can need, "
+                             f"at most {SERVER.max_seq_len})")
+    parser.add_argument("--slots", type=int, default=None,
+                        help=f"KV-cache slots: sequences decoded together (default: one per prompt, at most "
+                             f"{SERVER.max_batch_size})")
+    parser.add_argument("--prefill-budget", type=int, default=SERVER.prefill_budget,
+                        help="prompt tokens per step (longer prompts are prefilled in chunks)")
+    return parser.parse_args(argv)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def largest_over_ranks(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    values: list[float | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return max(values)
+
+
+def prompt_token_bound(prompt: str) -> int:
+    """The most tokens `prompt` can encode to: one per UTF-8 byte (byte fallback), SentencePiece's
+    leading space and BOS."""
+    return len(prompt.encode()) + 2
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The run's settings; the KV cache sized to the job where not given, not to a server.
+
+    The server's default (16 slots x 2048 positions, 0.5 GB for a 1B model) took longer to page in
+    than the rest of the load.
+    """
+    longest = max(prompt_token_bound(prompt) for prompt in a.prompt) + a.max_new_tokens
+    max_seq_len = a.max_seq_len if a.max_seq_len is not None else max(2, min(longest, SERVER.max_seq_len))
+    slots = a.slots if a.slots is not None else min(len(a.prompt), SERVER.max_batch_size)
+    return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget)
+
+
+def run(a: argparse.Namespace) -> None:
+    engine = Engine.load(engine_config(a))
+    params = SamplingParams(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.ignore_eos)
+    sequences = [Sequence(str(i), engine.tokenizer.encode(p, bos=True), params) for i, p in enumerate(a.prompt)]
+    error = None
+    try:  # every rank checks the same prompts, so a bad one stops all of them before any step
+        for seq in sequences:
+            check_sequence(seq.prompt_ids, params, engine.config.max_seq_len)
+    except ValueError as exc:
+        error = exc
+    raise_if_any_rank_failed(error)
+    engine.generate(sequences)
+    stats = engine.stats
+    timings = {
+        "load_s": round(largest_over_ranks(engine.load_s), 3),
+        "prefill_tokens_per_s": round(stats.prefill_tokens / max(stats.prefill_s, 1e-9), 1),
+        "decode_tokens_per_s": round(stats.decode_tokens / max(stats.decode_s, 1e-9), 1),
+    }
+    rss = round(largest_over_ranks(peak_rss_mb()), 1)
+    if engine.rank != 0:
+        return
+    for seq in sequences:
+        output = {
+            "text": engine.tokenizer.decode(seq.output),
+            "token_ids": seq.output,
+            "finish_reason": seq.finish_reason,
+            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)},
+            "timings": timings,
+            "peak_rss_mb": rss,
+        }
+        print(json.dumps(output), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    error = None
+    try:
+        run(a)
+    except (CheckpointError, ValueError, RuntimeError) as exc:
+        log(f"error: {exc}")
+        error = exc
+    leave_group(error)
+    return 0 if error is None else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The engine's settings: one object, built from the yaml's handler block or the command line, and
+checked once, where it is built."""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from tp_llama.kernels import cpu_flags
+
+MODES = ("tp", "fsdp")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def bounded(default: float, minimum: float) -> typing.Any:
+    """A numeric setting with its default and least allowed value."""
+    return field(default=default, metadata={"min": minimum})
+
+
+def one_of(default: str | None, choices: tuple[str, ...]) -> typing.Any:
+    return field(default=default, metadata={"choices": choices})
+
+
+def check_fields(settings: object) -> None:
+    """Each field of a settings dataclass against its type and its `min` / `choices`.
+
+    Settings come from yaml and the command line, which guarantee no type. Messages begin with
+    the field's name, so a caller can say where it came from (handler.max_seq_len ...).
+    """
+    hints = typing.get_type_hints(type(settings))
+    for spec in fields(settings):
+        name, value, kind = spec.name, getattr(settings, spec.name), hints[spec.name]
+        if kind is int or kind is float:
+            numeric = (int,) if kind is int else (int, float)
+            noun = "an integer" if kind is int else "a finite number"
+            if isinstance(value, bool) or not isinstance(value, numeric) or not math.isfinite(value):
+                raise ValueError(f"{name} must be {noun}, got {value!r}")
+            if value < spec.metadata.get("min", -math.inf):
+                raise ValueError(f"{name} must be {noun} >= {spec.metadata['min']}, got {value!r}")
+        elif kind is str and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        elif "choices" in spec.metadata and value not in spec.metadata["choices"]:
+            if value is None and kind == (str | None):
+                continue
+            raise ValueError(f"{name} must be one of {spec.metadata['choices']}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    ckpt_dir: str  # params.json, tokenizer.model, consolidated.NN.pth
+    mode: str = one_of("tp", MODES)  # tp: each rank reads its slices; fsdp: the seed converter and FSDP
+    dtype: str | None = one_of(None, tuple(DTYPES))  # None: see resolve_dtype
+    max_seq_len: int = bounded(2048, 2)  # KV-cache positions per sequence
+    max_batch_size: int = bounded(16, 1)  # KV-cache slots: sequences decoded together
+    prefill_budget: int = bounded(512, 1)  # prompt tokens per step
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: a CPU built for bfloat16, where serving it halves the weight bytes per step."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA and on CPUs with native bfloat16, float32 on other CPUs, unless asked otherwise."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]

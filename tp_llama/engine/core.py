@@ -1,0 +1,189 @@
+"""The engine: one loaded checkpoint plus its tokenizer, and the one step loop every caller runs.
+
+Rank 0 makes each step's plan (tp_llama.engine.scheduler) and sends it to the other ranks in one
+broadcast; every rank builds the same Batch from it and runs the same forward, and rank 0 picks
+the tokens. The plan is the only thing ranks exchange besides the model's own collectives. The
+offline CLI and the TorchServe handler both drive steps through `Engine.run`, which always ends
+by releasing the other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tp_llama import backend
+from tp_llama.checkpoint.loader import load_fsdp_model, load_tp_model
+from tp_llama.checkpoint.params import read_params
+from tp_llama.config import EngineConfig, resolve_dtype
+from tp_llama.engine.plan import StepPlan
+from tp_llama.engine.runner import ModelRunner
+from tp_llama.engine.sampling import sample_rows
+from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
+from tp_llama.kernels import warm_up
+from tp_llama.model import ModelArgs
+from tp_llama.parallel.distributed import DistInfo, init_distributed, log, raise_if_any_rank_failed
+from tp_llama.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass
+class StepStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0  # steps that held prompt tokens
+    decode_tokens: int = 0
+    decode_s: float = 0.0  # steps of decode rows only
+
+
+def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs]:
+    """The checkpoint's model on this rank, its serving modules swapped in and its KV cache allocated."""
+    error, setup = None, None
+    try:
+        dtype = resolve_dtype(config.dtype, info.device)
+        tokenizer = load_tokenizer(Path(config.ckpt_dir) / "tokenizer.model")
+        args = read_params(config.ckpt_dir, tokenizer.n_words)
+        setup = (dtype, tokenizer, args)
+    except Exception as exc:  # every rank must hear of it, or the others wait in the next collective
+        error = exc
+    raise_if_any_rank_failed(error)
+    dtype, tokenizer, args = setup
+    if config.mode == "tp":
+        model = load_tp_model(config.ckpt_dir, args, info, dtype)
+        kind, why = backend.optimize(model)
+        log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
+    else:
+        model = load_fsdp_model(config.ckpt_dir, args, info, dtype)
+    kv_heads = args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
+    error = None
+    try:
+        model.setup_caches(config.max_batch_size, config.max_seq_len, dtype, info.device, kv_heads)
+    except (RuntimeError, MemoryError) as exc:  # too many slots for this machine's memory
+        error = MemoryError(
+            f"the KV cache of {config.max_batch_size} slots x {config.max_seq_len} positions does not fit ({exc}); "
+            "lower handler.max_batch_size or handler.max_seq_len"
+        )
+    raise_if_any_rank_failed(error)
+    model.eval()
+    if config.mode == "tp":
+        warm_up(backend.matmul_weights(model), config.max_batch_size, dtype)
+    return model, tokenizer, args
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+    args: ModelArgs
+    info: DistInfo
+    load_s: float
+    stats: StepStats = field(default_factory=StepStats)
+
+    def __post_init__(self) -> None:
+        self.runner = ModelRunner(self.model, self.info, self.config.max_batch_size,
+                                  self.config.prefill_budget + self.config.max_batch_size)
+        self._last_step_s = 0.0
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        """Join the process group, read the checkpoint and build the model on every rank."""
+        info = init_distributed(require_group=config.mode == "fsdp")
+        started = time.perf_counter()
+        log(f"loading {config.ckpt_dir} (mode={config.mode}, world_size={info.world_size}, device={info.device})",
+            info.rank)
+        model, tokenizer, args = load_model(config, info)
+        load_s = time.perf_counter() - started
+        log(f"loaded in {load_s:.2f} s ({next(model.parameters()).dtype}, {config.max_batch_size} KV-cache slots "
+            f"of {config.max_seq_len})", info.rank)
+        return cls(config, model, tokenizer, args, info, load_s)
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def new_scheduler(self) -> Scheduler:
+        c = self.config
+        return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids)
+
+    def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
+            on_step: Callable[[list[Sequence]], None] | None = None) -> None:
+        """Rank 0: steps until the scheduler has no work left, until one more step would pass
+        `budget_s`, or (until_finished) until a sequence finishes; the other ranks follow.
+
+        The last plan sent has `end` set, so no other rank is left waiting for a plan.
+        """
+        started = time.perf_counter()
+        while True:
+            step_started = time.perf_counter()
+            scheduled = scheduler.schedule()
+            # The last step unless one more would still end within the budget (a step takes about as
+            # long as the one before).
+            end = step_started - started + 2 * self._last_step_s > budget_s
+            picked = self._lead(scheduled, end)
+            self._last_step_s = time.perf_counter() - step_started
+            touched = scheduler.commit(scheduled, picked)
+            if on_step is not None:
+                on_step(touched)
+            if end:
+                return
+            if not scheduler.has_work() or (until_finished and any(seq.finished for seq in touched)):
+                self.release()
+                return
+
+    def release(self) -> None:
+        """Rank 0: hand the other ranks back to their callers (a step of no rows, with `end`)."""
+        self.runner.run(StepPlan([], end=True))
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's plans until one hands control back."""
+        while not self.runner.run()[0].end:
+            pass
+
+    def generate(self, sequences: list[Sequence],
+                 on_step: Callable[[list[Sequence]], None] | None = None) -> list[Sequence]:
+        """Schedule sequences to their end (every rank calls it; only rank 0's list matters)."""
+        if self.rank != 0:
+            self.follow()
+            return sequences
+        scheduler = self.new_scheduler()
+        try:
+            for seq in sequences:
+                scheduler.add(seq)
+        except ValueError:
+            self.release()  # the other ranks are waiting for a plan: let them go
+            raise
+        self.run(scheduler, on_step=on_step)
+        return sequences
+
+    def _lead(self, scheduled: Scheduled, end: bool) -> list[int]:
+        """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row."""
+        started = time.perf_counter()
+        _, logits = self.runner.run(StepPlan(scheduled.rows, end))
+        settings = [(seq.params.temperature, seq.params.top_p, seq.generator)
+                    for row, seq in zip(scheduled.rows, scheduled.sequences) if row.sample]
+        picked = sample_rows(logits, settings) if logits is not None else []
+        seconds = time.perf_counter() - started
+        if scheduled.prompt_tokens:
+            self.stats.prefill_tokens += scheduled.prompt_tokens
+            self.stats.prefill_s += seconds
+        elif scheduled.rows:
+            self.stats.decode_tokens += len(scheduled.rows)
+            self.stats.decode_s += seconds
+        return picked

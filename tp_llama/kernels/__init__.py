@@ -1,0 +1,81 @@
+"""Matmuls on weights prepared once, at load, for the device that runs them.
+
+Three kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comparisons):
+
+- "tiles", CPUs with AVX-512: tp_llama's C kernels (kernels/cpu), built on first use. The weight
+  is repacked into column tiles that stream once per call. On a bench model's weights
+  (bench/bench_matmul.py) it takes 0.71-0.85x oneDNN's time at 1-32 rows in float32 and
+  0.52-0.80x at every row count in bfloat16. A SwiGLU's w1 and w3 go in one weight whose tiles
+  end in silu(gate) * up (`prepare_swiglu`). The same library runs RMSNorm, decode attention and
+  a decode step's layers (tp_llama.backend.cpu uses them with this kind only).
+- "onednn", other CPUs: oneDNN's blocked layout (kernels/onednn.py).
+- "plain", CUDA and anything else: F.linear.
+
+A prepared weight replaces the plain one, so it costs no memory of its own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tp_llama.kernels import onednn
+from tp_llama.kernels.cpu import ffi
+from tp_llama.kernels.cpu.build import cpu_flags
+from tp_llama.kernels.cpu.ops import Tiled, prepare_swiglu_tiles, prepare_tiles, tileable, tiled_linear
+
+KINDS = ("tiles", "onednn", "plain")
+
+__all__ = ["KINDS", "Tiled", "choose", "cpu_flags", "linear", "prepare", "prepare_swiglu", "warm_up"]
+
+
+def choose(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(kind, why): which matmul this process's weights are prepared for, and why not a faster one."""
+    forced = os.environ.get("TP_LLAMA_MATMUL")
+    if forced is not None and forced not in KINDS:
+        raise ValueError(f"TP_LLAMA_MATMUL={forced!r}: choose one of {', '.join(KINDS)}")
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or forced == "plain":
+        return "plain", ""
+    why = "TP_LLAMA_MATMUL=onednn" if forced == "onednn" else ""
+    if forced != "onednn":
+        library, why = ffi.load()
+        if library is not None:
+            return "tiles", ""
+    if onednn.available():
+        return "onednn", why
+    return "plain", why
+
+
+def prepare(weight: torch.Tensor, kind: str, own: bool = False) -> torch.Tensor | Tiled:
+    """weight [out, in] in the form `linear` runs fastest for `kind` (see choose).
+
+    own: nothing else holds `weight` (a fused copy), so the tiles may take over its memory.
+    """
+    weight = weight.detach()
+    if kind == "tiles" and tileable(weight):
+        return prepare_tiles(weight, own)
+    if kind in ("tiles", "onednn"):
+        return onednn.prepare(weight)
+    return weight
+
+
+def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | None:
+    """w1 and w3 [ffn, in] as one gated weight whose matmul ends in SwiGLU, or None where `kind` has none."""
+    return prepare_swiglu_tiles(w1, w3) if kind == "tiles" else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Tiled) -> torch.Tensor:
+    """x [T, in] @ weight.T, whichever form the weight is in."""
+    if isinstance(weight, Tiled):
+        return tiled_linear(x, weight)
+    if weight.is_mkldnn:
+        return onednn.linear(x, weight)
+    return F.linear(x, weight)
+
+
+def warm_up(weights: list[torch.Tensor | Tiled], max_rows: int, dtype: torch.dtype) -> None:
+    """Build any kernel the weights' form compiles per batch size now, rather than mid-serving."""
+    blocked = [w for w in weights if isinstance(w, torch.Tensor) and w.is_mkldnn]
+    onednn.warm_up(blocked, max_rows, dtype)

@@ -1,0 +1,53 @@
+/* The library's description of itself, read by ffi.py: the constants' values, and each struct's
+ * size and field offsets as this compiler laid them out. A field missing here, or a struct
+ * ffi.py reads from api.h that is not here, stops the library from loading. */
+#include <stddef.h>
+#include <string.h>
+
+#include "api.h"
+
+static const struct {
+    const char *name;
+    int64_t value;
+} CONSTANTS[] = {
+    {"TILE_COLS", TILE_COLS}, {"GATE_RUN", GATE_RUN}, {"MAX_HEAD_DIM", MAX_HEAD_DIM},
+    {"TPL_OK", TPL_OK}, {"TPL_NO_MEMORY", TPL_NO_MEMORY}, {"TPL_OFF_CACHE", TPL_OFF_CACHE},
+    {"TPL_HEAD_DIM", TPL_HEAD_DIM},
+};
+
+#define STRUCT(S) {#S, NULL, sizeof(struct S)}
+#define FIELD(S, F) {#S, #F, offsetof(struct S, F)}
+static const struct {
+    const char *name, *field;
+    size_t at; /* the size for the struct's own entry, the offset for a field's */
+} LAYOUT[] = {
+    STRUCT(DecodeLayer), FIELD(DecodeLayer, dim), FIELD(DecodeLayer, n_heads), FIELD(DecodeLayer, n_kv_heads),
+    FIELD(DecodeLayer, head_dim), FIELD(DecodeLayer, ffn), FIELD(DecodeLayer, n_slots),
+    FIELD(DecodeLayer, max_seq_len), FIELD(DecodeLayer, eps), FIELD(DecodeLayer, bf16),
+    FIELD(DecodeLayer, attention_norm), FIELD(DecodeLayer, ffn_norm), FIELD(DecodeLayer, wqkv),
+    FIELD(DecodeLayer, wo), FIELD(DecodeLayer, w13), FIELD(DecodeLayer, w2), FIELD(DecodeLayer, cache_k),
+    FIELD(DecodeLayer, cache_v),
+    STRUCT(DecodeRows), FIELD(DecodeRows, rows), FIELD(DecodeRows, rotation), FIELD(DecodeRows, slots),
+    FIELD(DecodeRows, positions),
+};
+
+int64_t tpl_constant(const char *name, int64_t *value) {
+    for (size_t i = 0; i < sizeof(CONSTANTS) / sizeof(CONSTANTS[0]); i++)
+        if (strcmp(CONSTANTS[i].name, name) == 0) {
+            *value = CONSTANTS[i].value;
+            return 0;
+        }
+    return -1;
+}
+
+static int64_t layout(const char *name, const char *field) {
+    for (size_t i = 0; i < sizeof(LAYOUT) / sizeof(LAYOUT[0]); i++)
+        if (strcmp(LAYOUT[i].name, name) == 0 &&
+            (field == NULL ? LAYOUT[i].field == NULL : LAYOUT[i].field != NULL && strcmp(LAYOUT[i].field, field) == 0))
+            return (int64_t)LAYOUT[i].at;
+    return -1;
+}
+
+int64_t tpl_struct_size(const char *name) { return layout(name, NULL); }
+
+int64_t tpl_field_offset(const char *name, const char *field) { return layout(name, field); }

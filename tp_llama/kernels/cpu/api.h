@@ -1,0 +1,91 @@
+/* The C kernels' one interface: every constant, status code, struct and function of the library.
+ *
+ * Python never restates any of it. ffi.py reads this file for the structs' fields and the
+ * functions' signatures (so it is kept to a small subset of C: one struct or prototype per
+ * statement, types among void, int, int32_t, int64_t, uint32_t, float, char and struct NAME, each maybe
+ * const and a pointer), reads every constant's value from the built library (tpl_constant), and
+ * checks each struct's size and field offsets against the library (tpl_struct_size,
+ * tpl_field_offset) before any kernel runs.
+ *
+ * The in-region kernels run inside an OpenMP parallel region: every thread of the region calls
+ * them, the threads split the work, and each ends in a barrier, so a caller can chain several in
+ * one region (decode.c) instead of starting one per operation. The others start their own region.
+ */
+#ifndef TP_LLAMA_API_H
+#define TP_LLAMA_API_H
+
+#include <stdint.h>
+
+/* Constants */
+#define TILE_COLS 32             /* output columns per weight tile (matmul.c) */
+#define GATE_RUN (TILE_COLS / 2) /* a gated tile: this many w1 rows, then as many w3 rows */
+#define MAX_HEAD_DIM 256         /* a query and its sums in registers (Llama's heads are 64 or 128) */
+
+/* Status codes */
+#define TPL_OK 0
+#define TPL_NO_MEMORY -1    /* scratch memory could not be had */
+#define TPL_OFF_CACHE -2    /* a row's slot or position lies outside the KV cache */
+#define TPL_HEAD_DIM -3     /* head_dim over MAX_HEAD_DIM */
+
+/* One layer's shapes (this rank's share) and tensors, for decode.c. */
+struct DecodeLayer {
+    int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_slots, max_seq_len;
+    float eps;
+    int32_t bf16;
+    const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
+    void *cache_k, *cache_v;
+};
+
+/* A decode step's rows: one new token each, in distinct slots. */
+struct DecodeRows {
+    int64_t rows;
+    const float *rotation; /* [rows][head_dim]: cos, sin pairs at the row's position */
+    const int64_t *slots, *positions;
+};
+
+/* Weights in tiles (matmul.c). A weight [N][K] of 4-byte units (a float32, or a pair of bfloat16
+ * along k) becomes [tiles][K][TILE_COLS]; gated weights interleave w1 and w3 in runs of GATE_RUN. */
+void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out);
+int pack_tiles_in_place(uint32_t *w, int64_t N, int64_t K);
+void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out);
+void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated);
+
+/* y [M][N] = x [M][K] @ w^T (gated: y [M][N / 2] = silu(x w1^T) * (x w3^T)); 0 or TPL_NO_MEMORY. */
+int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16);
+
+/* Layer ops (layer.c). */
+void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
+int decode_attention(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
+                     int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
+                     void *cache_v, int64_t n_slots, int64_t max_seq_len, void *out, int bf16);
+
+/* A decode step's layers (decode.c). */
+int64_t decode_scratch_bytes(const struct DecodeLayer *layer, int64_t rows);
+int attention_block(const struct DecodeLayer *layer, const struct DecodeRows *rows, void *h, const void *delta_in,
+                    void *delta_out, void *scratch);
+void ffn_block(const struct DecodeLayer *layer, int64_t rows, void *h, const void *delta_in, void *delta_out,
+               void *scratch);
+int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *rows, void *h,
+                 void *delta, void *scratch);
+
+/* In-region kernels. x widened into `wide` (M * K floats) first when bf16. */
+void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                  float *wide);
+void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
+/* Rows already checked by check_rows; scores: max_threads * scores_per_thread floats. */
+void attention_rows(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
+                    int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
+                    void *cache_v, int64_t max_seq_len, void *out, int bf16, float *scores,
+                    int64_t scores_per_thread);
+/* TPL_OK, TPL_OFF_CACHE or TPL_HEAD_DIM; *scores_per_thread: the scratch attention_rows needs per thread. */
+int check_rows(const int64_t *slots, const int64_t *positions, int64_t rows, int64_t n_slots, int64_t max_seq_len,
+               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread);
+
+/* The library's description of itself (abi.c): a constant's value, a struct's size, a field's
+ * offset; -1 for a name it does not know (no constant is negative but the status codes, which
+ * ffi.py reads as such). */
+int64_t tpl_constant(const char *name, int64_t *value);
+int64_t tpl_struct_size(const char *name);
+int64_t tpl_field_offset(const char *name, const char *field);
+
+#endif

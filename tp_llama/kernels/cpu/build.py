@@ -1,0 +1,108 @@
+"""Building the C kernels: once per machine and source, at first use or ahead of time, under a lock.
+
+    python -m tp_llama.kernels.cpu.build      # build now and print where (setup_model.sh does)
+
+The library is kept in the user's cache, named by a digest of the sources, headers, compiler and
+flags, so an edited source is rebuilt and an unchanged one never is. Ranks that start together
+wait on one lock while the first of them compiles.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SOURCES = ("matmul.c", "layer.c", "decode.c", "abi.c")
+HEADERS = ("api.h", "simd.h")
+COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# Each variant: the CPU flags it needs (/proc/cpuinfo names) and the compiler flags that use them.
+VARIANTS = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
+}
+BUILD_TIMEOUT_S = 300
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def unsupported(variant: str, flags: set[str] | None = None) -> str:
+    """Why this CPU cannot run `variant` ("" when it can)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"no {variant} on {platform.machine()}"
+    missing = set(VARIANTS[variant][0]) - (cpu_flags() if flags is None else flags)
+    return f"the CPU lacks {', '.join(sorted(missing))}" if missing else ""
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cache_dirs() -> list[Path]:
+    """Where the library is kept: the user's cache, else a per-user temp folder (e.g. no HOME)."""
+    folders = [Path(tempfile.gettempdir()) / f"tp_llama-{os.getuid()}"]
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no HOME and no passwd entry, as in some service sandboxes
+        return folders
+    return [cache / "tp_llama", *folders]
+
+
+def build(variant: str, cc: str) -> Path:
+    """The compiled library of `variant`, from the cache when it was built before."""
+    flags = [*COMMON_FLAGS, *VARIANTS[variant][1]]
+    code = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(code + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    errors = []
+    for folder in _cache_dirs():
+        library = folder / f"cpu_kernels-{variant}-{digest}.so"
+        if library.is_file():
+            return library
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = open(folder / f"{library.name}.lock", "w")
+        except OSError as exc:
+            errors.append(f"{folder}: {exc}")
+            continue
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+            if library.is_file():  # another process built it while this one waited
+                return library
+            partial = folder / f"{library.name}.{os.getpid()}.tmp"
+            try:
+                subprocess.run([cc, *flags, "-o", str(partial), *(str(HERE / s) for s in SOURCES)],
+                               check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except subprocess.CalledProcessError as exc:
+                partial.unlink(missing_ok=True)
+                raise OSError(f"{cc} failed on tp_llama's C kernels: {exc.stderr.strip()[-2000:]}") from exc
+            os.replace(partial, library)
+            return library
+    raise OSError("no writable cache folder: " + "; ".join(errors))
+
+
+def main() -> int:
+    for variant in VARIANTS:
+        why = unsupported(variant)
+        cc = compiler()
+        if why or cc is None:
+            print(f"{variant}: not built ({why or 'no C compiler'})", file=sys.stderr)
+            continue
+        print(f"{variant}: {build(variant, cc)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

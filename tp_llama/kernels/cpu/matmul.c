@@ -1,0 +1,292 @@
+/* y[M, N] = x[M, K] @ w[N, K]^T on AVX-512 CPUs, float32 or bfloat16, for a served model's weights.
+ *
+ * A decode step multiplies a few rows by every weight, so it is bound by how fast the weights
+ * stream from memory. oneDNN and MKL tile for many rows and lose 15-50% of that stream at 1 to
+ * 32 rows, and oneDNN's bfloat16 path is bound by vdpbf16ps, which issues at half the rate of
+ * float32 FMAs on the CPU we measured (bench/bench_matmul.py, BENCHMARKS.md).
+ *
+ * Here the weight is packed once, at load, into tiles of TILE_COLS output columns, each tile one
+ * contiguous run (ops.py packs it):
+ *   float32:  [tiles][K][TILE_COLS]          a vector of 16 columns per k
+ *   bfloat16: [tiles][K / 2][TILE_COLS][2]   pairs of k per column, widened to float32 in
+ *                                            registers (a shift and a mask) and multiplied by FMA
+ * A tile is read once per call while up to MAX_TILE_ROWS rows of x accumulate against it in
+ * registers, with no horizontal sums. Threads split the tiles (OpenMP, the runtime PyTorch
+ * itself loaded), and each thread prefetches its next tile while it computes, in several runs
+ * at once.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "api.h"
+#include "simd.h"
+
+#define VECS (TILE_COLS / 16)
+#define MAX_TILE_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows beat 4 x 6 by 15-25% at 8-16 rows */
+#define NEAR_ROWS 16    /* how far ahead in its own tile a thread asks for the next lines */
+#define STREAMS 4       /* runs of the next tile asked for side by side */
+#define X_BLOCK_BYTES (1 << 20) /* the rows of x that share one pass over the weights, kept in L2 */
+#define MIN_BLOCK_ROWS 64       /* a decode step's rows always share one pass */
+
+/* What one tile call asks for of the next tile: per_step cache lines each step, from line
+ * number `first` on. A call with all the rows (VECS lines a step) numbers them across STREAMS
+ * runs of `run` lines in turn: the L2's hardware streamer follows each run, so more lines are in
+ * flight than the core's own fill buffers allow, 8-15% faster at 8 rows, where the FMAs leave the
+ * prefetches less room. Chunks of more rows ask front to back (four runs were 5% slower at 16). */
+struct Ahead {
+    const char *next;
+    int64_t first, run;
+    int per_step; /* 0, 1 or VECS */
+};
+
+/* per_step is a constant at each call, so a loop that asks for nothing carries no address
+ * arithmetic (it cost 8% of a 128-row prefill). gcc 12's ipa-modref deleted these prefetches
+ * when the struct came through a pointer to an outlined function. */
+static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64_t step, const int per_step) {
+    for (int i = 0; i < per_step; i++) {
+        uint64_t n = (uint64_t)(a.first + step * per_step + i);
+        uint64_t line = per_step == VECS ? n % STREAMS * (uint64_t)a.run + n / STREAMS : n;
+        _mm_prefetch(a.next + line * 64, _MM_HINT_T1);
+    }
+}
+
+/* The tile function for each prefetch count: STEPS (a tile's loops, always inlined) with it as a
+ * constant. */
+#define BY_PREFETCH(PREFIX, TYPE, MT)                                                              \
+    static void PREFIX##_tile_##MT(const float *x, int64_t K, const TYPE *wt, TYPE *y, int64_t ldy, \
+                                   int64_t cols, int gated, struct Ahead ahead) {                  \
+        if (ahead.per_step == VECS)                                                                \
+            PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, VECS);                       \
+        else if (ahead.per_step)                                                                   \
+            PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, 1);                          \
+        else                                                                                       \
+            PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, 0);                          \
+    }
+
+/* One row of a float32 tile's sums (its two vectors, `cols` of them real) into y, or, gated,
+ * silu(gate) * up: 16 columns. */
+static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int gated) {
+    if (gated) {
+        _mm512_storeu_ps(y, swiglu16(lo, hi, 0));
+        return;
+    }
+    _mm512_mask_storeu_ps(y, lanes(cols), lo);
+    _mm512_mask_storeu_ps(y + 16, lanes(cols - 16), hi);
+}
+
+/* One tile of MT rows into y (row stride ldy), asking for its share of the next tile (`ahead`).
+ * `gated`: the tile's two vectors are 16 gate and 16 up columns of a SwiGLU, and silu(gate) * up
+ * goes out, 16 columns. */
+#define F32_TILE(MT)                                                                               \
+    static inline __attribute__((always_inline)) void f32_steps_##MT(                              \
+        const float *x, int64_t K, const float *wt, float *y, int64_t ldy, int64_t cols, int gated, \
+        struct Ahead ahead, const int per_step) {                                                  \
+        __m512 acc[MT][VECS];                                                                      \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < K; k++) {                                                          \
+            const float *wk = wt + k * TILE_COLS;                                                  \
+            prefetch(ahead, k, per_step);                                                          \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
+                _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 16 * j), _MM_HINT_T0);    \
+                __m512 w = _mm512_loadu_ps(wk + 16 * j);                                           \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                               \
+                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m][j]);       \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            put_f32_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                           \
+    }                                                                                              \
+    BY_PREFETCH(f32, float, MT)
+
+/* x here is float32 (tiled_matmul widens it once per call). */
+#define BF16_TILE(MT)                                                                              \
+    static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
+        const float *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,     \
+        int gated, struct Ahead ahead, const int per_step) {                                       \
+        __m512 acc[MT][VECS];                                                                      \
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);                                   \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < K; k += 2) {                                                       \
+            const uint16_t *wk = wt + k * TILE_COLS;                                               \
+            prefetch(ahead, k / 2, per_step);                                                      \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
+                _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 32 * j), _MM_HINT_T0);    \
+                __m512i pairs = _mm512_loadu_si512((const void *)(wk + 32 * j));                   \
+                __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));                   \
+                __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));                   \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                             \
+                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), even, acc[m][j]);    \
+                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + 1]), odd, acc[m][j]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
+            if (gated) {                                                                           \
+                _mm256_storeu_si256((__m256i *)(y + m * ldy), to_bf16(swiglu16(acc[m][0], acc[m][1], 1))); \
+                continue;                                                                          \
+            }                                                                                      \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
+                _mm256_mask_storeu_epi16(y + m * ldy + 16 * j, lanes(cols - 16 * j), to_bf16(acc[m][j])); \
+        }                                                                                          \
+    }                                                                                              \
+    BY_PREFETCH(bf16, uint16_t, MT)
+
+#define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
+TILES(F32_TILE)
+TILES(BF16_TILE)
+
+/* Rows go in near-equal chunks of at most MAX_TILE_ROWS (10 rows: 5 + 5, not 8 + 2), so every
+ * chunk has enough independent sums; the tile stays in cache between chunks. Each chunk
+ * prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
+ * all), so memory keeps streaming while the later chunks compute from cache. The threads of
+ * the enclosing parallel region split the tiles. */
+#define TILED(TYPE, PREFIX)                                                                        \
+    static void PREFIX##_tiled(const float *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
+                               TYPE *y, int gated) {                                               \
+        int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
+        int64_t chunks = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;                                  \
+        int per_step = (int)((VECS + chunks - 1) / chunks);                                        \
+        int64_t tile_bytes = K * TILE_COLS * (int64_t)sizeof(TYPE), steps = tile_bytes / (VECS * 64); \
+        int64_t run = (tile_bytes / 64 + STREAMS - 1) / STREAMS; /* a short last run asks past the tile */ \
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < tiles; t++) {                  \
+            const TYPE *wt = w + t * K * TILE_COLS;                                                \
+            int64_t cols = N - t * TILE_COLS;                                                      \
+            for (int64_t c = 0, m0 = 0; c < chunks; c++) {                                         \
+                int64_t m1 = M * (c + 1) / chunks;                                                 \
+                const float *xm = x + m0 * K;                                                      \
+                int64_t ldy = gated ? N / 2 : N; /* gated: TILE_COLS / 2 outputs per tile */      \
+                TYPE *ym = y + m0 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);                 \
+                struct Ahead ahead = {(const char *)wt + tile_bytes, c * per_step * steps, run,            \
+                                      c * per_step < VECS ? per_step : 0}; /* later: it is whole */          \
+                switch (m1 - m0) {                                                                 \
+                case 1: PREFIX##_tile_1(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
+                case 2: PREFIX##_tile_2(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
+                case 3: PREFIX##_tile_3(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
+                case 4: PREFIX##_tile_4(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
+                case 5: PREFIX##_tile_5(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
+                case 6: PREFIX##_tile_6(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
+                case 7: PREFIX##_tile_7(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
+                default: PREFIX##_tile_8(xm, K, wt, ym, ldy, cols, gated, ahead); break;              \
+                }                                                                                  \
+                m0 = m1;                                                                           \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+TILED(float, f32)
+TILED(uint16_t, bf16)
+
+/* One tile from `real` plain rows [real][K] of 4-byte units (a float32, or a pair of bfloat16
+ * along k): out[k][c] = rows[c][k], zeros past row `real`. Blocks of 16 units per row keep reads a
+ * cache line long and writes within 2 KiB, so packing runs near copy speed. */
+static void pack_tile(const uint32_t *rows, int64_t real, int64_t K, uint32_t *out) {
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
+        for (int64_t c = 0; c < TILE_COLS; c++)
+            for (int64_t k = k0; k < k1; k++) out[k * TILE_COLS + c] = c < real ? rows[c * K + k] : 0;
+    }
+}
+
+/* The tile layout of a plain weight [N][K]: out[t][k][c] = w[t * TILE_COLS + c][k], zeros past row N. */
+void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out) {
+    int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
+    _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++)
+        pack_tile(w + t * TILE_COLS * K, N - t * TILE_COLS, K, out + t * K * TILE_COLS);
+}
+
+/* pack_tiles on the weight's own memory, for N a multiple of TILE_COLS: each tile is the
+ * transpose of TILE_COLS whole rows, so it goes through a per-thread copy and back. A buffer the
+ * caller no longer needs then costs no fresh pages, which a load paid for at 1-7 us each here.
+ * 0 on success, -1 when the copies' memory cannot be had. */
+int pack_tiles_in_place(uint32_t *w, int64_t N, int64_t K) {
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint32_t *block = malloc((size_t)(K * TILE_COLS) * sizeof(uint32_t));
+        if (block == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < N / TILE_COLS; t++) {
+                uint32_t *rows = w + t * TILE_COLS * K;
+                pack_tile(rows, TILE_COLS, K, block);
+                memcpy(rows, block, (size_t)(K * TILE_COLS) * sizeof(uint32_t));
+            }
+        }
+        free(block);
+    }
+    return failed ? TPL_NO_MEMORY : TPL_OK;
+}
+
+/* Prefill rows come in blocks whose float32 copy fits X_BLOCK_BYTES: every tile of the weight
+ * meets a block from cache instead of all M rows from memory (8x faster at 1024 rows), for one
+ * more pass over the weights per block. */
+static int64_t rows_per_block(int64_t K) {
+    int64_t rows = X_BLOCK_BYTES / (K * (int64_t)sizeof(float));
+    rows -= rows % MAX_TILE_ROWS;
+    return rows < MIN_BLOCK_ROWS ? MIN_BLOCK_ROWS : rows;
+}
+
+void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                  float *wide) {
+    const float *rows = x;
+    if (bf16) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t k = 0; k < K; k += 16)
+                _mm512_mask_storeu_ps(wide + r * K + k, lanes(K - k), load16(x, r * K + k, 1, lanes(K - k)));
+        rows = wide;
+    }
+    int64_t block = rows_per_block(K), ldy = gated ? N / 2 : N;
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        int64_t m = M - m0 < block ? M - m0 : block;
+        if (bf16)
+            bf16_tiled(rows + m0 * K, m, K, w, N, (uint16_t *)y + m0 * ldy, gated);
+        else
+            f32_tiled(rows + m0 * K, m, K, w, N, (float *)y + m0 * ldy, gated);
+    }
+}
+
+/* The entry point: tiled_matmul on this call's own threads; 0 on success, -1 when memory for
+ * the widened bfloat16 rows cannot be had. gated = 1: w is a SwiGLU's w1 and w3 interleaved in
+ * runs of GATE_RUN rows (ops.py), N a multiple of TILE_COLS, and y [M][N / 2] gets
+ * silu(x w1^T) * (x w3^T). */
+int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16) {
+    float *wide = NULL;
+    if (bf16 && (wide = malloc((size_t)(M * K) * sizeof(float))) == NULL) return TPL_NO_MEMORY;
+#pragma omp parallel
+    tiled_matmul(x, M, K, w, N, y, gated, bf16, wide);
+    free(wide);
+    return TPL_OK;
+}
+
+/* Tiles t0 .. t0 + n - 1 of a float32 weight as one plain matrix [K][n * TILE_COLS], the layout
+ * MKL's GEMM runs fastest on: the prefill path (ops.py) multiplies many rows by it. */
+void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out) {
+    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < K; k++) {
+        for (int64_t t = 0; t < n; t++) {
+            const float *src = w + ((t0 + t) * K + k) * TILE_COLS;
+            _mm512_storeu_ps(out + (k * n + t) * TILE_COLS, _mm512_loadu_ps(src));
+            _mm512_storeu_ps(out + (k * n + t) * TILE_COLS + 16, _mm512_loadu_ps(src + 16));
+        }
+    }
+}
+
+/* x times untile_weight's matrix, [M][n * TILE_COLS], into y's columns of those tiles (N columns
+ * in all); gated, as SwiGLU's silu(gate) * up into y [M][N / 2]. */
+void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated) {
+    int64_t ldy = gated ? N / 2 : N;
+    _Pragma("omp parallel for schedule(static)") for (int64_t m = 0; m < M; m++) {
+        for (int64_t t = 0; t < n; t++) {
+            const float *src = product + (m * n + t) * TILE_COLS;
+            int64_t col = (t0 + t) * TILE_COLS;
+            put_f32_row(y + m * ldy + (gated ? col / 2 : col), _mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), N - col,
+                        gated);
+        }
+    }
+}

@@ -1,0 +1,223 @@
+"""The C kernels on tensors: tiled weights and their matmul, RMSNorm, decode attention, a decode
+step's layers. Each function takes and returns tensors (or fills `out`), so it can be registered
+as a custom op where a tracer needs one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from tp_llama.kernels.cpu.ffi import library
+
+MKL_ROWS = 256  # float32 calls with this many rows are compute-bound, where MKL's sgemm is ~20% faster
+PLAIN_FLOATS = 1 << 22  # the most of a weight laid out plainly at once for MKL (16 MB)
+
+
+@dataclass(frozen=True)
+class Tiled:
+    """A weight [out, in] (`shape`) in matmul.c's tile layout (`data`).
+
+    gated: the rows are a SwiGLU's w1 and w3 interleaved in runs of GATE_RUN, and `tiled_linear`
+    returns silu(x w1^T) * (x w3^T), out / 2 columns.
+    """
+
+    data: torch.Tensor
+    shape: torch.Size
+    gated: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+
+def tileable(weight: torch.Tensor) -> bool:
+    """The tiles hold bfloat16 in pairs along k, so a bfloat16 weight needs an even width."""
+    return weight.dtype in (torch.float32, torch.bfloat16) and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2)
+
+
+def prepare_tiles(weight: torch.Tensor, own: bool = False) -> Tiled:
+    """weight [out, in] in tiles; own: nothing else holds `weight` (a fused copy), so the tiles may take its memory."""
+    lib = library()
+    cols = lib.constants["TILE_COLS"]
+    out = weight.shape[0]
+    units = weight.detach().contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
+    shape = (-(-out // cols), units.shape[1], cols)
+    if own and out % cols == 0:
+        if lib.pack_tiles_in_place(units.data_ptr(), out, units.shape[1]):
+            raise MemoryError(f"no memory to pack a {tuple(weight.shape)} weight")
+        return Tiled(units.view(shape).view(weight.dtype), weight.shape)
+    data = torch.empty(shape, dtype=torch.int32)
+    lib.pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr())
+    return Tiled(data.view(weight.dtype), weight.shape)
+
+
+def prepare_swiglu_tiles(w1: torch.Tensor, w3: torch.Tensor) -> Tiled | None:
+    """w1 and w3 [ffn, in] as one gated weight (see Tiled), or None where the widths do not allow it."""
+    run = library().constants["GATE_RUN"]
+    ffn, cols = w1.shape
+    if ffn % run or not tileable(w1):
+        return None
+    runs = [w.detach().reshape(ffn // run, run, cols) for w in (w1, w3)]
+    return dataclasses.replace(prepare_tiles(torch.stack(runs, dim=1).reshape(2 * ffn, cols), own=True), gated=True)
+
+
+def tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
+    """x [..., in] @ weight.T (or the gated product)."""
+    if x.dtype != weight.dtype or x.device.type != "cpu":
+        raise TypeError(f"a {weight.dtype} CPU weight got {x.dtype} input on {x.device}")
+    out_features, in_features = weight.shape
+    x = x.contiguous()
+    rows = x.numel() // in_features
+    y = torch.empty((*x.shape[:-1], out_features // 2 if weight.gated else out_features), dtype=x.dtype)
+    lib = library()
+    if x.dtype == torch.float32 and rows >= MKL_ROWS:
+        _mkl_linear(x.view(rows, in_features), weight, y)
+        return y
+    if rows and lib.tiled_linear(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features,
+                                 y.data_ptr(), weight.gated, x.dtype == torch.bfloat16):
+        raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
+    return y
+
+
+def _mkl_linear(x: torch.Tensor, weight: Tiled, y: torch.Tensor) -> None:
+    """Many float32 rows: MKL's GEMM on the weight laid out plainly again, a slice of tiles at a time.
+
+    MKL on the [in, TILE_COLS] tiles themselves (a batch of narrow GEMMs) runs 10-35% slower.
+    """
+    lib = library()
+    tiles, in_features, cols = weight.data.shape
+    per = max(1, PLAIN_FLOATS // (max(in_features, x.shape[0]) * cols))  # tiles per slice: both buffers bounded
+    plain = _scratch("plain", in_features * min(per, tiles) * cols)
+    product = _scratch("product", x.shape[0] * min(per, tiles) * cols)
+    for t0 in range(0, tiles, per):
+        n = min(per, tiles - t0)
+        block = plain[: in_features * n * cols].view(in_features, n * cols)
+        lib.untile_weight(weight.data.data_ptr(), in_features, t0, n, block.data_ptr())
+        out = product[: x.shape[0] * n * cols].view(x.shape[0], n * cols)
+        torch.mm(x, block, out=out)
+        lib.place_product(out.data_ptr(), x.shape[0], t0, n, weight.shape[0], y.data_ptr(), weight.gated)
+
+
+_scratches: dict[str, torch.Tensor] = {}
+
+
+def _scratch(name: str, floats: int) -> torch.Tensor:
+    """A float32 buffer kept between calls: fresh pages for every prefill matmul cost more than the copy."""
+    buffer = _scratches.get(name)
+    if buffer is None or buffer.numel() < floats:
+        buffer = _scratches[name] = torch.empty(floats)
+    return buffer
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Meta's RMSNorm over the last dim, one C call (CPU float32 or bfloat16)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    dim = x.shape[-1]
+    library().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps,
+                       x.dtype == torch.bfloat16)
+    return y
+
+
+def _raise_for(status: int, cache_k: torch.Tensor) -> None:
+    """The exception for a kernel's status code (none for TPL_OK)."""
+    codes = library().constants
+    if status == codes["TPL_OK"]:
+        return
+    if status == codes["TPL_OFF_CACHE"]:
+        raise IndexError(f"a decode row's slot or position lies outside the KV cache {tuple(cache_k.shape)}")
+    if status == codes["TPL_HEAD_DIM"]:
+        raise ValueError(f"decode attention takes heads of up to {codes['MAX_HEAD_DIM']}, not {cache_k.shape[-1]}")
+    raise MemoryError("no memory for attention scores")
+
+
+def decode_attention(qkv: torch.Tensor, rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     cache_k: torch.Tensor, cache_v: torch.Tensor, out: torch.Tensor) -> None:
+    """Attention of one new token per row, in one C call: RoPE, the cache write, softmax(qK)V.
+
+    qkv [rows, (heads + 2 kv_heads) * head_dim], rotation [rows, ..., head_dim / 2] complex,
+    slots and positions [rows] int64 (distinct slots); writes out [rows, heads * head_dim] and
+    each row's new key and value into cache_k / cache_v [slots, kv_heads, max_seq_len, head_dim].
+    """
+    rows = qkv.shape[0]
+    if not rows:
+        return
+    n_slots, n_kv_heads, max_seq_len, head_dim = cache_k.shape
+    if not all(t.is_contiguous() for t in (qkv, rotation, slots, positions, cache_k, cache_v, out)):
+        raise ValueError("decode_attention needs contiguous tensors")
+    status = library().decode_attention(
+        qkv.data_ptr(), torch.view_as_real(rotation).data_ptr(), slots.data_ptr(), positions.data_ptr(), rows,
+        out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(), cache_v.data_ptr(), n_slots,
+        max_seq_len, out.data_ptr(), qkv.dtype == torch.bfloat16)
+    _raise_for(status, cache_k)
+
+
+def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, eps: float) -> ctypes.Structure | None:
+    """A layer as decode_stack, attention_block and ffn_block run it (struct DecodeLayer), or None where they cannot.
+
+    norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
+    shards) in tiles; the cache [slots, kv_heads, max_seq_len, head_dim]. The layer's tensors must
+    outlive the returned struct, which holds only their addresses.
+    """
+    lib = library()
+    wqkv, wo, w13, w2 = weights
+    if not all(isinstance(w, Tiled) for w in weights) or wqkv.gated or wo.gated or w2.gated or not w13.gated:
+        return None
+    n_slots, n_kv_heads, max_seq_len, head_dim = cache_k.shape
+    n_heads = wo.shape[1] // head_dim
+    if (head_dim > lib.constants["MAX_HEAD_DIM"] or n_heads % n_kv_heads
+            or wqkv.shape[0] != (n_heads + 2 * n_kv_heads) * head_dim):
+        return None
+    tensors = (*norms, *(w.data for w in weights), cache_k, cache_v)
+    if not all(t.is_contiguous() and t.dtype == cache_k.dtype for t in tensors):
+        return None
+    return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], n_slots, max_seq_len,
+                                      eps, cache_k.dtype == torch.bfloat16, *(t.data_ptr() for t in tensors))
+
+
+def decode_layers(layers: list[ctypes.Structure]) -> ctypes.Array:
+    """The layers as one C array, for decode_stack."""
+    return (library().structs["DecodeLayer"] * len(layers))(*layers)
+
+
+def decode_rows(rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> ctypes.Structure:
+    """A decode step's rows (struct DecodeRows): rotation [rows, ..., head_dim / 2] complex, slots and
+    positions [rows] int64. The tensors must outlive the returned struct."""
+    if not all(t.is_contiguous() for t in (rotation, slots, positions)):
+        raise ValueError("decode rows need contiguous tensors")
+    return library().structs["DecodeRows"](slots.shape[0], torch.view_as_real(rotation).data_ptr(), slots.data_ptr(),
+                                           positions.data_ptr())
+
+
+def decode_scratch(layer: ctypes.Structure, rows: int) -> torch.Tensor:
+    """The scratch attention_block, ffn_block and decode_stack need for `rows` rows of these layers."""
+    return torch.empty(library().decode_scratch_bytes(ctypes.byref(layer), rows), dtype=torch.uint8)
+
+
+def attention_block(layer: ctypes.Structure, rows: ctypes.Structure, h: torch.Tensor, delta: torch.Tensor | None,
+                    out: torch.Tensor, scratch: torch.Tensor, cache_k: torch.Tensor) -> None:
+    """h += delta, then out = wo(attention(attention_norm(h))), one C call. h, delta, out [rows, dim]."""
+    status = library().attention_block(ctypes.byref(layer), ctypes.byref(rows), h.data_ptr(),
+                                       None if delta is None else delta.data_ptr(), out.data_ptr(), scratch.data_ptr())
+    _raise_for(status, cache_k)
+
+
+def ffn_block(layer: ctypes.Structure, h: torch.Tensor, delta: torch.Tensor, out: torch.Tensor,
+              scratch: torch.Tensor) -> None:
+    """h += delta, then out = w2(SwiGLU(ffn_norm(h))), one C call."""
+    library().ffn_block(ctypes.byref(layer), h.shape[0], h.data_ptr(), delta.data_ptr(), out.data_ptr(),
+                        scratch.data_ptr())
+
+
+def decode_stack(layers: ctypes.Array, rows: ctypes.Structure, h: torch.Tensor, scratch: torch.Tensor,
+                 cache_k: torch.Tensor) -> None:
+    """Every layer (decode_layers' array; no tensor parallelism) on h [rows, dim], in place, one C call."""
+    delta = torch.empty_like(h)
+    status = library().decode_stack(layers, len(layers), ctypes.byref(rows), h.data_ptr(), delta.data_ptr(),
+                                    scratch.data_ptr())
+    _raise_for(status, cache_k)

@@ -1,0 +1,137 @@
+"""The Llama transformer, in Meta's parameter names and rotary convention; the math and nothing else.
+
+Head counts are never stored: attention infers them from the projection widths, so the same code
+runs whole on one process and with column-sharded wq/wk/wv under tensor parallelism (the
+parallel layer swaps the Linears for local shards with their collectives). Serving backends
+swap modules in after the model is built (tp_llama.backend), gpt-fast's way: this file has no
+backend flags.
+
+A forward runs one `Batch`: the tokens of every row flattened into one sequence, so the
+projections and the FFN see one matrix whatever mix of prefill chunks and decode steps the
+scheduler planned. Only attention looks at rows (tp_llama.model.kv_cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_llama.model.args import ModelArgs
+from tp_llama.model.batch import Batch
+from tp_llama.model.kv_cache import KVCache, attend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_frequencies(head_dim: int, theta: float, use_scaled_rope: bool) -> torch.Tensor:
+    """Per-pair rotation speeds; Llama 3.1 stretches the slow ones for its long context."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not use_scaled_rope:
+        return freqs
+    factor, low_freq_factor, high_freq_factor, old_context = 8.0, 1.0, 4.0, 8192.0
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > old_context / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelen < old_context / high_freq_factor, freqs, scaled)
+
+
+def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> torch.Tensor:
+    """Unit complex numbers [max_seq_len, head_dim/2]: the rotation of each pair at each position."""
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
+
+
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2]."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)) for w in (self.wq, self.wk, self.wv))
+        out = attend(self.cache, apply_rope(q, rotation), apply_rope(k, rotation), v, batch)
+        return self.wo(out.flatten(1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotation, batch)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Layers(nn.ModuleList):
+    """The blocks, run one after the other (a backend may run a whole step of them at once)."""
+
+    def forward(self, h: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        for layer in self:
+            h = layer(h, rotation, batch)
+        return h
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = Layers(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.rope: torch.Tensor | None = None
+
+    def setup_caches(self, slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
+                     n_kv_heads: int | None = None) -> None:
+        """A KV cache of `slots` sequences of max_seq_len positions for each layer, and the RoPE table.
+
+        n_kv_heads: the KV heads this process holds (all of them unless the model is sharded).
+        """
+        self.rope = rope_table(self.args, max_seq_len, device)
+        heads = self.args.n_kv_heads if n_kv_heads is None else n_kv_heads
+        for layer in self.layers:  # FSDP1's wrapper passes attribute reads through to the block
+            layer.attention.cache = KVCache(slots, max_seq_len, heads, self.args.head_dim, dtype, device)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits [len(batch.logits_at), V] (float32) of the tokens the batch asks for."""
+        rotation = self.rope[batch.positions].unsqueeze(1)
+        h = self.layers(self.tok_embeddings(batch.tokens), rotation, batch)
+        return self.output(self.norm(h[batch.logits_at])).float()

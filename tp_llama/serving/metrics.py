@@ -1,0 +1,123 @@
+"""Serving metrics, sent through TorchServe's backend metrics to its Prometheus endpoint.
+
+Rank 0 only. A metric update is one `[METRICS]...` line on the worker's stdout, which the
+frontend parses into its Prometheus registry (config.properties: `metrics_mode=prometheus`,
+and `model_metrics_auto_detect=true` so that metrics not declared in a metrics yaml are
+registered on first sight; handler/server_config.py writes both). To keep that cheap:
+
+- counters are summed over a call and sent once per call (at most one line per series);
+- gauges are sent only when their value changed since the last call;
+- histograms get one observation per request (time to first token when it comes, time per
+  output token when the request ends); nothing is done per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from tp_llama.engine.scheduler import Sequence
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "llama_"
+TTFT = PREFIX + "time_to_first_token_seconds"
+TPOT = PREFIX + "time_per_output_token_seconds"
+PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
+GENERATED_TOKENS = PREFIX + "generation_tokens_total"
+REQUESTS = PREFIX + "requests_total"
+RUNNING = PREFIX + "running_sequences"
+WAITING = PREFIX + "waiting_sequences"
+KV_SLOTS = PREFIX + "kv_cache_slots_used"
+KV_SLOTS_TOTAL = PREFIX + "kv_cache_slots_total"
+OUTCOMES = ("ok", "4xx", "cancelled", "failed")
+
+MODEL = "model_name"
+OUTCOME = "outcome"
+
+
+class ServingMetrics:
+    """Collects a call's updates and emits them through TorchServe's metric cache (`context.metrics`).
+
+    With `cache` None (unit tests, or a TorchServe without metrics) the numbers are still kept
+    in `totals` and `gauges`, so they can be checked, but nothing is emitted.
+    """
+
+    def __init__(self, cache: Any, model_name: str, slots: int) -> None:
+        self.model = model_name
+        self.metrics: dict[str, Any] = {}
+        self.totals: Counter[tuple[str, str]] = Counter()  # (name, outcome or "") -> value, for tests
+        self.observations: Counter[str] = Counter()  # histogram name -> observations, for tests
+        self.gauges: dict[str, float] = {}
+        self._counts: Counter[tuple[str, str]] = Counter()
+        if cache is not None:
+            try:
+                self._declare(cache)
+            except Exception:  # metrics must never stop the model from serving
+                logger.exception("could not set up the serving metrics; serving without them")
+                self.metrics = {}
+        # Series that exist from the start, so that rate() sees the first increment.
+        for outcome in OUTCOMES:
+            self._counts[(REQUESTS, outcome)] += 0
+        self._counts[(PROMPT_TOKENS, "")] += 0
+        self._counts[(GENERATED_TOKENS, "")] += 0
+        self._set(KV_SLOTS_TOTAL, slots)
+        self.update_gauges(0, 0, 0)
+        self.flush()
+
+    def _declare(self, cache: Any) -> None:
+        from ts.metrics.metric_type_enum import MetricTypes
+
+        for name, unit, kind, dims in (
+            (TTFT, "s", MetricTypes.HISTOGRAM, [MODEL]),
+            (TPOT, "s", MetricTypes.HISTOGRAM, [MODEL]),
+            (PROMPT_TOKENS, "tokens", MetricTypes.COUNTER, [MODEL]),
+            (GENERATED_TOKENS, "tokens", MetricTypes.COUNTER, [MODEL]),
+            (REQUESTS, "requests", MetricTypes.COUNTER, [MODEL, OUTCOME]),
+            (RUNNING, "sequences", MetricTypes.GAUGE, [MODEL]),
+            (WAITING, "sequences", MetricTypes.GAUGE, [MODEL]),
+            (KV_SLOTS, "slots", MetricTypes.GAUGE, [MODEL]),
+            (KV_SLOTS_TOTAL, "slots", MetricTypes.GAUGE, [MODEL]),
+        ):
+            self.metrics[name] = cache.add_metric_to_cache(name, unit, dims, kind)
+
+    def _emit(self, name: str, value: float, *labels: str) -> None:
+        metric = self.metrics.get(name)
+        if metric is not None:
+            metric.add_or_update(value, [self.model, *labels])
+
+    def request(self, outcome: str) -> None:
+        """A request answered: ok, 4xx, cancelled or failed."""
+        self._counts[(REQUESTS, outcome)] += 1
+
+    def first_token(self, seq: Sequence) -> None:
+        """Seconds from admission (the handler's first sight of the request) to its first token."""
+        self.observations[TTFT] += 1
+        self._emit(TTFT, round(seq.first_token_at - seq.arrived, 6))
+
+    def ended(self, seq: Sequence) -> None:
+        """Token counts of a sequence that ended (whatever the outcome), and its time per output token."""
+        self._counts[(PROMPT_TOKENS, "")] += len(seq.prompt_ids)
+        self._counts[(GENERATED_TOKENS, "")] += len(seq.output)
+        done = seq.finished_at
+        if done is not None and seq.first_token_at is not None and len(seq.output) >= 2:
+            self.observations[TPOT] += 1
+            self._emit(TPOT, round((done - seq.first_token_at) / (len(seq.output) - 1), 6))
+
+    def update_gauges(self, running: int, waiting: int, slots_used: int) -> None:
+        self._set(RUNNING, running)
+        self._set(WAITING, waiting)
+        self._set(KV_SLOTS, slots_used)
+
+    def _set(self, name: str, value: float) -> None:
+        if self.gauges.get(name) != value:
+            self.gauges[name] = value
+            self._emit(name, value)
+
+    def flush(self) -> None:
+        """Send the call's counter increments, one line per series."""
+        for (name, outcome), value in self._counts.items():
+            self.totals[(name, outcome)] += value
+            self._emit(name, value, *([outcome] if outcome else []))
+        self._counts.clear()

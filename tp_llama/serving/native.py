@@ -1,0 +1,92 @@
+"""The native API, POST /predictions/NAME: its request fields and its replies, together.
+
+Reply: {"text", "token_ids", "finish_reason", "usage"} as one JSON object, or streamed as one JSON
+line per TorchServe call with the new text and ids, the last one carrying finish_reason and usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tp_llama.engine.scheduler import Sequence
+from tp_llama.serving.request import (
+    ChatTokenizer,
+    Job,
+    RequestError,
+    boolean_field,
+    chat_prompt_ids,
+    decode_body,
+    fit_max_new_tokens,
+    integer_field,
+    json_line,
+    request_body,
+    sampling_fields,
+    text_prompt_ids,
+)
+from tp_llama.serving.settings import HandlerSettings
+from tp_llama.serving.stream import StreamDecoder
+
+FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "stream")
+JSON_TYPE = "application/json"
+NDJSON_TYPE = "application/x-ndjson"
+
+
+def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        raise RequestError("send exactly one of 'prompt' (text completion) or 'messages' (chat)")
+    if has_prompt:
+        return text_prompt_ids(body["prompt"], tokenizer)
+    return chat_prompt_ids(body["messages"], tokenizer)
+
+
+def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer: ChatTokenizer) -> Job:
+    """Validate one request of a batch; raises RequestError with a message for the client."""
+    body = decode_body(request_body(request), settings.max_request_bytes)
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
+    temperature, top_p, seed = sampling_fields(body, settings)
+    ignore_eos = boolean_field(body, "ignore_eos")
+    stream = boolean_field(body, "stream")
+    prompt_ids = _prompt_ids(body, tokenizer)
+    max_new_tokens = fit_max_new_tokens(integer_field(body, "max_new_tokens"), "max_new_tokens",
+                                        len(prompt_ids), settings)
+    return Job(prompt_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, stream)
+
+
+class NativeRequest:
+    """A native request between its first call and its last reply."""
+
+    stopped = False  # the native API has no stop strings
+
+    def __init__(self, job: Job, decode: Callable[[list[int]], str]):
+        self.job, self.decode = job, decode
+        self.stream = StreamDecoder(decode) if job.stream else None
+
+    @property
+    def content_type(self) -> str:
+        return NDJSON_TYPE if self.stream else JSON_TYPE
+
+    def advance(self, seq: Sequence) -> str:
+        """After a step: nothing to watch (the stream's text is taken when the reply is written)."""
+        return ""
+
+    def reply(self, seq: Sequence, shown: str, timeout_s: float) -> str:
+        """This call's reply: the new tokens of a streamed request, or the whole answer at the end."""
+        if not seq.finished:
+            if self.stream is None:
+                return ""
+            new = seq.take_new_tokens()
+            return json_line({"text": self.stream.push(new), "token_ids": new}) if new else ""
+        usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)}
+        if seq.finish_reason == "timeout":
+            return json_line({"error": f"the request ran past responseTimeout ({timeout_s:g} s)",
+                              "finish_reason": "timeout", "usage": usage})
+        if self.stream is None:
+            return json_line({"text": self.decode(seq.output), "token_ids": seq.output,
+                              "finish_reason": seq.finish_reason, "usage": usage})
+        new = seq.take_new_tokens()
+        text = self.stream.push(new) + self.stream.finish()
+        return json_line({"text": text, "token_ids": new, "finish_reason": seq.finish_reason, "usage": usage})

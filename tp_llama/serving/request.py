@@ -1,0 +1,240 @@
+"""The rules both front doors share: one request body into a generation job, or an error naming the problem.
+
+The native API (native.py) and the OpenAI one (openai_api.py) read their fields with these
+checkers, so a rule is written once. Only rank 0 reads requests; the other ranks run its plans.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tp_llama.engine.scheduler import Sequence
+from tp_llama.serving.settings import HandlerSettings
+
+SEED_LIMIT = 2**63
+
+
+class RequestError(ValueError):
+    """The request cannot be served; the message is sent back to the client as is.
+
+    `param` names the offending field when there is one (the OpenAI error shape reports it).
+    """
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class ChatTokenizer(Protocol):
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request: what the engine needs plus how to answer."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    ignore_eos: bool
+    stream: bool
+
+
+class FrontDoor(Protocol):
+    """A parsed request of either API and its reply state between TorchServe calls."""
+
+    job: Job
+    stopped: bool  # a stop string ended the generation
+
+    @property
+    def content_type(self) -> str: ...
+
+    def advance(self, seq: Sequence) -> str:
+        """After each step: the text newly shown (stop strings watched), "" where nothing is followed."""
+
+    def reply(self, seq: Sequence, shown: str, timeout_s: float) -> str:
+        """This call's reply for the request ("" for nothing yet)."""
+
+
+@dataclass(eq=False)
+class Live:
+    """A request between its first call and its last reply (the handler holds one per request id)."""
+
+    api: FrontDoor
+    seq: Sequence
+    first_token_seen: bool = False
+
+
+def json_line(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False) + "\n"
+
+
+def request_body(request: dict[str, Any]) -> Any:
+    """The body TorchServe passed on: raw bytes, text, or an already-decoded JSON value."""
+    for key in ("body", "data"):
+        if key in request and request[key] is not None:
+            return request[key]
+    raise RequestError("empty request: send a JSON object with Content-Type: application/json")
+
+
+def _reject_constant(name: str) -> None:
+    raise RequestError(f"body is not valid JSON: {name} is not a number")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise RequestError(f"duplicate field {key!r}")
+        result[key] = value
+    return result
+
+
+def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
+    """Parse the body strictly: UTF-8 JSON object, no NaN/Infinity, no duplicate keys, bounded size."""
+    if isinstance(body, str):
+        body = body.encode("utf-8", errors="surrogatepass")
+    if isinstance(body, (bytes, bytearray)):
+        if len(body) > max_bytes:
+            raise RequestError(f"body is {len(body)} bytes; the limit is {max_bytes}")
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"body is not valid UTF-8 (byte {exc.start})") from None
+        try:
+            value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        except RecursionError:
+            raise RequestError("body is nested too deeply") from None
+        _utf8_size(value)
+    else:
+        # TorchServe already decoded an application/json body (decode_input_request=true).
+        value = body
+        size = _utf8_size(value)
+        if size > max_bytes:
+            raise RequestError(f"body is about {size} bytes; the limit is {max_bytes}")
+    if not isinstance(value, dict):
+        raise RequestError(f"body must be a JSON object, got {type_name(value)}")
+    return value
+
+
+def _utf8_size(value: Any) -> int:
+    """Size of the value as UTF-8 JSON; JSON escapes can smuggle in lone surrogates, which tokenizers reject."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8"))
+    except UnicodeEncodeError:
+        raise RequestError("body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)") from None
+    except RecursionError:
+        raise RequestError("body is nested too deeply") from None
+
+
+def type_name(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+# The field checkers: a missing field and a JSON null mean "not set".
+
+
+def integer_field(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{key} must be an integer, got {type_name(value)}", param=key)
+    return value
+
+
+def number_field(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{key} must be a number, got {type_name(value)}", param=key)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal with hundreds of digits
+        raise RequestError(f"{key} is out of range", param=key) from None
+    if not math.isfinite(number):
+        raise RequestError(f"{key} must be finite, got {number}", param=key)
+    return number
+
+
+def boolean_field(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{key} must be true or false, got {type_name(value)}", param=key)
+    return value
+
+
+def sampling_fields(body: dict[str, Any], settings: HandlerSettings) -> tuple[float, float, int | None]:
+    """temperature, top_p and seed (same names in both APIs), defaults from the yaml."""
+    temperature = number_field(body, "temperature")
+    temperature = settings.temperature if temperature is None else temperature
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}", param="temperature")
+    top_p = number_field(body, "top_p")
+    top_p = settings.top_p if top_p is None else top_p
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    seed = integer_field(body, "seed")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise RequestError(f"seed must be in [0, 2**63), got {seed}", param="seed")
+    return temperature, top_p, seed
+
+
+def text_prompt_ids(prompt: Any, tokenizer: ChatTokenizer, key: str = "prompt") -> list[int]:
+    """A non-empty text prompt, encoded with BOS."""
+    if not isinstance(prompt, str):
+        raise RequestError(f"{key} must be a string, got {type_name(prompt)}", param=key)
+    if not prompt:
+        raise RequestError(f"{key} must not be empty", param=key)
+    return tokenizer.encode(prompt, bos=True, eos=False)
+
+
+def chat_prompt_ids(messages: Any, tokenizer: ChatTokenizer, key: str = "messages") -> list[int]:
+    """A chat of {"role", "content"} objects, encoded with the family's template."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"{key} must be a non-empty array of {{\"role\", \"content\"}} objects", param=key)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"{key}[{i}] must be an object, got {type_name(message)}", param=key)
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:
+            raise RequestError(f"{key}[{i}] has unknown field(s) {extra}; allowed: role, content", param=key)
+    try:
+        return tokenizer.encode_chat(messages)
+    except ValueError as exc:
+        raise RequestError(f"invalid {key}: {exc}", param=key) from None
+
+
+def fit_max_new_tokens(requested: int | None, key: str, prompt_len: int, settings: HandlerSettings) -> int:
+    """An explicit value (of field `key`) must fit; the default shrinks to the room the prompt leaves."""
+    room = settings.engine.max_seq_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            f"prompt is {prompt_len} tokens; max_seq_len {settings.engine.max_seq_len} leaves no room to generate"
+        )
+    if requested is None:
+        return min(settings.default_max_new_tokens, room)
+    if requested < 1:
+        raise RequestError(f"{key} must be >= 1, got {requested}", param=key)
+    if requested > settings.max_new_tokens_limit:
+        raise RequestError(f"{key} {requested} exceeds the limit {settings.max_new_tokens_limit}", param=key)
+    if requested > room:
+        raise RequestError(
+            f"prompt ({prompt_len} tokens) plus {key} ({requested}) exceeds max_seq_len {settings.engine.max_seq_len}",
+            param=key,
+        )
+    return requested

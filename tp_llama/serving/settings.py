@@ -1,0 +1,71 @@
+"""The `handler:` block of model-config.yaml, checked once when a worker starts.
+
+A typo in the yaml must stop the worker with a clear message instead of silently serving with
+defaults, so unknown keys, wrong types and values out of range are errors. The engine's keys
+(ckpt_dir, mode, dtype, max_seq_len, max_batch_size, prefill_budget) make its EngineConfig; the
+others are the server's own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tp_llama.config import EngineConfig, bounded, check_fields
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    engine: EngineConfig
+    # How long one TorchServe call may go on decoding while no prompt waits (each call costs a round
+    # trip through the frontend, so a call runs several steps; this bounds what a new request waits).
+    decode_call_ms: int = bounded(60, 0)
+    default_max_new_tokens: int = bounded(128, 1)
+    max_new_tokens_limit: int = bounded(1024, 1)
+    temperature: float = bounded(0.6, 0)
+    top_p: float = bounded(0.9, 0)  # in (0, 1]
+    max_request_bytes: int = bounded(1_048_576, 64)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
+
+
+def settings_from_yaml(block: dict[str, Any] | None) -> HandlerSettings:
+    """Validate the yaml `handler:` block and fill in defaults."""
+    block = dict(block or {})
+    engine_keys = {f.name for f in fields(EngineConfig)}
+    server_keys = {f.name for f in fields(HandlerSettings)} - {"engine"}
+    unknown = sorted(set(block) - engine_keys - server_keys)
+    if unknown:
+        raise ValueError(f"unknown key(s) in the handler block of model-config.yaml: {unknown}")
+    if "ckpt_dir" not in block:
+        raise ValueError("handler.ckpt_dir must name the checkpoint folder")
+    try:
+        engine = EngineConfig(**{k: v for k, v in block.items() if k in engine_keys})
+        return HandlerSettings(engine, **{k: v for k, v in block.items() if k in server_keys})
+    except ValueError as exc:  # its message begins with the key's name
+        raise ValueError(f"handler.{exc}") from None
+
+
+def resolve_ckpt_dir(ckpt_dir: str, model_dir: str) -> str:
+    """An absolute path as is; a relative one from the real model folder.
+
+    TorchServe hands the worker a symlink under its temp folder, so relative paths are
+    taken from the folder the link points to (the model store), where users expect them.
+    """
+    path = os.path.expanduser(ckpt_dir)
+    if not os.path.isabs(path):
+        path = os.path.join(os.path.realpath(model_dir), path)
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"checkpoint folder {path} (handler.ckpt_dir={ckpt_dir!r}) does not exist; "
+            "point handler.ckpt_dir in model-config.yaml at a folder with params.json, "
+            "tokenizer.model and consolidated.*.pth"
+        )
+    return path
