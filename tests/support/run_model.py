@@ -15,4 +15,4 @@ def dense_logits(model: nn.Module, tokens: torch.Tensor, start_pos: torch.Tensor
     Returns logits [B, V] of each row's last position (or [B, S, V] with last_only=False).
     """
     logits = model(dense_batch(tokens, start_pos, first_slot, last_only))
-    return logits if last_only else logits.view(*tokens.shape, -1)
+    return logits if last_only else logits.view(*tokens.shape, logits.shape[-1])

@@ -15,8 +15,9 @@ from tp_llama.model.args import ModelArgs
 # Non-parameters some Meta files carry (Llama 2 writes the RoPE table); every loader drops them.
 IGNORED_KEYS = frozenset({"rope.freqs"})
 
-# Collectives a tensor-parallel module runs on its output (see TP_TABLE).
-NONE, ALL_REDUCE, ALL_GATHER = "none", "all_reduce", "all_gather"
+# Collectives a tensor-parallel module runs on its output (see TP_TABLE). GATHER collects the
+# pieces on rank 0 alone.
+NONE, ALL_REDUCE, ALL_GATHER, GATHER = "none", "all_reduce", "all_gather", "gather"
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ class Sharding:
 # The shard dim is fairscale's split dim, so MP == TP loads are pure file slices. The collective
 # follows from it: a Linear [out, in] sharded on dim 1 (or an embedding on its vocabulary rows)
 # yields partial sums (all-reduce); one sharded on the output features yields a slice of them,
-# kept inside a block (attention and the FFN work on local heads and rows) and all-gathered at
-# the model's edges, where every rank needs whole activations and whole logits.
+# kept inside a block (attention and the FFN work on local heads and rows), all-gathered at the
+# embedding, where every rank needs whole activations, and gathered on rank 0 alone at the
+# output: only rank 0 samples, so no other rank ever holds a [rows, vocab] tensor.
 TP_TABLE: dict[str, Sharding | dict[str, Sharding]] = {
     "tok_embeddings": {"llama2": Sharding(1, ALL_GATHER), "llama3": Sharding(0, ALL_REDUCE)},
     "attention.wq": Sharding(0, NONE),
@@ -47,7 +49,7 @@ TP_TABLE: dict[str, Sharding | dict[str, Sharding]] = {
     "attention_norm": Sharding(None, NONE),
     "ffn_norm": Sharding(None, NONE),
     "norm": Sharding(None, NONE),
-    "output": Sharding(0, ALL_GATHER),
+    "output": Sharding(0, GATHER),
 }
 _LAYER = re.compile(r"layers\.\d+\.")
 

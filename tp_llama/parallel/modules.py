@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_llama.kernels import linear
-from tp_llama.parallel.layout import ALL_GATHER, ALL_REDUCE, NONE, tp_sharding
+from tp_llama.parallel.layout import ALL_GATHER, ALL_REDUCE, GATHER, NONE, tp_sharding
 
 # torch 2.13 renamed all_gather_into_tensor; both take the concatenation along dim 0.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,12 +35,24 @@ def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return gathered.unflatten(0, (tp, x.shape[0])).movedim(0, -2).flatten(-2)
 
 
+def gather_last_dim_to_rank0(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """On the group's rank 0, the ranks' [..., n] pieces side by side, [..., tp * n]; elsewhere [..., 0]."""
+    x = x.contiguous()
+    if dist.get_rank(group) != 0:
+        dist.gather(x, None, group=group, group_dst=0)
+        return x.new_empty((*x.shape[:-1], 0))
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.gather(x, pieces, group=group, group_dst=0)
+    return torch.cat(pieces, dim=-1)
+
+
 class LocalLinear(nn.Module):
     """A Linear on this rank's shard of the weight, then the collective its split needs (inference only).
 
     comm (layout.TP_TABLE): "none" (the output stays sharded on the features: column parallel, feeding local
     attention heads or FFN rows), "all_reduce" (row parallel: partial sums over the input
-    features) or "all_gather" (column parallel at the model's edge: whole features wanted).
+    features), "all_gather" (column parallel, whole features wanted on every rank) or "gather"
+    (column parallel, whole features on rank 0 only: the logits).
     """
 
     def __init__(self, weight: torch.Tensor, comm: str, group: dist.ProcessGroup | None):
@@ -57,6 +69,8 @@ class LocalLinear(nn.Module):
             return all_reduce_sum(out, self.group)
         if self.comm == ALL_GATHER:
             return all_gather_last_dim(out, self.group)
+        if self.comm == GATHER:
+            return gather_last_dim_to_rank0(out, self.group)
         return out
 
     def extra_repr(self) -> str:
@@ -97,7 +111,7 @@ def local_module(name: str, weight: torch.Tensor, family: str, group: dist.Proce
     vocabulary rows learns where its rows start from the rank (rank r holds rows r*n .. r*n+n-1).
     """
     rule = tp_sharding(name, family)
-    if rule.dim is None or rule.comm not in (NONE, ALL_REDUCE, ALL_GATHER):
+    if rule.dim is None or rule.comm not in (NONE, ALL_REDUCE, ALL_GATHER, GATHER):
         raise ValueError(f"{name}: TP_TABLE gives no sharded module ({rule})")
     if name.rpartition(".")[2] == "tok_embeddings":
         start = dist.get_rank(group) * weight.shape[0] if rule.dim == 0 else 0

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tp_llama.model import Transformer
-from tp_llama.parallel.layout import ALL_GATHER, tp_sharding
+from tp_llama.parallel.layout import ALL_GATHER, GATHER, tp_sharding
 from tp_llama.parallel.modules import local_module
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def tp_plan(model: Transformer) -> dict[str, ParallelStyle]:
         # torch names styles by the Linear's view: Colwise shards Linear rows but Embedding columns.
         colwise = (rule.dim == 0) == isinstance(module, nn.Linear)
         style = ColwiseParallel if colwise else RowwiseParallel
-        if rule.comm == ALL_GATHER or isinstance(module, nn.Embedding):
+        if rule.comm in (ALL_GATHER, GATHER) or isinstance(module, nn.Embedding):
             # Gather at the edges so every rank sees whole activations and whole logits.
             plan[name] = style(input_layouts=Replicate(), output_layouts=Replicate())
         else:
