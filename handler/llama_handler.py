@@ -25,7 +25,8 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Scheduler, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Scheduler, Sequence
 from tp_llama.parallel.distributed import exit_now
 from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.native import NativeRequest, parse_request
@@ -203,17 +204,16 @@ class LlamaHandler(BaseHandler):
                     if path not in PATHS:
                         raise RequestError(f"unknown path {path!r}: this server has /{MODELS} (GET) and "
                                            f"POST /{' and /'.join(PATHS)}", 404)
-                    api = parse_openai(path, request, self.settings, tokenizer, tokenizer.n_words, self.model_name,
-                                       rid)
+                    api = parse_openai(path, request, self.settings, tokenizer, self.engine.args.vocab_size,
+                                       self.model_name, rid)
                     api.start(tokenizer.decode)
                 elif path:
                     raise RequestError(f"unknown path {path!r}: POST /predictions/NAME for the native API, "
                                        "or /predictions/NAME/VERSION/v1/completions (or chat/completions)", 404)
                 else:
-                    api = NativeRequest(parse_request(request, self.settings, tokenizer), tokenizer.decode)
-                job = api.job
-                seq = Sequence(rid, job.prompt_ids, SamplingParams(
-                    job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos))
+                    api = NativeRequest(parse_request(request, self.settings, tokenizer, self.engine.args.vocab_size),
+                                        tokenizer.decode)
+                seq = Sequence(rid, api.job.prompt_ids, api.job.params)
                 self.scheduler.add(seq)
             except RequestError as exc:
                 answers[rid] = ("openai" if openai else "native", exc)

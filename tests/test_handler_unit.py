@@ -47,28 +47,39 @@ class ByteTokenizer:
 
 
 def parse(body: bytes | dict | str):
-    return parse_request({"body": body}, SETTINGS, ByteTokenizer())
+    return parse_request({"body": body}, SETTINGS, ByteTokenizer(), 1001)
 
 
 def test_defaults_come_from_the_yaml_settings() -> None:
     job = parse(b'{"prompt": "hi"}')
     assert job.prompt_ids == [1000, 104, 105]
-    assert (job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos, job.stream) == (
+    assert (job.params.max_new_tokens, job.params.temperature, job.params.top_p, job.params.seed, job.params.ignore_eos, job.stream) == (
         16, 0.6, 0.9, None, False, False)
+
+
+def test_the_sampling_fields_reach_the_params() -> None:
+    params = parse(b'{"prompt": "hi", "top_k": 40, "min_p": 0.05, "frequency_penalty": 0.5, "presence_penalty": -1, '
+                   b'"repetition_penalty": 1.2, "logit_bias": {"7": -100, "9": 2.5}, "logprobs": 3}').params
+    assert (params.top_k, params.min_p, params.frequency_penalty, params.presence_penalty, params.repetition_penalty,
+            params.logit_bias, params.logprobs) == (40, 0.05, 0.5, -1.0, 1.2, ((7, -100.0), (9, 2.5)), 3)
+    assert parse(b'{"prompt": "hi", "top_k": -1}').params.top_k == 0  # vLLM's "no limit"
+    defaults = parse(b'{"prompt": "hi"}').params
+    assert (defaults.top_k, defaults.min_p, defaults.repetition_penalty, defaults.logit_bias, defaults.logprobs) == (
+        0, 0.0, 1.0, (), None)
 
 
 def test_all_fields_and_nulls() -> None:
     job = parse(b'{"prompt": "hi", "max_new_tokens": 5, "temperature": 0, "top_p": 1, "seed": 7, '
                 b'"ignore_eos": true, "stream": true}')
-    assert (job.max_new_tokens, job.temperature, job.top_p, job.seed, job.ignore_eos, job.stream) == (
+    assert (job.params.max_new_tokens, job.params.temperature, job.params.top_p, job.params.seed, job.params.ignore_eos, job.stream) == (
         5, 0.0, 1.0, 7, True, True)
     job = parse(b'{"prompt": "hi", "max_new_tokens": null, "seed": null, "stream": null}')
-    assert (job.max_new_tokens, job.seed, job.stream) == (16, None, False)
+    assert (job.params.max_new_tokens, job.params.seed, job.stream) == (16, None, False)
 
 
 def test_default_max_new_tokens_shrinks_to_fit_but_explicit_values_must_fit() -> None:
     prompt = "x" * 55  # 56 tokens with BOS, 8 left of max_seq_len 64
-    assert parse(json.dumps({"prompt": prompt})).max_new_tokens == 8
+    assert parse(json.dumps({"prompt": prompt})).params.max_new_tokens == 8
     with pytest.raises(RequestError, match="exceeds max_seq_len 64"):
         parse(json.dumps({"prompt": prompt, "max_new_tokens": 9}))
     with pytest.raises(RequestError, match="leaves no room"):
@@ -96,6 +107,19 @@ def test_default_max_new_tokens_shrinks_to_fit_but_explicit_values_must_fit() ->
         (b'{"prompt": "hi", "seed": 9223372036854775808}', "seed must be in [0, 2**63)"),
         (b'{"prompt": "hi", "seed": 1.5}', "seed must be an integer"),
         (b'{"prompt": "hi", "stream": 1}', "stream must be true or false, got integer"),
+        (b'{"prompt": "hi", "top_k": -2}', "top_k must be -1 or 0 (no limit) or a positive integer"),
+        (b'{"prompt": "hi", "top_k": 2.5}', "top_k must be an integer"),
+        (b'{"prompt": "hi", "min_p": 1.5}', "min_p must be in [0, 1]"),
+        (b'{"prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty must be in [-2, 2]"),
+        (b'{"prompt": "hi", "presence_penalty": -3}', "presence_penalty must be in [-2, 2]"),
+        (b'{"prompt": "hi", "repetition_penalty": 0}', "repetition_penalty must be in (0, 2]"),
+        (b'{"prompt": "hi", "logit_bias": [1]}', "logit_bias must be an object"),
+        (b'{"prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias keys must be token ids in [0, 1001)"),
+        (b'{"prompt": "hi", "logit_bias": {"1001": 1}}', "logit_bias keys must be token ids in [0, 1001)"),
+        (b'{"prompt": "hi", "logit_bias": {"5": 101}}', "logit_bias values must be numbers in [-100, 100]"),
+        (b'{"prompt": "hi", "logit_bias": {"5": true}}', "logit_bias values must be numbers in [-100, 100]"),
+        (b'{"prompt": "hi", "logprobs": 21}', "logprobs must be in [0, 20]"),
+        (b'{"prompt": "hi", "logprobs": true}', "logprobs must be an integer"),
         (b'{"prompt": null}', "prompt must be a string, got null"),
         (b'{"prompt": ""}', "prompt must not be empty"),
         (b"{}", "exactly one of"),
@@ -133,7 +157,7 @@ def test_bodies_torchserve_already_decoded() -> None:
     with pytest.raises(RequestError, match="must be a JSON object, got array"):
         parse([1, 2])
     with pytest.raises(RequestError, match="Content-Type: application/json"):
-        parse_request({"prompt": "hi"}, SETTINGS, ByteTokenizer())
+        parse_request({"prompt": "hi"}, SETTINGS, ByteTokenizer(), 1001)
 
 
 def test_settings_reject_typos_and_bad_values(tmp_path: Path) -> None:
@@ -357,21 +381,22 @@ def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
     assert len(corpus) >= 500
     for case in corpus:
         try:
-            job = parse_request({"body": case.body}, settings, real_tokenizer)
+            job = parse_request({"body": case.body}, settings, real_tokenizer, real_tokenizer.n_words)
         except RequestError as exc:
             assert not case.valid and exc.status == 400, (case.category, case.body[:120], exc.status, str(exc))
             continue
         assert case.valid, (case.category, case.body[:120], "accepted")
         payload = case.payload
         assert job.prompt_ids == case.prompt_ids(real_tokenizer)
-        assert job.max_new_tokens == (payload.get("max_new_tokens") or settings.default_max_new_tokens)
+        assert job.params.max_new_tokens == (payload.get("max_new_tokens") or settings.default_max_new_tokens)
 
 
 # --- The OpenAI-compatible front door (openai_api) ---------------------------------------------
 
 import tp_llama.serving.openai_api as openai_api
 from tp_llama.serving.metrics import GENERATED_TOKENS, PROMPT_TOKENS, REQUESTS, TPOT, TTFT, ServingMetrics
-from tp_llama.serving.openai_api import CHAT, COMPLETIONS, StopWatcher, parse_openai
+from tp_llama.serving.openai_api import CHAT, COMPLETIONS, parse_openai
+from tp_llama.serving.stream import StopWatcher
 
 
 def parse_oa(path: str, body: bytes | dict, settings: HandlerSettings = SETTINGS, tokenizer=None):
@@ -385,18 +410,18 @@ def test_openai_fields_map_onto_the_native_job() -> None:
     api = parse_oa(COMPLETIONS, {"model": "anything", "prompt": "hi", "max_tokens": 5, "temperature": 0.5,
                                  "top_p": 0.5, "seed": 3, "user": "u", "n": 1, "echo": False, "logprobs": None,
                                  "stop": "\n", "stream": True, "stream_options": {"include_usage": True}})
-    assert api.job == Job(native.prompt_ids, 5, 0.5, 0.5, 3, False, True)
+    assert api.job == Job(native.prompt_ids, native.params, True)
     assert (api.stops, api.include_usage, api.id, api.model) == (("\n",), True, "cmpl-r1", "llama")
     assert parse_oa(COMPLETIONS, {"prompt": [1000, 104, 105]}).job.prompt_ids == [1000, 104, 105]
-    assert parse_oa(COMPLETIONS, {"prompt": "hi"}).job.max_new_tokens == SETTINGS.default_max_new_tokens
+    assert parse_oa(COMPLETIONS, {"prompt": "hi"}).job.params.max_new_tokens == SETTINGS.default_max_new_tokens
     chat = parse_oa(CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "h"},
                                                                      {"type": "text", "text": "i"}]}],
                            "max_completion_tokens": 4, "stop": ["a", "b"]})
     assert chat.job.prompt_ids == parse(b'{"messages": [{"role": "user", "content": "hi"}]}').prompt_ids
-    assert (chat.job.max_new_tokens, chat.stops, chat.id) == (4, ("a", "b"), "chatcmpl-r1")
-    assert parse_oa(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).job.max_new_tokens == 3
-    assert parse_oa(COMPLETIONS, {"prompt": "hi", "ignore_eos": True}).job.ignore_eos  # vLLM's extension
-    assert not parse_oa(COMPLETIONS, {"prompt": "hi"}).job.ignore_eos
+    assert (chat.job.params.max_new_tokens, chat.stops, chat.id) == (4, ("a", "b"), "chatcmpl-r1")
+    assert parse_oa(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).job.params.max_new_tokens == 3
+    assert parse_oa(COMPLETIONS, {"prompt": "hi", "ignore_eos": True}).job.params.ignore_eos  # vLLM's extension
+    assert not parse_oa(COMPLETIONS, {"prompt": "hi"}).job.params.ignore_eos
 
 
 @pytest.mark.parametrize(
@@ -404,9 +429,11 @@ def test_openai_fields_map_onto_the_native_job() -> None:
     [
         (COMPLETIONS, {"prompt": "hi", "n": 2}, "n must be 1", "n"),
         (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo is not supported", "echo"),
-        (COMPLETIONS, {"prompt": "hi", "logprobs": 2}, "logprobs is not supported", "logprobs"),
+        (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs must be in [0, 20]", "logprobs"),
         (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of must be 1", "best_of"),
-        (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
+        (COMPLETIONS, {"prompt": "hi", "presence_penalty": 3}, "presence_penalty must be in [-2, 2]", "presence_penalty"),
+        (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1001": 5}}, "token ids in [0, 1001)", "logit_bias"),
+        (COMPLETIONS, {"prompt": "hi", "min_p": -0.1}, "min_p must be in [0, 1]", "min_p"),
         (COMPLETIONS, {"prompt": "hi", "ignore_eos": 1}, "ignore_eos must be true or false", "ignore_eos"),
         (COMPLETIONS, {"prompt": "hi", "max_new_tokens": 3}, "Unrecognized request argument", "max_new_tokens"),
         (COMPLETIONS, {"messages": [{"role": "user", "content": "hi"}]}, "Unrecognized request argument", "messages"),
@@ -443,7 +470,11 @@ def test_openai_fields_map_onto_the_native_job() -> None:
          "tools are not supported", "tools"),
         (CHAT, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
          "response_format", "response_format"),
-        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs is not supported",
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
+         "top_logprobs needs logprobs set to true", "top_logprobs"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+         "top_logprobs must be in [0, 20]", "top_logprobs"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs must be true or false",
          "logprobs"),
     ],
 )
@@ -531,6 +562,60 @@ def test_a_stop_string_ends_the_generation_there(engine) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == text[:cut]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert handler.scheduler.busy_slots == 0 and not handler.live
+
+
+def test_logprobs_in_every_shape_agree_with_the_tokens(engine) -> None:
+    """Greedy picks the most likely token, so each token's log-probability is the first of its list;
+    the native API, completions and chat give the same numbers, whole and streamed."""
+    prompt = {"prompt": "hello there", "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "hello there"}], "temperature": 0, "ignore_eos": True}
+    bodies = {"n": {**prompt, "max_new_tokens": 6, "logprobs": 3}, "ns": {**prompt, "max_new_tokens": 6, "logprobs": 3,
+                                                                           "stream": True},
+              "c": {**prompt, "max_tokens": 6, "logprobs": 3}, "cs": {**prompt, "max_tokens": 6, "logprobs": 3,
+                                                                    "stream": True},
+              "h": {**chat, "max_tokens": 6, "logprobs": True, "top_logprobs": 2},
+              "hs": {**chat, "max_tokens": 6, "logprobs": True, "stream": True}}
+    paths = {"c": COMPLETIONS, "cs": COMPLETIONS, "h": CHAT, "hs": CHAT}
+    replies = run_to_end(new_handler(engine), {k: json.dumps(v).encode() for k, v in bodies.items()}, paths=paths)
+    native = final_json(replies["n"])
+    assert len(native["logprobs"]) == len(native["token_ids"]) == 6
+    for token, entry in zip(native["token_ids"], native["logprobs"]):
+        assert entry["token_id"] == token and len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0] == {"token_id": token, "logprob": entry["logprob"]} and entry["logprob"] <= 0
+        assert [t["logprob"] for t in entry["top_logprobs"]] == sorted((t["logprob"] for t in entry["top_logprobs"]),
+                                                                      reverse=True)
+    lines = [json.loads(reply) for reply, _, _ in replies["ns"] if reply]
+    assert [e for line in lines for e in line["logprobs"]] == native["logprobs"]
+    values = [e["logprob"] for e in native["logprobs"]]
+    completion = final_json(replies["c"])["choices"][0]["logprobs"]
+    assert completion["token_logprobs"] == pytest.approx(values, abs=1e-5) and len(completion["top_logprobs"][0]) <= 3
+    assert completion["tokens"] == [engine.tokenizer.decode([t]) for t in native["token_ids"]]
+    assert completion["text_offset"] == [sum(map(len, completion["tokens"][:i])) for i in range(6)]
+    streamed = [c["choices"][0]["logprobs"] for c in _sse(replies["cs"]) if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [v for lp in streamed for v in lp["token_logprobs"]] == pytest.approx(values, abs=1e-5)
+    assert [o for lp in streamed for o in lp["text_offset"]] == completion["text_offset"]
+    content = final_json(replies["h"])["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6 and all(len(entry["top_logprobs"]) == 2 for entry in content)
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    streamed = [e for c in _sse(replies["hs"]) if c["choices"][0]["logprobs"]
+                for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-5)
+    assert all(e["top_logprobs"] == [] for e in streamed)
+
+
+def test_sampling_fields_reach_the_engine(engine) -> None:
+    """A seeded request repeats itself; logit_bias forces a token at temperature 0; top_k 1 is greedy.
+    (What each filter and penalty does to the distribution: tests/test_sampling.py.)"""
+    base = {"prompt": "once upon", "max_new_tokens": 8, "ignore_eos": True}
+    bodies = {"s1": {**base, "temperature": 1.0, "seed": 5}, "s2": {**base, "temperature": 1.0, "seed": 5},
+              "g": {**base, "temperature": 0}, "k1": {**base, "temperature": 1.5, "top_k": 1},
+              "b": {**base, "temperature": 0, "logit_bias": {"77": 100}},
+              "r": {**base, "temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "repetition_penalty": 1.3,
+                    "frequency_penalty": 1.0, "presence_penalty": 0.5}}
+    replies = run_to_end(new_handler(engine), {k: json.dumps(v).encode() for k, v in bodies.items()})
+    got = {rid: final_json(r)["token_ids"] for rid, r in replies.items()}
+    assert got["s1"] == got["s2"] and got["k1"] == got["g"] and got["b"] == [77] * 8
+    assert len(got["r"]) == 8
 
 
 def test_chat_stream_starts_with_the_assistant_role(engine) -> None:

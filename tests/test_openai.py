@@ -128,6 +128,27 @@ def test_chat_equals_the_native_messages_reply(server: TorchServe, client) -> No
     assert streamed[-1].choices[0].finish_reason == openai_reason(want)
 
 
+def test_logprobs_penalties_and_bias_through_the_official_client(server: TorchServe, client) -> None:
+    """The client parses our logprobs objects; they agree with the native API's, and the sampling
+    fields OpenAI and vLLM clients send are honoured."""
+    want = native(server, prompt=PROMPT, logprobs=2)
+    values = [entry["logprob"] for entry in want["logprobs"]]
+    got = client.completions.create(model="llama", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, logprobs=2)
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(values, abs=1e-5)
+    assert all(len(top) <= 2 for top in got.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_completion_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6) for c in content)  # greedy: the best
+    forced = client.completions.create(model="llama", prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logit_bias={"77": 100}, frequency_penalty=0.5, presence_penalty=0.5,
+                                       extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1,
+                                                   "ignore_eos": True})
+    assert forced.usage.completion_tokens == 4 and native(server, prompt=PROMPT, max_new_tokens=4,
+                                                         logit_bias={"77": 100})["token_ids"] == [77] * 4
+
+
 def test_stop_strings_cut_the_text_and_end_the_generation(server: TorchServe, client) -> None:
     want = native(server, prompt=PROMPT, max_new_tokens=60)
     text = want["text"]
@@ -151,7 +172,7 @@ def test_models_list_is_served_by_the_handler(client) -> None:
 @pytest.mark.parametrize("call, param", [
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, n=2), "n"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, echo=True), "echo"),
-    (lambda c: c.completions.create(model="llama", prompt=PROMPT, logprobs=2), "logprobs"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, logprobs=21), "logprobs"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, temperature=-1), "temperature"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, max_tokens=NEW_TOKENS_LIMIT + 1), "max_tokens"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, stop=["a", "b", "c", "d", "e"]), "stop"),

@@ -1,4 +1,4 @@
-"""The scheduler's slot accounting and plans, sampling, and the model running any mix of rows.
+"""The scheduler's slot accounting and plans, and the model running any mix of rows.
 
 The model checks compare a row's logits inside mixed batches (chunked prefill, decode rows with
 holes between their slots) with the same sequence run alone in one piece; tests/test_parity.py
@@ -16,7 +16,6 @@ from tests.support.run_model import dense_logits
 from tp_llama import backend
 from tp_llama.model import Batch, Transformer
 from tp_llama.model import ModelArgs
-from tp_llama.engine.sampling import sample, sample_rows
 from tp_llama.engine.scheduler import SamplingParams, Scheduler, Sequence
 
 EOS = 2
@@ -94,31 +93,6 @@ def test_requests_that_cannot_fit_are_refused_before_taking_a_slot():
     with pytest.raises(ValueError, match="prompt is empty"):
         scheduler.add(seq("empty", 0))
     assert not scheduler.has_work()
-
-
-def test_greedy_is_argmax_and_tiny_top_p_is_greedy_too():
-    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
-    assert sample(logits, 0.0, 1.0, None) == 1
-    gen = torch.Generator().manual_seed(0)
-    assert {sample(logits, 1.0, 1e-6, gen) for _ in range(50)} == {1}
-
-
-def test_top_p_never_samples_outside_the_nucleus_and_seed_repeats():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    gen = torch.Generator().manual_seed(1)
-    picks = [sample(logits, 1.0, 0.7, gen) for _ in range(400)]
-    assert set(picks) == {0, 1}  # 0.5 + 0.3 covers 0.7; tokens 2 and 3 are outside
-    assert 0.5 < picks.count(0) / len(picks) < 0.75  # renormalised 0.5/0.8 = 0.625
-    again = torch.Generator().manual_seed(1)
-    assert [sample(logits, 1.0, 0.7, again) for _ in range(400)] == picks
-
-
-def test_a_seeded_row_draws_the_same_tokens_whatever_runs_beside_it():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
-    alone = [sample_rows(logits[1:2], [(0.8, 0.9, torch.Generator().manual_seed(11))])[0] for _ in range(1)]
-    gen = torch.Generator().manual_seed(11)
-    mixed = sample_rows(logits, [(0.0, 1.0, None), (0.8, 0.9, gen), (1.0, 1.0, torch.Generator().manual_seed(2))])
-    assert mixed[1] == alone[0] and mixed[0] == int(logits[0].argmax())
 
 
 @pytest.fixture(scope="module")

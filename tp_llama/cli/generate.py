@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from tp_llama.config import DTYPES, MODES, EngineConfig
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Sequence, check_sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence, check_sequence
 from tp_llama.errors import CheckpointError
 from tp_llama.parallel.distributed import leave_group, log, raise_if_any_rank_failed
 
@@ -30,6 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output (vLLM's)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past stop tokens")
     parser.add_argument("--mode", choices=MODES, default="tp")
@@ -78,7 +82,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 def run(a: argparse.Namespace) -> None:
     engine = Engine.load(engine_config(a))
-    params = SamplingParams(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.ignore_eos)
+    params = SamplingParams(a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                            repetition_penalty=a.repetition_penalty, seed=a.seed, ignore_eos=a.ignore_eos)
     sequences = [Sequence(str(i), engine.tokenizer.encode(p, bos=True), params) for i, p in enumerate(a.prompt)]
     error = None
     try:  # every rank checks the same prompts, so a bad one stops all of them before any step

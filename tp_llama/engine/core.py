@@ -136,9 +136,9 @@ class Engine:
             # The last step unless one more would still end within the budget (a step takes about as
             # long as the one before).
             end = step_started - started + 2 * self._last_step_s > budget_s
-            picked = self._lead(scheduled, end)
+            picked, logprobs = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
-            touched = scheduler.commit(scheduled, picked)
+            touched = scheduler.commit(scheduled, picked, logprobs)
             if on_step is not None:
                 on_step(touched)
             if end:
@@ -172,13 +172,13 @@ class Engine:
         self.run(scheduler, on_step=on_step)
         return sequences
 
-    def _lead(self, scheduled: Scheduled, end: bool) -> list[int]:
-        """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row."""
+    def _lead(self, scheduled: Scheduled, end: bool) -> tuple[list[int], list]:
+        """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row
+        (with its log-probabilities where the sequence asks)."""
         started = time.perf_counter()
         _, logits = self.runner.run(StepPlan(scheduled.rows, end))
-        settings = [(seq.params.temperature, seq.params.top_p, seq.generator)
-                    for row, seq in zip(scheduled.rows, scheduled.sequences) if row.sample]
-        picked = sample_rows(logits, settings) if logits is not None else []
+        sampling = [seq for row, seq in zip(scheduled.rows, scheduled.sequences) if row.sample]
+        picked, logprobs = sample_rows(logits, sampling) if logits is not None else ([], [])
         seconds = time.perf_counter() - started
         if scheduled.prompt_tokens:
             self.stats.prefill_tokens += scheduled.prompt_tokens
@@ -186,4 +186,4 @@ class Engine:
         elif scheduled.rows:
             self.stats.decode_tokens += len(scheduled.rows)
             self.stats.decode_s += seconds
-        return picked
+        return picked, logprobs

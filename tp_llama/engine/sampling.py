@@ -1,34 +1,198 @@
-"""Picking the next token of every sampling row at once, on rank 0."""
+"""Picking the next token of every sampling row of a step at once, on rank 0, on the logits' device.
+
+The order is vLLM's. Penalties and logit_bias change the logits (greedy rows too): repetition
+(vLLM's meaning, over prompt and generated tokens: positive logits divided by it, negative ones
+multiplied), then frequency and presence (OpenAI's, over the generated tokens), then the bias.
+Greedy rows take the argmax. Sampled rows divide by their temperature, keep the tokens at or
+above min_p of the best one, then their top_k, then the smallest set of the highest whose
+probability reaches top_p of what is left (ties at each boundary kept together), and draw by the
+inverse CDF in token order with one uniform from the row's own generator: a seeded request
+consumes one number of its stream per step, whatever runs beside it. Every filter is a threshold
+on the logit, found without sorting the vocabulary: by tp_llama's C kernel on CPUs that have it
+(kernels/cpu/sample.c), elsewhere by bisection over the logits' sortable bits, which needs no
+host sync. Log-probabilities are those of the model's own distribution (log_softmax of the raw
+logits, before penalties and temperature), as vLLM returns by default.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
+from tp_llama.kernels.cpu import ffi
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise nucleus sampling over the smallest set with mass >= top_p."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-    return int(order[choice])
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's top_logprobs limit)
 
 
-def sample_rows(
-    logits: torch.Tensor, settings: list[tuple[float, float, torch.Generator | None]]
-) -> list[int]:
-    """One token per row of logits [R, V]; settings[r] = (temperature, top_p, generator).
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none; N: the token's log-probability and the N most likely
+    seed: int | None = None
+    ignore_eos: bool = False
 
-    Greedy rows take one argmax over the batch (one host copy); the others sample row by row with
-    their own generator, so a seeded request draws the same tokens whatever runs beside it.
-    """
-    if not settings:
-        return []
-    picked = logits.argmax(dim=-1).tolist()
-    for row, (temperature, top_p, generator) in enumerate(settings):
-        if temperature > 0:
-            picked[row] = sample(logits[row].cpu(), temperature, top_p, generator)
-    return picked
+    @property
+    def penalized(self) -> bool:
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
+                    or self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities, best first
+
+
+class History(Protocol):
+    """What sampling reads of a sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output: list[int]
+
+
+def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
+    """The sampler's own limits (the front doors check their fields first, naming them)."""
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or not 0 <= params.min_p <= 1:
+        raise ValueError("temperature must be >= 0, top_p in (0, 1] and min_p in [0, 1]")
+    if params.top_k < 0 or params.repetition_penalty <= 0:
+        raise ValueError("top_k must be >= 0 and repetition_penalty > 0")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+    if vocab_size is not None and any(not 0 <= token < vocab_size for token, _ in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+
+
+def sample_rows(logits: torch.Tensor, rows: list[History]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of logits [R, V] (float32), and its log-probabilities where the row asks."""
+    if not rows:
+        return [], []
+    raw = logits
+    if any(row.params.penalized for row in rows):
+        logits = penalize(logits, rows)
+    picked = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [r for r, row in enumerate(rows) if row.params.temperature == 0]
+    sampled = [r for r, row in enumerate(rows) if row.params.temperature > 0]
+    if greedy:
+        picked[greedy] = logits[greedy].argmax(dim=-1) if sampled else logits.argmax(dim=-1)
+    if sampled:
+        uniforms = [float(torch.rand((), dtype=torch.float64, generator=rows[r].generator)) for r in sampled]
+        params = [rows[r].params for r in sampled]
+        draw = _draw_in_c if logits.device.type == "cpu" and ffi.load()[0] is not None else draw_by_bisection
+        picked[sampled] = draw(logits, sampled, params, uniforms)
+    tokens = picked.tolist()
+    return tokens, _logprobs(raw, rows, tokens)
+
+
+def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
+    """The rows' penalties and logit_bias on a copy of logits [R, V]: each kind one indexed op over
+    every (row, token) it touches, whatever the number of rows."""
+    logits = logits.clone()
+    repeat, shift, bias = ([], [], []), ([], [], []), ([], [], [])  # (rows, tokens, values) of each kind
+    for r, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = set(row.prompt_ids) | set(row.output)
+            repeat[0].extend([r] * len(seen))
+            repeat[1].extend(seen)
+            repeat[2].extend([p.repetition_penalty] * len(seen))
+        if p.frequency_penalty or p.presence_penalty:
+            for token, count in Counter(row.output).items():
+                shift[0].append(r)
+                shift[1].append(token)
+                shift[2].append(p.frequency_penalty * count + p.presence_penalty)
+        for token, value in p.logit_bias:
+            bias[0].append(r)
+            bias[1].append(token)
+            bias[2].append(value)
+    device = logits.device
+    if repeat[0]:
+        at = (torch.tensor(repeat[0], device=device), torch.tensor(repeat[1], device=device))
+        factor, values = torch.tensor(repeat[2], device=device), logits[at]
+        logits[at] = torch.where(values > 0, values / factor, values * factor)
+    for (at_rows, tokens, values), sign in ((shift, -1.0), (bias, 1.0)):
+        if at_rows:
+            at = (torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device))
+            logits.index_put_(at, sign * torch.tensor(values, device=device), accumulate=True)
+    return logits
+
+
+def _draw_in_c(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
+    lib = ffi.library()
+    logits = logits.contiguous()
+    specs = (lib.structs["SampleRow"] * len(rows))(*(
+        (r, p.top_k, p.temperature, p.top_p, p.min_p, u, 0) for r, p, u in zip(rows, params, uniforms)))
+    if lib.sample_rows(logits.data_ptr(), logits.shape[1], specs, len(rows)):
+        raise MemoryError("no memory to sample")
+    return torch.tensor([spec.token for spec in specs], device=logits.device)
+
+
+def sortable(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 keys in the same order (NaN aside)."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _highest_key(keys: torch.Tensor, weights: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest key t whose tokens at or above it weigh at least `need` (33 bisection
+    steps over the int32 range: exact, and no host sync)."""
+    lo = torch.full_like(need, -(2**31), dtype=torch.int64)
+    hi = torch.full_like(need, 2**31, dtype=torch.int64)
+    for _ in range(33):
+        mid = (lo + hi) // 2
+        enough = torch.where(keys >= mid.unsqueeze(1), weights, 0).sum(-1) >= need
+        lo, hi = torch.where(enough, mid, lo), torch.where(enough, hi, mid)
+    return lo
+
+
+def draw_by_bisection(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                      uniforms: list[float]) -> torch.Tensor:
+    """The sample.c draw in PyTorch, for devices without it: the same filters and the same inverse CDF."""
+    device = logits.device
+    as_column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # noqa: E731
+    x = logits[rows].float()
+    z = (x - x.max(dim=-1, keepdim=True).values) / as_column([p.temperature for p in params])
+    w = torch.exp(z).nan_to_num(0.0)
+    w = torch.where(w >= as_column([p.min_p for p in params]), w, 0).double()
+    keys = sortable(x)
+    top_k = as_column([p.top_k for p in params], torch.int64).squeeze(1)
+    limited = (top_k > 0) & (top_k < x.shape[1])
+    floor_k = _highest_key(keys, (w > 0).double(), top_k.double())
+    w = torch.where(limited.unsqueeze(1) & (keys < floor_k.unsqueeze(1)), 0, w)
+    top_p = as_column([p.top_p for p in params], torch.float64).squeeze(1)
+    floor_p = _highest_key(keys, w, top_p * w.sum(-1))
+    w = torch.where((top_p < 1).unsqueeze(1) & (keys < floor_p.unsqueeze(1)), 0, w)
+    cumulative = w.cumsum(-1)
+    target = as_column(uniforms, torch.float64) * cumulative[:, -1:]
+    picked = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    return torch.minimum(picked, (w > 0).cumsum(-1).argmax(-1))  # rounding past the end: the last kept
+
+
+def _logprobs(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> list[TokenLogprobs | None]:
+    wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return out
+    x = raw[wanted] if len(wanted) < len(rows) else raw
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, torch.tensor([[tokens[r]] for r in wanted], device=raw.device)) - lse).squeeze(1).tolist()
+    most = max(rows[r].params.logprobs for r in wanted)
+    values, ids = x.topk(most, dim=-1) if most else (x[:, :0], x[:, :0].long())
+    values, ids = (values - lse).tolist(), ids.tolist()
+    for i, r in enumerate(wanted):
+        n = rows[r].params.logprobs
+        out[r] = TokenLogprobs(tokens[r], chosen[i], list(zip(ids[i][:n], values[i][:n])))
+    return out

@@ -19,15 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tp_llama.engine.plan import Row
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
+from tp_llama.engine.sampling import SamplingParams, TokenLogprobs, check_params
 
 
 @dataclass(eq=False)
@@ -38,6 +30,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     slot: int | None = None
     computed: int = 0  # tokens already written to the KV cache
     finish_reason: str | None = None
@@ -55,11 +48,11 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt_ids)
 
-    def take_new_tokens(self) -> list[int]:
-        """Output tokens not handed out before (for streaming)."""
-        new = self.output[self.reported :]
+    def take_new_tokens(self) -> tuple[list[int], list[TokenLogprobs]]:
+        """Output tokens not handed out before (for streaming), and their log-probabilities if asked for."""
+        new, logprobs = self.output[self.reported :], self.logprobs[self.reported :]
         self.reported = len(self.output)
-        return new
+        return new, logprobs
 
 
 @dataclass
@@ -82,8 +75,7 @@ def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: i
             f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
             f"exceeds max_seq_len {max_seq_len}"
         )
-    if params.temperature < 0 or not 0 < params.top_p <= 1:
-        raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+    check_params(params)
 
 
 class Scheduler:
@@ -147,10 +139,12 @@ class Scheduler:
             owners.append(seq)
         return Scheduled(rows, owners, self.prefill_budget - budget)
 
-    def commit(self, step: Scheduled, picked: list[int]) -> list[Sequence]:
-        """Record the step's results (one picked token per sampling row); returns the sequences it touched."""
+    def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None
+               ) -> list[Sequence]:
+        """Record the step's results (one picked token per sampling row, and its log-probabilities
+        where asked for); returns the sequences it touched."""
         now = time.perf_counter()
-        tokens = iter(picked)
+        tokens = iter(zip(picked, logprobs or [None] * len(picked)))
         for row, seq in zip(step.rows, step.sequences):
             if seq.finished:  # cancelled while its step ran
                 if row.sample:
@@ -159,13 +153,15 @@ class Scheduler:
             seq.computed += len(row.tokens)
             if not row.sample:
                 continue
-            token = next(tokens)
+            token, token_logprobs = next(tokens)
             if seq.first_token_at is None:
                 seq.first_token_at = now
             if token in self.stop_ids and not seq.params.ignore_eos:
                 self._finish(seq, "stop")
                 continue
             seq.output.append(token)
+            if token_logprobs is not None:
+                seq.logprobs.append(token_logprobs)
             if len(seq.output) >= seq.params.max_new_tokens or seq.computed + 1 >= self.max_seq_len:
                 self._finish(seq, "length")
         return step.sequences

@@ -1,7 +1,9 @@
 """The native API, POST /predictions/NAME: its request fields and its replies, together.
 
 Reply: {"text", "token_ids", "finish_reason", "usage"} as one JSON object, or streamed as one JSON
-line per TorchServe call with the new text and ids, the last one carrying finish_reason and usage.
+line per TorchServe call with the new text and ids, the last one carrying finish_reason and usage;
+with "logprobs": N, also "logprobs", one entry per token id: its log-probability and the N most
+likely tokens'.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from tp_llama.serving.request import (
     fit_max_new_tokens,
     integer_field,
     json_line,
+    logprobs_field,
+    native_logprobs,
     request_body,
-    sampling_fields,
+    sampling_params,
     text_prompt_ids,
 )
 from tp_llama.serving.settings import HandlerSettings
 from tp_llama.serving.stream import StreamDecoder
 
-FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "stream")
+FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+          "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream")
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 
@@ -41,19 +46,19 @@ def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
     return chat_prompt_ids(body["messages"], tokenizer)
 
 
-def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer: ChatTokenizer) -> Job:
+def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer: ChatTokenizer,
+                  vocab_size: int) -> Job:
     """Validate one request of a batch; raises RequestError with a message for the client."""
     body = decode_body(request_body(request), settings.max_request_bytes)
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
-    temperature, top_p, seed = sampling_fields(body, settings)
-    ignore_eos = boolean_field(body, "ignore_eos")
-    stream = boolean_field(body, "stream")
     prompt_ids = _prompt_ids(body, tokenizer)
     max_new_tokens = fit_max_new_tokens(integer_field(body, "max_new_tokens"), "max_new_tokens",
                                         len(prompt_ids), settings)
-    return Job(prompt_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, stream)
+    params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"),
+                             boolean_field(body, "ignore_eos"))
+    return Job(prompt_ids, params, boolean_field(body, "stream"))
 
 
 class NativeRequest:
@@ -78,15 +83,21 @@ class NativeRequest:
         if not seq.finished:
             if self.stream is None:
                 return ""
-            new = seq.take_new_tokens()
-            return json_line({"text": self.stream.push(new), "token_ids": new}) if new else ""
+            new, logprobs = seq.take_new_tokens()
+            return json_line(self._piece(self.stream.push(new), new, logprobs)) if new else ""
         usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)}
         if seq.finish_reason == "timeout":
             return json_line({"error": f"the request ran past responseTimeout ({timeout_s:g} s)",
                               "finish_reason": "timeout", "usage": usage})
         if self.stream is None:
-            return json_line({"text": self.decode(seq.output), "token_ids": seq.output,
-                              "finish_reason": seq.finish_reason, "usage": usage})
-        new = seq.take_new_tokens()
-        text = self.stream.push(new) + self.stream.finish()
-        return json_line({"text": text, "token_ids": new, "finish_reason": seq.finish_reason, "usage": usage})
+            piece = self._piece(self.decode(seq.output), seq.output, seq.logprobs)
+        else:
+            new, logprobs = seq.take_new_tokens()
+            piece = self._piece(self.stream.push(new) + self.stream.finish(), new, logprobs)
+        return json_line({**piece, "finish_reason": seq.finish_reason, "usage": usage})
+
+    def _piece(self, text: str, token_ids: list[int], logprobs: list) -> dict[str, Any]:
+        piece = {"text": text, "token_ids": token_ids}
+        if self.job.params.logprobs is not None:
+            piece["logprobs"] = native_logprobs(logprobs)
+        return piece

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.request import (
     ChatTokenizer,
@@ -28,13 +29,14 @@ from tp_llama.serving.request import (
     fit_max_new_tokens,
     integer_field,
     json_line,
+    logprobs_field,
     request_body,
-    sampling_fields,
+    sampling_params,
     text_prompt_ids,
     type_name,
 )
 from tp_llama.serving.settings import HandlerSettings
-from tp_llama.serving.stream import StreamDecoder
+from tp_llama.serving.stream import StopWatcher, StreamDecoder
 
 COMPLETIONS = "v1/completions"
 CHAT = "v1/chat/completions"
@@ -59,22 +61,16 @@ def _null_or(*allowed: Any):
 # as OpenAI itself does.
 _DEFAULT_ONLY_COMMON = {
     "n": (_null_or(1), "n must be 1: this server returns one choice per request"),
-    "presence_penalty": (_null_or(0, 0.0), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": (_null_or(0, 0.0), "frequency_penalty is not supported (only 0)"),
-    "logit_bias": (_null_or({}), "logit_bias is not supported"),
 }
 _DEFAULT_ONLY = {
     COMPLETIONS: {
         **_DEFAULT_ONLY_COMMON,
-        "logprobs": (_null, "logprobs is not supported"),
         "echo": (_null_or(False), "echo is not supported"),
         "best_of": (_null_or(1), "best_of must be 1"),
         "suffix": (_null, "suffix is not supported"),
     },
     CHAT: {
         **_DEFAULT_ONLY_COMMON,
-        "logprobs": (_null_or(False), "logprobs is not supported"),
-        "top_logprobs": (_null, "top_logprobs is not supported"),
         "tools": (_null_or([]), "tools are not supported"),
         "tool_choice": (_null_or("none"), "tool_choice is not supported"),
         "functions": (_null_or([]), "functions are not supported"),
@@ -85,61 +81,18 @@ _DEFAULT_ONLY = {
     },
 }
 _HONOURED = {
-    COMPLETIONS: {"prompt", "max_tokens"},
-    CHAT: {"messages", "max_tokens", "max_completion_tokens"},
+    COMPLETIONS: {"prompt", "max_tokens", "logprobs"},
+    CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
-# ignore_eos is vLLM's extension (benchmark clients send it to get exactly max_tokens tokens).
-_COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos"}
+# ignore_eos, top_k, min_p and repetition_penalty are vLLM's extensions, which its clients send.
+_COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
+           "frequency_penalty", "presence_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty"}
 
 
 def error_body(error: RequestError) -> dict[str, Any]:
     """OpenAI's error object for a refused request."""
     kind = "invalid_request_error" if error.status < 500 else "server_error"
     return {"error": {"message": str(error), "type": kind, "param": error.param, "code": None}}
-
-
-class StopWatcher:
-    """Cuts generated text before the first stop string, holding back text that may begin one.
-
-    `feed` takes newly stable text and returns the part that is safe to show, plus whether a
-    stop string was found (then nothing after it is ever shown).
-    """
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.longest = max((len(s) for s in stops), default=0)
-        self.text = ""
-        self.shown = 0
-        self.hit = False
-
-    def feed(self, piece: str, final: bool = False) -> str:
-        if self.hit:
-            return ""
-        # An occurrence wholly inside text fed before would have been found then.
-        start = max(0, len(self.text) - self.longest + 1)
-        self.text += piece
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if found:
-            cut = min(found)
-            self.hit = True
-            self.text = self.text[:cut]
-            return self._show(cut)
-        if final:
-            return self._show(len(self.text))
-        hold = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return self._show(len(self.text) - hold)
-
-    def _show(self, end: int) -> str:
-        if end <= self.shown:
-            return ""
-        piece = self.text[self.shown:end]
-        self.shown = end
-        return piece
 
 
 @dataclass(eq=False)
@@ -158,6 +111,8 @@ class OpenAIRequest:
     watcher: StopWatcher | None = None
     started: bool = False
     text: list[str] = field(default_factory=list)
+    pending: list[TokenLogprobs] = field(default_factory=list)  # streamed: log-probabilities not sent yet
+    offset: int = 0  # completions: where the next token's text starts (text_offset)
 
     @property
     def chat(self) -> bool:
@@ -179,7 +134,8 @@ class OpenAIRequest:
         sequence when `stopped` turns true."""
         if self.decoder is None:
             return ""
-        new = seq.take_new_tokens()
+        new, logprobs = seq.take_new_tokens()
+        self.pending += logprobs
         piece = self.decoder.push(new) if new else ""
         if seq.finished:
             piece += self.decoder.finish()
@@ -209,17 +165,39 @@ class OpenAIRequest:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _chunk(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+    def _logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (chat's `content` list, or completions' four lists)."""
+        if self.job.params.logprobs is None:
+            return None
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                text = self.decode([token])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(*top) for top in t.top]}
+                                for t in logprobs]}
+        tokens = [self.decode([t.token]) for t in logprobs]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in logprobs],
+                "top_logprobs": [{self.decode([token]): value for token, value in t.top} for t in logprobs],
+                "text_offset": offsets}
+
+    def _chunk(self, text: str | None, finish_reason: str | None,
+               logprobs: list[TokenLogprobs] = ()) -> dict[str, Any]:
+        lp = self._logprobs(list(logprobs)) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {}
             if not self.started:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             chunk = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None
@@ -229,8 +207,9 @@ class OpenAIRequest:
     def stream_reply(self, shown: str, seq: Sequence) -> str:
         """This call's server-sent events ("" when there is nothing new)."""
         events: list[dict[str, Any]] = []
-        if shown or (self.chat and not self.started):
-            events.append(self._chunk(shown, None))
+        if shown or self.pending or (self.chat and not self.started):
+            events.append(self._chunk(shown, None, self.pending))
+            self.pending = []
         if seq.finished:
             if seq.finish_reason == "timeout" and not self.stopped:
                 return _sse(events) + _event({"error": timeout_error()}) + DONE
@@ -246,12 +225,13 @@ class OpenAIRequest:
             return {"error": timeout_error()}
         text = "".join(self.text) if self.decoder is not None else self.decode(seq.output)
         reason = self.finish_reason(seq)
+        logprobs = self._logprobs(seq.logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": reason}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": self.usage(seq)}
 
@@ -296,6 +276,21 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
         if not item:
             raise RequestError("stop strings must not be empty", param="stop")
     return tuple(stops)
+
+
+def _logprobs_asked(body: dict[str, Any], path: str) -> int | None:
+    """How many alternatives each token's log-probabilities list (None: no log-probabilities).
+
+    Completions: logprobs, an integer. Chat: logprobs true, with top_logprobs alternatives.
+    """
+    if path == COMPLETIONS:
+        return logprobs_field(body, "logprobs")
+    top = logprobs_field(body, "top_logprobs")
+    if not boolean_field(body, "logprobs"):
+        if top is not None:
+            raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
@@ -367,7 +362,6 @@ def parse_openai(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise RequestError(f"user must be a string, got {type_name(user)}", param="user")
-    temperature, top_p, seed = sampling_fields(body, settings)
     stream = boolean_field(body, "stream")
     ignore_eos = boolean_field(body, "ignore_eos")
     include_usage = _include_usage(body, stream)
@@ -385,7 +379,8 @@ def parse_openai(
             raise RequestError("prompt is required", param="prompt")
         prompt_ids = _completion_prompt_ids(body["prompt"], tokenizer, vocab_size)
     max_new_tokens = fit_max_new_tokens(integer_field(body, key), key, len(prompt_ids), settings)
-    job = Job(prompt_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, stream)
+    params = sampling_params(body, settings, max_new_tokens, vocab_size, _logprobs_asked(body, path), ignore_eos)
+    job = Job(prompt_ids, params, stream)
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created)

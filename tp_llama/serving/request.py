@@ -11,10 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tp_llama.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.settings import HandlerSettings
 
 SEED_LIMIT = 2**63
+MAX_LOGIT_BIAS = 1024
 
 
 class RequestError(ValueError):
@@ -40,11 +42,7 @@ class Job:
     """A validated request: what the engine needs plus how to answer."""
 
     prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    ignore_eos: bool
+    params: SamplingParams
     stream: bool
 
 
@@ -178,20 +176,79 @@ def boolean_field(body: dict[str, Any], key: str) -> bool:
     return value
 
 
-def sampling_fields(body: dict[str, Any], settings: HandlerSettings) -> tuple[float, float, int | None]:
-    """temperature, top_p and seed (same names in both APIs), defaults from the yaml."""
-    temperature = number_field(body, "temperature")
-    temperature = settings.temperature if temperature is None else temperature
-    if temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {temperature}", param="temperature")
-    top_p = number_field(body, "top_p")
-    top_p = settings.top_p if top_p is None else top_p
-    if not 0 < top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+def bounded_number(body: dict[str, Any], key: str, default: float, low: float, high: float,
+                   open_low: bool = False) -> float:
+    """A number in [low, high] ((low, high] with open_low); `default` when not set."""
+    value = number_field(body, key)
+    if value is None:
+        return default
+    if not (low < value if open_low else low <= value) or value > high:
+        where = f">= {low:g}" if high == float("inf") else f"in {'(' if open_low else '['}{low:g}, {high:g}]"
+        raise RequestError(f"{key} must be {where}, got {value:g}", param=key)
+    return value
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]}; ids as strings (JSON keys) or integers."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be an object of token id -> number, got {type_name(bias)}",
+                           param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    entries = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                               param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
+                               param="logit_bias")
+        entries.append((token, float(value)))
+    return tuple(entries)
+
+
+def sampling_params(body: dict[str, Any], settings: HandlerSettings, max_new_tokens: int, vocab_size: int,
+                    logprobs: int | None, ignore_eos: bool) -> SamplingParams:
+    """The sampling fields both APIs share (OpenAI's, and vLLM's top_k, min_p and repetition_penalty);
+    temperature and top_p default from the yaml."""
     seed = integer_field(body, "seed")
     if seed is not None and not 0 <= seed < SEED_LIMIT:
         raise RequestError(f"seed must be in [0, 2**63), got {seed}", param="seed")
-    return temperature, top_p, seed
+    top_k = integer_field(body, "top_k")
+    if top_k is not None and top_k < -1:
+        raise RequestError(f"top_k must be -1 or 0 (no limit) or a positive integer, got {top_k}", param="top_k")
+    return SamplingParams(
+        max_new_tokens,
+        temperature=bounded_number(body, "temperature", settings.temperature, 0.0, float("inf")),
+        top_p=bounded_number(body, "top_p", settings.top_p, 0.0, 1.0, open_low=True),
+        top_k=max(top_k or 0, 0),
+        min_p=bounded_number(body, "min_p", 0.0, 0.0, 1.0),
+        frequency_penalty=bounded_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=bounded_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=bounded_number(body, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True),
+        logit_bias=_logit_bias(body, vocab_size),
+        logprobs=logprobs,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
+
+
+def logprobs_field(body: dict[str, Any], key: str, most: int = MAX_LOGPROBS) -> int | None:
+    """An integer in [0, most], or None when not set."""
+    value = integer_field(body, key)
+    if value is not None and not 0 <= value <= most:
+        raise RequestError(f"{key} must be in [0, {most}], got {value}", param=key)
+    return value
+
+
+def native_logprobs(logprobs: list[TokenLogprobs]) -> list[dict[str, Any]]:
+    """Token log-probabilities in the native API's shape."""
+    return [{"token_id": t.token, "logprob": t.logprob,
+             "top_logprobs": [{"token_id": token, "logprob": value} for token, value in t.top]} for t in logprobs]
 
 
 def text_prompt_ids(prompt: Any, tokenizer: ChatTokenizer, key: str = "prompt") -> list[int]:

@@ -27,6 +27,8 @@ static const struct {
     FIELD(DecodeLayer, attention_norm), FIELD(DecodeLayer, ffn_norm), FIELD(DecodeLayer, wqkv),
     FIELD(DecodeLayer, wo), FIELD(DecodeLayer, w13), FIELD(DecodeLayer, w2), FIELD(DecodeLayer, cache_k),
     FIELD(DecodeLayer, cache_v),
+    STRUCT(SampleRow), FIELD(SampleRow, row), FIELD(SampleRow, top_k), FIELD(SampleRow, temperature),
+    FIELD(SampleRow, top_p), FIELD(SampleRow, min_p), FIELD(SampleRow, uniform), FIELD(SampleRow, token),
     STRUCT(DecodeRows), FIELD(DecodeRows, rows), FIELD(DecodeRows, rotation), FIELD(DecodeRows, slots),
     FIELD(DecodeRows, positions),
 };

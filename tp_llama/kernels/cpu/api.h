@@ -2,7 +2,7 @@
  *
  * Python never restates any of it. ffi.py reads this file for the structs' fields and the
  * functions' signatures (so it is kept to a small subset of C: one struct or prototype per
- * statement, types among void, int, int32_t, int64_t, uint32_t, float, char and struct NAME, each maybe
+ * statement, types among void, int, int32_t, int64_t, uint32_t, float, double, char and struct NAME, each maybe
  * const and a pointer), reads every constant's value from the built library (tpl_constant), and
  * checks each struct's size and field offsets against the library (tpl_struct_size,
  * tpl_field_offset) before any kernel runs.
@@ -36,6 +36,17 @@ struct DecodeLayer {
     void *cache_k, *cache_v;
 };
 
+/* One row to sample (sample.c): its filters and its uniform draw in, its token out. */
+struct SampleRow {
+    int64_t row;       /* which row of the logits */
+    int64_t top_k;     /* 0: no limit */
+    float temperature; /* > 0 */
+    float top_p;       /* (0, 1] */
+    float min_p;       /* [0, 1] */
+    double uniform;    /* [0, 1) */
+    int64_t token;
+};
+
 /* A decode step's rows: one new token each, in distinct slots. */
 struct DecodeRows {
     int64_t rows;
@@ -67,6 +78,9 @@ void ffn_block(const struct DecodeLayer *layer, int64_t rows, void *h, const voi
                void *scratch);
 int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *rows, void *h,
                  void *delta, void *scratch);
+
+/* The next token of each row (sample.c): logits [rows][vocab] float32. TPL_OK or TPL_NO_MEMORY. */
+int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n);
 
 /* In-region kernels. x widened into `wide` (M * K floats) first when bf16. */
 void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,

@@ -17,7 +17,8 @@ from pathlib import Path
 from tp_llama.kernels.cpu.build import build, compiler, unsupported
 
 HEADER = Path(__file__).with_name("api.h")
-_SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+_SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+            "double": ctypes.c_double}
 
 
 class LayoutError(OSError):

@@ -1,0 +1,196 @@
+"""The batched sampler against the plain definition, written here in float64 with a full sort.
+
+Distributions are checked statistically on small vocabularies (every filter, penalty and bias,
+ties at the boundaries); at Llama 3's 128,256 tokens the draw is checked exactly, with fixed
+uniforms, for the C kernel and for the PyTorch bisection that other devices run. A seeded
+request draws the same tokens alone and batched where the logits are batch-invariant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from tp_llama.engine.sampling import SamplingParams, draw_by_bisection, sample_rows
+from tp_llama.kernels.cpu import ffi
+
+HAS_C = ffi.load()[0] is not None
+
+
+@dataclass
+class Row:
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+
+
+def reference(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """The probability of every token, by the definitions in the docs, in float64."""
+    p = row.params
+    x = logits.double().clone()
+    if p.repetition_penalty != 1:
+        for token in set(row.prompt_ids + row.output):
+            x[token] = x[token] / p.repetition_penalty if x[token] > 0 else x[token] * p.repetition_penalty
+    for token in set(row.output):
+        x[token] -= p.frequency_penalty * row.output.count(token) + p.presence_penalty
+    for token, bias in p.logit_bias:
+        x[token] += bias
+    if p.temperature == 0:
+        return torch.nn.functional.one_hot(x.argmax(), len(x)).double()
+    probs = torch.softmax(x / p.temperature, dim=0)
+    keep = probs >= p.min_p * probs.max()
+    if 0 < p.top_k < keep.sum():
+        kth = x[keep].sort(descending=True).values[p.top_k - 1]
+        keep &= x >= kth
+    if p.top_p < 1:
+        kept = probs * keep
+        ascending, order = x.sort()
+        from_top = torch.cat([kept[order].flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])
+        above = from_top[torch.searchsorted(ascending, x, right=True)]  # kept mass of tokens with higher logits
+        keep &= above < p.top_p * kept.sum()
+    final = probs * keep
+    return final / final.sum()
+
+
+def reference_draw(distribution: torch.Tensor, uniform: float) -> int:
+    return int(torch.searchsorted(distribution.cumsum(0), torch.tensor([uniform], dtype=torch.float64),
+                                  right=True).clamp(max=len(distribution) - 1))
+
+
+# Logits with ties at the boundaries the filters draw: tokens 2 and 3 tie, 5, 6 and 7 tie.
+SMALL = torch.tensor([2.0, 1.5, 1.0, 1.0, 0.3, 0.0, 0.0, 0.0, -0.5, -1.0, -3.0, -8.0])
+CASES = {
+    "temperature": SamplingParams(1, temperature=0.7),
+    "top_p": SamplingParams(1, temperature=1.0, top_p=0.8),
+    "top_p-tie": SamplingParams(1, temperature=1.0, top_p=0.62),
+    "top_k-tie": SamplingParams(1, temperature=1.3, top_k=3),
+    "top_k-top_p": SamplingParams(1, temperature=1.0, top_k=6, top_p=0.9),
+    "min_p": SamplingParams(1, temperature=1.0, min_p=0.2),
+    "all-filters": SamplingParams(1, temperature=0.9, top_k=8, top_p=0.95, min_p=0.05),
+    "penalties": SamplingParams(1, temperature=1.0, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.5),
+    "logit_bias": SamplingParams(1, temperature=1.0, logit_bias=((11, 9.0), (0, -100.0))),
+}
+HISTORY = {"prompt_ids": [1, 4, 4, 9], "output": [0, 0, 2, 5]}
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+    rows = [Row(params, torch.Generator().manual_seed(seed * 100_000 + i), **HISTORY) for i in range(n)]
+    tokens, _ = sample_rows(logits.expand(n, -1).contiguous(), rows)
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).double() / n
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_draws_follow_the_definition(name: str):
+    params = CASES[name]
+    want = reference(SMALL, Row(params, **HISTORY))
+    got = draws(SMALL, params, 6000)
+    assert torch.all(got[want == 0] == 0), f"{name}: drew a filtered token: {got} vs {want}"
+    tolerance = 5 * (want * (1 - want) / 6000).sqrt() + 1e-9
+    assert torch.all((got - want).abs() <= tolerance), f"{name}:\n got  {got}\n want {want}"
+
+
+def test_the_pytorch_draw_follows_the_definition_too():
+    """draw_by_bisection is what CUDA and CPUs without the C kernels run."""
+    for name in ("top_p-tie", "top_k-tie", "all-filters"):
+        params = CASES[name]
+        want = reference(SMALL, Row(params))
+        gen = torch.Generator().manual_seed(5)
+        uniforms = torch.rand(4000, dtype=torch.float64, generator=gen).tolist()
+        picked = draw_by_bisection(SMALL.expand(4000, -1).contiguous(), list(range(4000)), [params] * 4000, uniforms)
+        got = torch.bincount(picked, minlength=len(SMALL)).double() / 4000
+        assert torch.all(got[want == 0] == 0) and torch.all((got - want).abs() <= 5 * (want * (1 - want) / 4000).sqrt())
+
+
+def test_greedy_rows_take_penalties_and_bias_too():
+    row = Row(SamplingParams(1, repetition_penalty=2.0), prompt_ids=[4, 9], output=[0])  # token 0: 2.0 -> 1.0
+    assert sample_rows(SMALL.unsqueeze(0).clone(), [row])[0] == [1]
+    row = Row(SamplingParams(1, frequency_penalty=0.3, presence_penalty=0.1), output=[0, 0])  # 2.0 - 0.7
+    assert sample_rows(SMALL.unsqueeze(0).clone(), [row])[0] == [1]
+    row = Row(SamplingParams(1, logit_bias=((10, 6.0),)))
+    assert sample_rows(SMALL.unsqueeze(0).clone(), [row])[0] == [10]
+    row = Row(SamplingParams(1))
+    assert sample_rows(SMALL.unsqueeze(0).clone(), [row])[0] == [0]
+
+
+VOCAB = 128_256
+
+
+def big_logits(rows: int, seed: int) -> torch.Tensor:
+    """Half the rows peaked (a few hundred likely tokens, as a trained model gives), half nearly flat."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, VOCAB, generator=gen)
+    logits[::2] *= 2.5
+    return logits
+
+
+@pytest.mark.parametrize("path", ["c", "bisection"])
+def test_at_llama3s_vocabulary_the_draw_is_exactly_the_definitions(path: str):
+    if path == "c" and not HAS_C:
+        pytest.skip("tp_llama's C kernels do not run here (test_kernels checks that they do where they can)")
+    settings = [SamplingParams(1, temperature=0.6, top_p=0.9), SamplingParams(1, temperature=1.0, top_k=50),
+                SamplingParams(1, temperature=0.8, min_p=0.05, top_p=0.95), SamplingParams(1, temperature=1.0)]
+    n = 16
+    logits = big_logits(n, seed=1)
+    params = [settings[r // 2 % len(settings)] for r in range(n)]  # each setting on a peaked and a flat row
+    # The row's one uniform, from a seed chosen so that it lies in the top half: draws that reach the
+    # tail, where a filter left out would show.
+    seeds = [next(s for s in range(1000 * r, 1000 * (r + 1))
+                  if float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(s))) > 0.5)
+             for r in range(n)]
+    uniforms = [float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(s))) for s in seeds]
+    if path == "c":
+        got = sample_rows(logits, [Row(p, torch.Generator().manual_seed(s)) for p, s in zip(params, seeds)])[0]
+    else:
+        got = draw_by_bisection(logits, list(range(n)), params, uniforms).tolist()
+    want = [reference_draw(reference(logits[r], Row(params[r])), uniforms[r]) for r in range(n)]
+    assert got == want
+
+
+def test_logprobs_are_those_of_the_raw_logits():
+    logits = big_logits(3, seed=4)
+    rows = [Row(SamplingParams(1, temperature=0.5, repetition_penalty=1.8, logprobs=5), torch.Generator().manual_seed(1),
+                prompt_ids=[3, 7]),
+            Row(SamplingParams(1, logprobs=0)),
+            Row(SamplingParams(1))]
+    tokens, logprobs = sample_rows(logits, rows)
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    for r in (0, 1):
+        assert logprobs[r].token == tokens[r]
+        assert math.isclose(logprobs[r].logprob, float(exact[r, tokens[r]]), abs_tol=1e-4)
+    values, ids = exact[0].topk(5)
+    assert [t for t, _ in logprobs[0].top] == ids.tolist()
+    assert all(math.isclose(a, float(b), abs_tol=1e-4) for (_, a), b in zip(logprobs[0].top, values))
+    assert logprobs[1].top == [] and logprobs[2] is None
+
+
+def test_a_seeded_row_draws_the_same_alone_and_beside_others():
+    logits = big_logits(6, seed=7)
+    params = SamplingParams(1, temperature=0.8, top_p=0.9, seed=3)
+    alone = sample_rows(logits[2:3].clone(), [Row(params, torch.Generator().manual_seed(3))])[0]
+    others = [Row(SamplingParams(1, temperature=1.0), torch.Generator().manual_seed(50 + r)) for r in range(6)]
+    others[2] = Row(params, torch.Generator().manual_seed(3))
+    assert sample_rows(logits, others)[0][2] == alone[0]
+
+
+@pytest.mark.skipif(not HAS_C, reason="batch-invariant logits need tp_llama's C kernels")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_seeded_request_generates_the_same_text_alone_and_batched(tmp_path, dtype: str):
+    from tp_llama.config import EngineConfig
+    from tp_llama.engine.core import Engine
+    from tp_llama.engine.scheduler import Sequence
+    from tp_llama.testing.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=1, vocab_size=512)
+    engine = Engine.load(EngineConfig(str(ckpt), "tp", dtype, max_seq_len=64, max_batch_size=4, prefill_budget=64))
+    seeded = SamplingParams(24, temperature=0.9, top_p=0.95, top_k=200, seed=1234, ignore_eos=True)
+    prompt = engine.tokenizer.encode("The keeper of the lamp", bos=True)
+    alone = engine.generate([Sequence("a", prompt, seeded)])[0].output
+    others = [Sequence(str(i), engine.tokenizer.encode(text, bos=True),
+                       SamplingParams(24, temperature=1.0, ignore_eos=True)) for i, text in
+              enumerate(["Once upon a time", "A ship", "Numbers: 1 2 3"])]
+    batched = engine.generate([others[0], Sequence("b", prompt, seeded), *others[1:]])[1].output
+    assert len(alone) == 24 and batched == alone

@@ -1,0 +1,204 @@
+/* Sampling the next token of many rows at once, float32, in a few passes over each row's logits.
+ *
+ * A row keeps the tokens that pass min_p (p >= min_p * p_max), then its top_k, then the smallest
+ * set of the highest whose probability reaches top_p of what is left; ties at a boundary are kept
+ * together. Every filter is a threshold on the logit, so the kept set is {l >= a threshold}, and
+ * the thresholds are found without sorting the vocabulary: one pass builds a histogram of count
+ * and mass over 2048 bins of log-probability (1/64 wide in l / T, the last bin holding everything
+ * below e^-32 of the best token), the bin where a count or a mass is reached is found by
+ * scanning the bins from the top, and only that bin's tokens are sorted to place the threshold
+ * exactly. The draw is the inverse CDF in token order with the row's one uniform, so a seeded
+ * request consumes one number of its own stream a step, whatever else is in the batch.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api.h"
+#include "simd.h"
+
+#define BINS 2048
+#define BIN_SCALE 64.0f /* bins per unit of (l - max) / T */
+
+struct Member {
+    float logit, weight;
+};
+
+static int by_logit_desc(const void *a, const void *b) {
+    float x = ((const struct Member *)a)->logit, y = ((const struct Member *)b)->logit;
+    return (x < y) - (x > y);
+}
+
+struct Row {
+    const float *l;
+    float *w;      /* e^z per token, 0 where it is filtered out */
+    int32_t *bins; /* each token's bin */
+    int64_t vocab;
+    float floor; /* the least logit kept so far */
+    double count[BINS], mass[BINS];
+    struct Member *members; /* scratch for one bin's tokens */
+};
+
+/* The least logit t such that the kept tokens with l >= t reach `need` of count (mass = 0) or of
+ * mass (mass = 1), ties kept together; *reached is what they hold. Every kept token when they
+ * never reach it. */
+static float threshold(struct Row *r, double need, int mass, double *reached) {
+    const double *hist = mass ? r->mass : r->count;
+    double above = 0.0, total = 0.0;
+    for (int b = 0; b < BINS; b++) total += hist[b];
+    if (need >= total) {
+        *reached = total;
+        return r->floor;
+    }
+    int b = 0;
+    for (; b < BINS - 1 && above + hist[b] < need; b++) above += hist[b];
+    int64_t n = 0;
+    for (int64_t i = 0; i < r->vocab; i++)
+        if (r->bins[i] == b && r->w[i] > 0.0f) r->members[n++] = (struct Member){r->l[i], r->w[i]};
+    qsort(r->members, (size_t)n, sizeof(struct Member), by_logit_desc);
+    for (int64_t j = 0; j < n; j++) {
+        above += mass ? r->members[j].weight : 1.0;
+        if (above >= need && (j + 1 == n || r->members[j + 1].logit < r->members[j].logit)) {
+            *reached = above;
+            return r->members[j].logit;
+        }
+    }
+    *reached = above;
+    return n ? r->members[n - 1].logit : r->floor;
+}
+
+/* Drop the tokens below `floor` from the weights and the histogram (top_k, before top_p's). */
+static void cut(struct Row *r, float floor) {
+    r->floor = floor;
+    for (int64_t i = 0; i < r->vocab; i++)
+        if (r->w[i] > 0.0f && r->l[i] < floor) {
+            int b = r->bins[i];
+            r->count[b] -= 1.0;
+            r->mass[b] -= r->w[i];
+            r->w[i] = 0.0f;
+        }
+}
+
+static inline __m256 high_half(__m512 v) { /* AVX-512F alone: no DQ needed */
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* The first kept token (w > 0, l >= floor) at which the running sum of weights passes target; the
+ * last kept one when rounding leaves the target at the very end. Chunks of 16 are summed as
+ * vectors, and only the chunk where the sum passes is walked token by token. */
+static int64_t draw(const struct Row *r, float floor, double target) {
+    const __m512 least = _mm512_set1_ps(floor), zero = _mm512_setzero_ps();
+    double sum = 0.0;
+    int64_t last = 0;
+    for (int64_t i = 0; i < r->vocab; i += 16) {
+        __mmask16 k = lanes(r->vocab - i);
+        __m512 w = _mm512_maskz_loadu_ps(k, r->w + i);
+        __mmask16 kept = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, r->l + i), least, _CMP_GE_OQ) &
+                         _mm512_cmp_ps_mask(w, zero, _CMP_GT_OQ);
+        if (!kept) continue;
+        __m512 v = _mm512_maskz_mov_ps(kept, w);
+        double chunk = _mm512_reduce_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v))) +
+                       _mm512_reduce_add_pd(_mm512_cvtps_pd(high_half(v)));
+        if (sum + chunk <= target) {
+            sum += chunk;
+            last = i + 15 - __builtin_clz((unsigned)kept << 16);
+            continue;
+        }
+        for (int j = 0; j < 16; j++)
+            if (kept >> j & 1) {
+                sum += r->w[i + j];
+                last = i + j;
+                if (sum > target) return last;
+            }
+    }
+    return last;
+}
+
+static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
+    const float *l = r->l;
+    const int64_t V = r->vocab;
+    __m512 highest = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < V; i += 16) /* NaN never wins: max_ps returns its second operand then */
+        highest = _mm512_mask_max_ps(highest, lanes(V - i), _mm512_maskz_loadu_ps(lanes(V - i), l + i), highest);
+    const float m = _mm512_reduce_max_ps(highest);
+    if (!(m > -INFINITY)) return 0;
+    r->floor = -INFINITY;
+    memset(r->count, 0, sizeof(r->count));
+    memset(r->mass, 0, sizeof(r->mass));
+    /* Weights (kept: at least min_p of the best token's weight, 1, and not NaN), bins, and the kept
+     * tokens' count and mass (in double, as every sum here: the draw must land where float64 does). */
+    const __m512 top = _mm512_set1_ps(m), inv_t = _mm512_set1_ps(1.0f / p->temperature);
+    const __m512 min_p = _mm512_set1_ps(p->min_p), scale = _mm512_set1_ps(-BIN_SCALE);
+    const __m512 last_bin = _mm512_set1_ps((float)(BINS - 1));
+    __m512d total = _mm512_setzero_pd();
+    int64_t kept_count = 0;
+    for (int64_t i = 0; i < V; i += 16) {
+        __mmask16 k = lanes(V - i);
+        __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, l + i), top), inv_t);
+        __m512 w = exp16(z);
+        __mmask16 kept = _mm512_mask_cmp_ps_mask(k, w, min_p, _CMP_GE_OQ);
+        w = _mm512_maskz_mov_ps(kept, w);
+        _mm512_mask_storeu_ps(r->w + i, k, w);
+        __m512 bin = _mm512_min_ps(_mm512_mul_ps(z, scale), last_bin); /* NaN z: weight 0, never read */
+        _mm512_mask_storeu_epi32(r->bins + i, k, _mm512_cvttps_epi32(bin));
+        total = _mm512_add_pd(total, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+        total = _mm512_add_pd(total, _mm512_cvtps_pd(high_half(w)));
+        kept_count += __builtin_popcount(kept);
+    }
+    /* The bins above the last, token by token; the last (everything below e^-32 of the best token,
+     * most of a peaked row) holds what is left of the totals. */
+    double kept = _mm512_reduce_add_pd(total), above_last = 0.0, counted = 0.0;
+    for (int64_t i = 0; i < V; i++) {
+        int b = r->bins[i];
+        if (b < BINS - 1 && r->w[i] > 0.0f) {
+            r->count[b] += 1.0;
+            r->mass[b] += r->w[i];
+        }
+    }
+    for (int b = 0; b < BINS - 1; b++) {
+        above_last += r->mass[b];
+        counted += r->count[b];
+    }
+    r->count[BINS - 1] = (double)kept_count - counted;
+    r->mass[BINS - 1] = kept - above_last > 0.0 ? kept - above_last : 0.0;
+    if (p->top_k > 0 && p->top_k < V) {
+        cut(r, threshold(r, (double)p->top_k, 0, &kept));
+        kept = 0.0;
+        for (int b = 0; b < BINS; b++) kept += r->mass[b];
+    }
+    float floor = p->top_p < 1.0f ? threshold(r, (double)p->top_p * kept, 1, &kept) : r->floor;
+    return draw(r, floor, p->uniform * kept);
+}
+
+int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n) {
+    int failed = 0;
+#pragma omp parallel
+    {
+        struct Row *r = malloc(sizeof(struct Row));
+        float *w = malloc((size_t)vocab * sizeof(float));
+        int32_t *bins = malloc((size_t)vocab * sizeof(int32_t));
+        struct Member *members = malloc((size_t)vocab * sizeof(struct Member));
+        if (r == NULL || w == NULL || bins == NULL || members == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            r->w = w;
+            r->bins = bins;
+            r->members = members;
+            r->vocab = vocab;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t j = 0; j < n; j++) {
+                r->l = logits + rows[j].row * vocab;
+                rows[j].token = sample_row(r, &rows[j]);
+            }
+        }
+        free(r);
+        free(w);
+        free(bins);
+        free(members);
+    }
+    return failed ? TPL_NO_MEMORY : TPL_OK;
+}
