@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 1024])
     parser.add_argument("--repeats", type=int, default=10)
     a = parser.parse_args(argv)
-    if choose(torch.device("cpu"), torch.float32)[0] != "tiles":
+    if choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"):
         raise SystemExit(f"no tiled kernel here: {choose(torch.device('cpu'), torch.float32)[1]}")
     shapes = weight_shapes(a.preset)
     print(f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s; {torch.get_num_threads()} threads; "

@@ -12,10 +12,12 @@ import torch
 from tp_llama.kernels import Tiled, choose, cpu_flags, linear, prepare, prepare_swiglu
 from tp_llama.kernels.cpu import build as cpu_build
 from tp_llama.kernels.cpu import ops
-from tp_llama.kernels.cpu.build import COMMON_FLAGS, HERE, VARIANTS, build
+from tp_llama.kernels.cpu.build import COMMON_FLAGS, HERE, VARIANTS, build, runnable
+from tp_llama.kernels.cpu.ffi import amx_ready
 
 CPU = torch.device("cpu")
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags()
+AMX = AVX512 and {"amx_tile", "amx_bf16"} <= cpu_flags()
 COMPILER = shutil.which("gcc") or shutil.which("cc")
 HAS_COMPILER = COMPILER is not None
 
@@ -24,8 +26,11 @@ def available_kinds() -> list[str]:
     kinds = ["plain"]
     if torch.backends.mkldnn.is_available():
         kinds.append("onednn")
-    if choose(CPU, torch.float32)[0] == "tiles":
+    kind = choose(CPU, torch.float32)[0]
+    if kind in ("amx", "tiles"):
         kinds.append("tiles")
+    if kind == "amx":
+        kinds.append("amx")
     return kinds
 
 
@@ -34,7 +39,39 @@ def test_avx512_cpus_get_the_tiled_kernel():
     if not (AVX512 and HAS_COMPILER):
         pytest.skip("no AVX-512 or no C compiler here: the fallback is what runs")
     for dtype in (torch.float32, torch.bfloat16):
-        assert choose(CPU, dtype) == ("tiles", "")
+        assert choose(CPU, dtype) == ("amx" if AMX else "tiles", "")
+    assert amx_ready() == AMX
+
+
+def test_each_cpu_gets_the_best_variant_it_can_run():
+    """The choice from CPU flags alone (faked here, so it is checked on any machine)."""
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}
+    assert runnable(avx512 | {"amx_tile", "amx_bf16", "amx_int8"}) == ["avx512-amx", "avx512"]
+    assert runnable(avx512) == ["avx512"]
+    assert runnable(avx512 | {"amx_tile"}) == ["avx512"]  # AMX without its bfloat16 unit
+    assert runnable({"avx2", "fma"}) == []
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool):
+    """bfloat16 calls of 8 rows or more run on AMX from the same tiles: against float64 (to bfloat16's
+    rounding), a ragged last tile and every row count around the 32-row blocks; a row gets the
+    same bits in any batch that also runs on AMX."""
+    gen = torch.Generator().manual_seed(9)
+    out_features, in_features = (96, 128) if gated else (130, 96)
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    weight = prepare_swiglu(*w.chunk(2), "amx") if gated else prepare(w, "amx")
+    assert weight.amx
+    x = torch.randn(75, in_features, generator=gen).bfloat16()
+    product = x.double() @ w.double().T
+    if gated:
+        gate, up = product.chunk(2, dim=-1)
+        product = gate / (1 + torch.exp(-gate)) * up
+    full = linear(x, weight)
+    torch.testing.assert_close(full.double(), product, rtol=2**-7, atol=2**-7 * product.abs().max().item())
+    for rows in (slice(0, 8), slice(3, 11), slice(0, 32), slice(5, 38), slice(40, 75)):
+        assert torch.equal(linear(x[rows], weight), full[rows]), rows
 
 
 @pytest.mark.parametrize("kind", available_kinds())
@@ -111,6 +148,9 @@ def test_threads_split_columns_without_changing_results():
 def test_forced_kind_and_bad_values(monkeypatch):
     monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
     assert choose(CPU, torch.float32) == ("plain", "")
+    if AVX512 and HAS_COMPILER:
+        monkeypatch.setenv("TP_LLAMA_MATMUL", "tiles")  # the FMA tiles even where AMX runs
+        assert choose(CPU, torch.bfloat16) == ("tiles", "")
     monkeypatch.setenv("TP_LLAMA_MATMUL", "onednn")
     assert choose(CPU, torch.float32)[0] == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
     monkeypatch.setenv("TP_LLAMA_MATMUL", "fast")

@@ -13,7 +13,7 @@ from tp_llama.kernels import choose, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.model.llama import Layers
 
-pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] != "tiles",
+pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"),
                                 reason="the C kernels need AVX-512 and a compiler (test_kernels checks they load here)")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 
@@ -163,7 +163,7 @@ def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, family="llama3",
                      rope_theta=500000.0, use_scaled_rope=True)
     model = Transformer(args).to(dtype)
-    assert backend.optimize(model)[0] == "tiles"
+    assert backend.optimize(model)[0] in ("amx", "tiles")
     model.setup_caches(4, max_seq_len, dtype, torch.device("cpu"))
     return model
 

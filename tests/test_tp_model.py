@@ -150,8 +150,8 @@ def loaded_matches_whole_and_dtensor(family: str, folders: dict[int, str]) -> st
     # each with the all-reduces between them: the bits of the op-by-op path, the whole model's logits.
     kind, _ = backend.optimize(model)
     got_prefill, got_decode = forward_twice(model, tokens, tp)
-    assert isinstance(model.layers, DecodeLayers) == (kind == "tiles")
-    if kind == "tiles":
+    assert isinstance(model.layers, DecodeLayers) == (kind in ("amx", "tiles"))
+    if kind in ("amx", "tiles"):
         assert model.layers._structs() is not None
         assert torch.equal(forward_twice(model, tokens, tp, c_layers=False)[1], got_decode)
     same_logits(got_prefill, want_prefill, "served prefill")

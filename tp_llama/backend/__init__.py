@@ -19,8 +19,8 @@ from tp_llama.model import Transformer
 def optimize(model: Transformer) -> tuple[str, str]:
     """Swap the serving modules in; returns kernels.choose's (kind, why not a faster one)."""
     kind, why = choose(model.norm.weight.device, model.norm.weight.dtype)
-    if kind == "tiles":
-        cpu.apply(model)
+    if kind in ("amx", "tiles"):
+        cpu.apply(model, kind)
     else:
         fused.apply(model, kind)
     return kind, why

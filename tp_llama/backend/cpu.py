@@ -46,10 +46,10 @@ class GatedFeedForward(nn.Module):
         return self.w2(linear(x, self.w13))
 
 
-def feed_forward(ffn: FeedForward) -> nn.Module:
+def feed_forward(ffn: FeedForward, kind: str) -> nn.Module:
     """The gated tiles where the FFN's width allows them, else w1/w3 fused as on other devices."""
-    w13 = prepare_swiglu(ffn.w1.weight, ffn.w3.weight, "tiles")
-    return FusedFeedForward(ffn, "tiles") if w13 is None else GatedFeedForward(w13, serving_linear(ffn.w2, "tiles"))
+    w13 = prepare_swiglu(ffn.w1.weight, ffn.w3.weight, kind)
+    return FusedFeedForward(ffn, kind) if w13 is None else GatedFeedForward(w13, serving_linear(ffn.w2, kind))
 
 
 class CAttention(FusedAttention):
@@ -118,14 +118,14 @@ class DecodeLayers(Layers):
         return ops.decode_layers(planned)
 
 
-def apply(model: Transformer) -> None:
-    """Fuse the model's projections into the C kernels' forms and swap in their modules."""
+def apply(model: Transformer, kind: str) -> None:
+    """Fuse the model's projections into the C kernels' forms ("tiles" or "amx") and swap in their modules."""
     max_head_dim = library().constants["MAX_HEAD_DIM"]
     for layer in model.layers:
         c_attention = layer.attention.head_dim <= max_head_dim
-        layer.attention = (CAttention if c_attention else FusedAttention)(layer.attention, "tiles")
-        layer.feed_forward = feed_forward(layer.feed_forward)
+        layer.attention = (CAttention if c_attention else FusedAttention)(layer.attention, kind)
+        layer.feed_forward = feed_forward(layer.feed_forward, kind)
         layer.attention_norm, layer.ffn_norm = CRMSNorm(layer.attention_norm), CRMSNorm(layer.ffn_norm)
     model.norm = CRMSNorm(model.norm)
-    model.output = serving_linear(model.output, "tiles")
+    model.output = serving_linear(model.output, kind)
     model.layers = DecodeLayers(model.layers)

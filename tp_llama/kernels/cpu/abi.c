@@ -10,9 +10,9 @@ static const struct {
     const char *name;
     int64_t value;
 } CONSTANTS[] = {
-    {"TILE_COLS", TILE_COLS}, {"GATE_RUN", GATE_RUN}, {"MAX_HEAD_DIM", MAX_HEAD_DIM},
+    {"TILE_COLS", TILE_COLS}, {"GATE_RUN", GATE_RUN}, {"MAX_HEAD_DIM", MAX_HEAD_DIM}, {"AMX_ROWS", AMX_ROWS}, {"WIDE_MIN_ROWS", WIDE_MIN_ROWS},
     {"TPL_OK", TPL_OK}, {"TPL_NO_MEMORY", TPL_NO_MEMORY}, {"TPL_OFF_CACHE", TPL_OFF_CACHE},
-    {"TPL_HEAD_DIM", TPL_HEAD_DIM},
+    {"TPL_HEAD_DIM", TPL_HEAD_DIM}, {"TPL_NO_AMX", TPL_NO_AMX},
 };
 
 #define STRUCT(S) {#S, NULL, sizeof(struct S)}
@@ -23,7 +23,7 @@ static const struct {
 } LAYOUT[] = {
     STRUCT(DecodeLayer), FIELD(DecodeLayer, dim), FIELD(DecodeLayer, n_heads), FIELD(DecodeLayer, n_kv_heads),
     FIELD(DecodeLayer, head_dim), FIELD(DecodeLayer, ffn), FIELD(DecodeLayer, n_slots),
-    FIELD(DecodeLayer, max_seq_len), FIELD(DecodeLayer, eps), FIELD(DecodeLayer, bf16),
+    FIELD(DecodeLayer, max_seq_len), FIELD(DecodeLayer, eps), FIELD(DecodeLayer, bf16), FIELD(DecodeLayer, amx),
     FIELD(DecodeLayer, attention_norm), FIELD(DecodeLayer, ffn_norm), FIELD(DecodeLayer, wqkv),
     FIELD(DecodeLayer, wo), FIELD(DecodeLayer, w13), FIELD(DecodeLayer, w2), FIELD(DecodeLayer, cache_k),
     FIELD(DecodeLayer, cache_v),

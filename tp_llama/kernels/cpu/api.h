@@ -20,18 +20,21 @@
 #define TILE_COLS 32             /* output columns per weight tile (matmul.c) */
 #define GATE_RUN (TILE_COLS / 2) /* a gated tile: this many w1 rows, then as many w3 rows */
 #define MAX_HEAD_DIM 256         /* a query and its sums in registers (Llama's heads are 64 or 128) */
+#define AMX_ROWS 8               /* bfloat16 matmuls of this many rows run on AMX where asked (amx.c) */
+#define WIDE_MIN_ROWS 16         /* `wide` scratch holds at least this many rows: AMX packs 32 there */
 
 /* Status codes */
 #define TPL_OK 0
 #define TPL_NO_MEMORY -1    /* scratch memory could not be had */
 #define TPL_OFF_CACHE -2    /* a row's slot or position lies outside the KV cache */
 #define TPL_HEAD_DIM -3     /* head_dim over MAX_HEAD_DIM */
+#define TPL_NO_AMX -4       /* no AMX here (CPU, kernel permission, build) or a width it cannot take */
 
 /* One layer's shapes (this rank's share) and tensors, for decode.c. */
 struct DecodeLayer {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_slots, max_seq_len;
     float eps;
-    int32_t bf16;
+    int32_t bf16, amx; /* amx: bfloat16 matmuls of AMX_ROWS rows or more on AMX */
     const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
     void *cache_k, *cache_v;
 };
@@ -61,8 +64,13 @@ int pack_tiles_in_place(uint32_t *w, int64_t N, int64_t K);
 void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out);
 void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated);
 
-/* y [M][N] = x [M][K] @ w^T (gated: y [M][N / 2] = silu(x w1^T) * (x w3^T)); 0 or TPL_NO_MEMORY. */
-int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16);
+/* y [M][N] = x [M][K] @ w^T (gated: y [M][N / 2] = silu(x w1^T) * (x w3^T)); 0 or TPL_NO_MEMORY.
+ * amx: bfloat16 calls of AMX_ROWS rows or more may run on AMX (after amx_enable). */
+int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                 int amx);
+
+/* amx_enable asks Linux for AMX's tile state, once per process, before any AMX call. */
+int amx_enable(void);
 
 /* Layer ops (layer.c). */
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
@@ -82,9 +90,13 @@ int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struc
 /* The next token of each row (sample.c): logits [rows][vocab] float32. TPL_OK or TPL_NO_MEMORY. */
 int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n);
 
-/* In-region kernels. x widened into `wide` (M * K floats) first when bf16. */
+/* In-region kernels. x widened into `wide` (max(M, WIDE_MIN_ROWS) * K floats) first when bf16, or
+ * packed there for AMX. */
 void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
-                  float *wide);
+                  float *wide, int amx);
+/* The in-region AMX matmul (amx.c): bfloat16 x [M][K], K a multiple of 32, scratch as tiled_matmul's
+ * wide; TPL_NO_AMX (for every thread) where it cannot run. */
+int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch);
 void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
 /* Rows already checked by check_rows; scores: max_threads * scores_per_thread floats. */
 void attention_rows(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,

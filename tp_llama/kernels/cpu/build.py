@@ -20,12 +20,15 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = ("matmul.c", "layer.c", "decode.c", "sample.c", "abi.c")
+SOURCES = ("matmul.c", "layer.c", "decode.c", "sample.c", "amx.c", "abi.c")
 HEADERS = ("api.h", "simd.h")
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-# Each variant: the CPU flags it needs (/proc/cpuinfo names) and the compiler flags that use them.
+# Each variant: the CPU flags it needs (/proc/cpuinfo names) and the compiler flags that use them;
+# the first this CPU (and compiler) can run is loaded.
+_AVX512 = (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"])
 VARIANTS = {
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
+    "avx512-amx": ((*_AVX512[0], "amx_tile", "amx_bf16"), [*_AVX512[1], "-mamx-tile", "-mamx-bf16"]),
+    "avx512": _AVX512,
 }
 BUILD_TIMEOUT_S = 300
 
@@ -45,6 +48,12 @@ def unsupported(variant: str, flags: set[str] | None = None) -> str:
         return f"no {variant} on {platform.machine()}"
     missing = set(VARIANTS[variant][0]) - (cpu_flags() if flags is None else flags)
     return f"the CPU lacks {', '.join(sorted(missing))}" if missing else ""
+
+
+def runnable(flags: set[str] | None = None) -> list[str]:
+    """The variants a CPU with these flags (this CPU's by default) can run, best first."""
+    flags = cpu_flags() if flags is None else flags
+    return [variant for variant in VARIANTS if not unsupported(variant, flags)]
 
 
 def compiler() -> str | None:

@@ -45,7 +45,7 @@ static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, uintptr_t
     s.second = (void *)(at += rows * first * size);
     at = (at + rows * attn * size + 63) & ~(uintptr_t)63;
     s.wide = (float *)at;
-    s.end = at + rows * widest * sizeof(float);
+    s.end = at + (rows < WIDE_MIN_ROWS ? WIDE_MIN_ROWS : rows) * widest * sizeof(float);
     return s;
 }
 
@@ -70,10 +70,10 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
     {
         if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
         rms_norm_rows(h, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
-        tiled_matmul(s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, L->bf16, s.wide);
+        tiled_matmul(s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, L->bf16, s.wide, L->amx);
         attention_rows(s.first, R->rotation, R->slots, R->positions, rows, L->n_heads, L->n_kv_heads, L->head_dim,
                        L->cache_k, L->cache_v, L->max_seq_len, s.second, L->bf16, scores, per_thread);
-        tiled_matmul(s.second, rows, attn, L->wo, L->dim, delta_out, 0, L->bf16, s.wide);
+        tiled_matmul(s.second, rows, attn, L->wo, L->dim, delta_out, 0, L->bf16, s.wide, L->amx);
     }
     free(scores);
     return TPL_OK;
@@ -86,8 +86,8 @@ void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *d
     {
         if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
         rms_norm_rows(h, L->ffn_norm, s.normed, rows, L->dim, L->eps, L->bf16);
-        tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide);
-        tiled_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, L->bf16, s.wide);
+        tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide, L->amx);
+        tiled_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, L->bf16, s.wide, L->amx);
     }
 }
 

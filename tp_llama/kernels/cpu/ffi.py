@@ -14,7 +14,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tp_llama.kernels.cpu.build import build, compiler, unsupported
+from tp_llama.kernels.cpu.build import build, compiler, runnable, unsupported
 
 HEADER = Path(__file__).with_name("api.h")
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
@@ -86,8 +86,8 @@ def check_layout(lib: ctypes.CDLL, struct: type[ctypes.Structure]) -> None:
 class Library:
     """The loaded kernels: its functions as attributes, `structs[name]`, `constants[name]`."""
 
-    def __init__(self, path: Path, header: str):
-        self.path = path
+    def __init__(self, path: Path, header: str, variant: str = ""):
+        self.path, self.variant = path, variant
         self.lib = ctypes.CDLL(str(path))  # torch is loaded, so its OpenMP is the one the library uses
         struct_fields, functions, names = parse_header(header)
         for name in ("tpl_struct_size", "tpl_field_offset", "tpl_constant"):
@@ -113,18 +113,28 @@ class Library:
 
 
 @functools.cache
-def load(variant: str = "avx512") -> tuple[Library | None, str]:
-    """(the loaded kernels, "") or (None, why they cannot run here)."""
-    why = unsupported(variant)
-    if why:
-        return None, why
+def load() -> tuple[Library | None, str]:
+    """(the kernels of the first variant this CPU runs and this compiler builds, "") or (None, why not)."""
     cc = compiler()
-    if cc is None:
-        return None, "no C compiler (gcc) to build tp_llama's C kernels"
-    try:
-        return Library(build(variant, cc), HEADER.read_text()), ""
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"could not build or load tp_llama's C kernels: {exc}"
+    variants = runnable()
+    if not variants:
+        return None, unsupported("avx512")
+    reasons = []
+    for variant in variants:
+        if cc is None:
+            return None, "no C compiler (gcc) to build tp_llama's C kernels"
+        try:
+            return Library(build(variant, cc), HEADER.read_text(), variant), ""
+        except (OSError, subprocess.SubprocessError) as exc:
+            reasons.append(f"{variant}: could not build or load tp_llama's C kernels: {exc}")
+    return None, "; ".join(reasons)
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """The loaded kernels run AMX here: built for it, and Linux lends this process the tile state."""
+    lib = load()[0]
+    return lib is not None and lib.variant.endswith("-amx") and lib.amx_enable() == lib.constants["TPL_OK"]
 
 
 def library() -> Library:

@@ -233,7 +233,8 @@ static int64_t rows_per_block(int64_t K) {
 }
 
 void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
-                  float *wide) {
+                  float *wide, int amx) {
+    if (amx && bf16 && M >= AMX_ROWS && K % 32 == 0 && amx_matmul(x, M, K, w, N, y, gated, wide) == TPL_OK) return;
     const float *rows = x;
     if (bf16) {
 #pragma omp for schedule(static)
@@ -256,11 +257,13 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
  * the widened bfloat16 rows cannot be had. gated = 1: w is a SwiGLU's w1 and w3 interleaved in
  * runs of GATE_RUN rows (ops.py), N a multiple of TILE_COLS, and y [M][N / 2] gets
  * silu(x w1^T) * (x w3^T). */
-int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16) {
+int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                 int amx) {
     float *wide = NULL;
-    if (bf16 && (wide = malloc((size_t)(M * K) * sizeof(float))) == NULL) return TPL_NO_MEMORY;
+    int64_t wide_rows = M < WIDE_MIN_ROWS ? WIDE_MIN_ROWS : M;
+    if (bf16 && (wide = malloc((size_t)(wide_rows * K) * sizeof(float))) == NULL) return TPL_NO_MEMORY;
 #pragma omp parallel
-    tiled_matmul(x, M, K, w, N, y, gated, bf16, wide);
+    tiled_matmul(x, M, K, w, N, y, gated, bf16, wide, amx);
     free(wide);
     return TPL_OK;
 }

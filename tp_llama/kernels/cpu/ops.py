@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tp_llama.kernels.cpu.ffi import library
+from tp_llama.kernels.cpu.ffi import amx_ready, library
 
 MKL_ROWS = 256  # float32 calls with this many rows are compute-bound, where MKL's sgemm is ~20% faster
 PLAIN_FLOATS = 1 << 22  # the most of a weight laid out plainly at once for MKL (16 MB)
@@ -22,12 +22,14 @@ class Tiled:
     """A weight [out, in] (`shape`) in matmul.c's tile layout (`data`).
 
     gated: the rows are a SwiGLU's w1 and w3 interleaved in runs of GATE_RUN, and `tiled_linear`
-    returns silu(x w1^T) * (x w3^T), out / 2 columns.
+    returns silu(x w1^T) * (x w3^T), out / 2 columns. amx: bfloat16 calls of AMX_ROWS rows or
+    more (api.h) run on AMX, reading the same tiles.
     """
 
     data: torch.Tensor
     shape: torch.Size
     gated: bool = False
+    amx: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,7 +80,7 @@ def tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
         _mkl_linear(x.view(rows, in_features), weight, y)
         return y
     if rows and lib.tiled_linear(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features,
-                                 y.data_ptr(), weight.gated, x.dtype == torch.bfloat16):
+                                 y.data_ptr(), weight.gated, x.dtype == torch.bfloat16, weight.amx and amx_ready()):
         raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
     return y
 
@@ -176,8 +178,9 @@ def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled,
     tensors = (*norms, *(w.data for w in weights), cache_k, cache_v)
     if not all(t.is_contiguous() and t.dtype == cache_k.dtype for t in tensors):
         return None
+    amx = all(w.amx for w in weights) and amx_ready()
     return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], n_slots, max_seq_len,
-                                      eps, cache_k.dtype == torch.bfloat16, *(t.data_ptr() for t in tensors))
+                                      eps, cache_k.dtype == torch.bfloat16, amx, *(t.data_ptr() for t in tensors))
 
 
 def decode_layers(layers: list[ctypes.Structure]) -> ctypes.Array:

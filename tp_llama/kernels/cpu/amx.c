@@ -1,0 +1,134 @@
+/* bfloat16 matmuls of many rows on Intel's AMX, reading the decode kernel's own weight tiles.
+ *
+ * A bfloat16 weight in tiles ([tiles][K / 2][TILE_COLS][2], matmul.c) is already what an AMX B
+ * operand wants: for 16 pairs of k, 16 columns of 2 values, 64 bytes a row; the tile's other 16
+ * columns are the next 64 bytes, so both halves load with a row stride of 128 bytes. Each thread
+ * takes whole weight tiles, keeps one in L2 and multiplies every 32-row block of x by it:
+ * C[32][32] in four float32 tiles, A (two 16-row blocks of x) and B (the tile's two halves) in
+ * the other four, TDPBF16PS over k 32 at a time. The epilogue is the decode kernel's: rounded to
+ * bfloat16, or SwiGLU of a gated tile. So prefill needs no second copy of the weights.
+ *
+ * Built into the library only by the avx512-amx variant (build.py); elsewhere amx_matmul answers
+ * TPL_NO_AMX and the decode tiles do the work. tiled_matmul (matmul.c) calls it for bfloat16
+ * calls of AMX_ROWS rows or more when the caller asks.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "api.h"
+
+#ifdef __AMX_BF16__
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "simd.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component */
+#define XFEATURE_XTILEDATA 18      /* the tile registers' data */
+#define X_CHUNK_BYTES (1 << 20)    /* rows of x that share one pass over the weights */
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+int amx_enable(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? TPL_OK : TPL_NO_AMX;
+}
+
+/* Tiles 0-3: C, 16 rows of 16 float32; 4-5: A, 16 rows of 32 bfloat16; 6-7: B, 16 pairs of 16 columns. */
+static void configure(void) {
+    struct TileConfig config;
+    memset(&config, 0, sizeof(config));
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.rows[i] = 16;
+        config.colsb[i] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* A 32-row block of x, packed (pack_rows), times weight tile wt into y's rows (up to `rows` of them). */
+static void block(const uint16_t *packed, int64_t K, const char *wt, uint16_t *y, int64_t ldy, int64_t rows,
+                  int64_t cols, int gated, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const uint16_t *a = packed + k0 * 32; /* 32 rows x 32 k, 2 KiB */
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a + 16 * 32, 64);
+        _tile_loadd(6, wt + k0 / 2 * 128, 128);
+        _tile_loadd(7, wt + k0 / 2 * 128 + 64, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+    for (int64_t m = 0; m < rows; m++) {
+        __m512 lo = _mm512_loadu_ps(c + m * 32), hi = _mm512_loadu_ps(c + m * 32 + 16);
+        if (gated) {
+            _mm256_storeu_si256((__m256i *)(y + m * ldy), to_bf16(swiglu16(lo, hi, 1)));
+            continue;
+        }
+        _mm256_mask_storeu_epi16(y + m * ldy, lanes(cols), to_bf16(lo));
+        _mm256_mask_storeu_epi16(y + m * ldy + 16, lanes(cols - 16), to_bf16(hi));
+    }
+}
+
+/* Rows r0 .. r1 of x [M][K] as 32-row blocks of [K / 32][32 rows][32 k] (zeros past row M), so an A
+ * tile is 1 KiB in one piece rather than 16 rows K apart. The threads split the blocks' k. */
+static void pack_rows(const uint16_t *x, int64_t M, int64_t K, int64_t r0, int64_t r1, uint16_t *packed) {
+    int64_t blocks = (r1 - r0 + 31) / 32, kb = K / 32;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t k = 0; k < kb; k++)
+            for (int64_t r = 0; r < 32; r++) {
+                int64_t row = r0 + b * 32 + r;
+                __m512i v = row < M ? _mm512_loadu_si512(x + row * K + k * 32) : _mm512_setzero_si512();
+                _mm512_storeu_si512(packed + ((b * kb + k) * 32 + r) * 32, v);
+            }
+}
+
+int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
+    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N;
+    /* Rows go in chunks whose x stays in L2 while every tile of a thread passes over it: x from L3
+     * for each tile was the bound at 512 rows. */
+    int64_t chunk = X_CHUNK_BYTES / (K * 2) / 32 * 32;
+    chunk = chunk < 32 ? 32 : chunk;
+    uint16_t *packed = scratch;
+    float c[32 * 32] __attribute__((aligned(64)));
+    configure();
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+        int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
+        pack_rows(x, M, K, c0, c1, packed); /* ends in a barrier: the chunk is whole before use */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const char *wt = (const char *)w + t * K * TILE_COLS * 2;
+            uint16_t *yt = (uint16_t *)y + t * (gated ? TILE_COLS / 2 : TILE_COLS);
+            for (int64_t r0 = c0; r0 < c1; r0 += 32)
+                block(packed + (r0 - c0) * K, K, wt, yt + r0 * ldy, ldy, c1 - r0 < 32 ? c1 - r0 : 32,
+                      N - t * TILE_COLS, gated, c);
+        }
+    }
+    _tile_release();
+    return TPL_OK;
+}
+
+#else
+
+int amx_enable(void) { return TPL_NO_AMX; }
+
+int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
+    (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)gated, (void)scratch;
+    return TPL_NO_AMX;
+}
+
+#endif
