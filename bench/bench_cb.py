@@ -20,8 +20,9 @@ The prompt is a fixed list of --prompt-len token ids (BOS + corpus text, as the 
 vLLM gets the ids, our servers the text; each server's usage.prompt_tokens is checked against the
 list's length, and the first greedy tokens of ours are compared with vLLM's.
 
-Per concurrency level, each of C clients sends --requests streaming requests back to back (greedy,
-stop tokens ignored, --new-tokens each). Output tokens/s = all output tokens / wall time of the
+Per concurrency level, each of C clients sends --requests streaming requests back to back (stop
+tokens ignored, --new-tokens each): greedy, or with --sampling default the yaml's default
+temperature 0.6 and top_p 0.9, each request with its own seed (the same seeds for every server). Output tokens/s = all output tokens / wall time of the
 level; TTFT = first streamed chunk; TPOT = (latency - TTFT) / (tokens - 1).
 Latency scenarios, for ours and before:
 - short behind long: an 8-token request sent 0.5 s after a 256-token one, vs the 8-token one alone;
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import re
 import shutil
@@ -64,16 +66,26 @@ Send = Callable[[list[int] | str, int], dict]  # (prompt, max new tokens) -> one
 
 # ---------------------------------------------------------------------------- clients
 
+SAMPLING = {"greedy": {"temperature": 0}, "default": {"temperature": 0.6, "top_p": 0.9}}
+
+
+def sampling_fields(name: str) -> Callable[[], dict]:
+    """Each call: the next request's sampling fields (seeded 1, 2, ... when it samples)."""
+    seeds = itertools.count(1)
+    return lambda: {**SAMPLING[name], **({"seed": next(seeds)} if SAMPLING[name]["temperature"] else {})}
+
+
 def torchserve_stream(server: TorchServe, prompt: str, max_new_tokens: int, timeout: float = 600,
-                      disconnect_after_first: bool = False) -> dict:
+                      disconnect_after_first: bool = False, fields: dict | None = None) -> dict:
     """One streaming request to our native API; times in seconds from sending.
 
     disconnect_after_first: close the socket as soon as the first line arrives (a client going away).
+    fields: override the request's (sampling settings).
     """
     conn = http.client.HTTPConnection("127.0.0.1", server.inference_port, timeout=timeout)
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {server.keys()['inference']}"}
     payload = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
-               "stream": True}
+               "stream": True, **(fields or {})}
     started = time.perf_counter()
     try:
         conn.request("POST", f"/predictions/{server.name}", body=json.dumps(payload).encode(), headers=headers)
@@ -242,12 +254,13 @@ def measure_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace
             server.stop()
             raise RuntimeError(f"the server did not come up: {worker_errors(server) or str(exc)[-600:]}") from exc
         print(f"[{label}] ready after {result['ready_s']:.0f} s ({root})", flush=True)
-        send = lambda p, n: torchserve_stream(server, p, n, a.timeout)  # noqa: E731
+        fields = sampling_fields(a.sampling)
+        send = lambda p, n: torchserve_stream(server, p, n, a.timeout, fields=fields())  # noqa: E731
         if label == "ours" and a.api == "openai":  # the same prompt ids through /v1/completions
             auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
             path = f"/predictions/{NAME}/1.0/v1/completions"
-            send = lambda p, n: openai_stream(server.inference_port, path, ids, n, auth, {}, a.timeout)  # noqa: E731
-        warm = send(text, a.check_tokens)
+            send = lambda p, n: openai_stream(server.inference_port, path, ids, n, auth, fields(), a.timeout)  # noqa: E731
+        warm = torchserve_stream(server, text, a.check_tokens, a.timeout)  # greedy: compared with vLLM's
         result["prompt_tokens"] = warm["prompt_tokens"]
         result["first_tokens"] = warm["token_ids"]
         if warm["prompt_tokens"] != len(ids):
@@ -290,8 +303,9 @@ def measure_vllm(ckpt_mp1: Path, a: argparse.Namespace, ids: list[int]) -> dict:
         result["ready_s"] = server.wait_ready(timeout=900)
         result["version"] = vllm_version()
         print(f"[vllm] ready after {result['ready_s']:.0f} s", flush=True)
-        send = lambda p, n: vllm_stream(port, p, n, a.timeout)  # noqa: E731
-        warm = send(ids, a.check_tokens)
+        fields = sampling_fields(a.sampling)
+        send = lambda p, n: vllm_stream(port, p, n, a.timeout, fields())  # noqa: E731
+        warm = vllm_stream(port, ids, a.check_tokens, a.timeout)  # greedy: compared with ours
         result["prompt_tokens"] = warm["prompt_tokens"]
         result["first_tokens"] = warm["token_ids"]
         result["levels"] = levels("vllm", send, ids, a)
@@ -447,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--yaml-before", action="append", default=[], metavar="KEY=VALUE",
                         help="model-config.yaml override for before (repeatable)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                        help="greedy, or the yaml's default temperature 0.6 / top_p 0.9, seeded per request")
     parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -487,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(ids) != a.prompt_len:
         print(f"note: the prompt text re-encodes to {len(ids)} tokens (asked {a.prompt_len})", flush=True)
 
-    data: dict = {"preset": a.preset, "dtype": a.dtype, "tp": a.tp, "omp_threads": a.omp_threads,
+    data: dict = {"preset": a.preset, "dtype": a.dtype, "sampling": a.sampling, "tp": a.tp, "omp_threads": a.omp_threads,
                   "prompt_len": len(ids), "prompt_ids": ids, "new_tokens": a.new_tokens, "requests": a.requests,
                   "concurrency": a.concurrency, "check_tokens": a.check_tokens, "vllm_cores": a.vllm_cores,
                   "ckpt": str(ckpt), "servers": {}, "failed": {}}

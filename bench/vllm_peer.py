@@ -160,10 +160,12 @@ class VLLMServer:
         return self.process.returncode
 
 
-def vllm_stream(port: int, prompt_ids: list[int], max_tokens: int, timeout: float = 600) -> dict:
-    """One streaming /v1/completions request to vLLM (token ids come back with return_token_ids)."""
+def vllm_stream(port: int, prompt_ids: list[int], max_tokens: int, timeout: float = 600,
+                fields: dict | None = None) -> dict:
+    """One streaming /v1/completions request to vLLM (token ids come back with return_token_ids);
+    `fields` override the request's (sampling settings)."""
     return openai_stream(port, "/v1/completions", prompt_ids, max_tokens, {}, {"model": SERVED_NAME,
-                         "return_token_ids": True}, timeout)
+                         "return_token_ids": True, **(fields or {})}, timeout)
 
 
 def openai_stream(port: int, path: str, prompt_ids: list[int], max_tokens: int, headers: dict[str, str],

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 from tp_llama.parallel.layout import full_shapes, shard_dim
 from tp_llama.checkpoint.params import parse_params
 from tp_llama.testing.tokenizer_train import build_tokenizer
+from tp_llama.tokenizer import load_tokenizer
 
 
 def params_json(family: str, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int,
@@ -33,18 +36,16 @@ def params_json(family: str, dim: int, n_layers: int, n_heads: int, n_kv_heads: 
     return params
 
 
-def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
-    """Scaled so activations and logits stay O(1): greedy picks then have clear winners."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for key, shape in shapes.items():
-        if len(shape) == 1:
-            weights[key] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif key == "tok_embeddings.weight":
-            weights[key] = torch.randn(shape, generator=gen)
-        else:
-            weights[key] = torch.randn(shape, generator=gen) * (2.0 / math.sqrt(shape[1]))
-    return weights
+def random_weight(key: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Scaled so activations and logits stay O(1): greedy picks then have clear winners. Made in
+    float32 one tensor at a time, so a model of many GB never exists in float32 whole."""
+    if len(shape) == 1:
+        weight = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    elif key == "tok_embeddings.weight":
+        weight = torch.randn(shape, generator=gen)
+    else:
+        weight = torch.randn(shape, generator=gen).mul_(2.0 / math.sqrt(shape[1]))
+    return weight.to(dtype)
 
 
 def split_for_files(weights: dict[str, torch.Tensor], family: str, mp: int) -> list[dict[str, torch.Tensor]]:
@@ -54,7 +55,7 @@ def split_for_files(weights: dict[str, torch.Tensor], family: str, mp: int) -> l
         dim = shard_dim(key, family)
         pieces = [tensor] * mp if dim is None else tensor.chunk(mp, dim=dim)
         for m, piece in enumerate(pieces):
-            files[m][key] = piece.clone()
+            files[m][key] = piece if mp == 1 else piece.clone()
     return files
 
 
@@ -71,17 +72,30 @@ def write_checkpoint(
     ffn_dim_multiplier: float | None = None,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    tokenizer: str | os.PathLike | None = None,
+    model_vocab: int | None = None,
 ) -> Path:
-    """Write params.json, tokenizer.model and consolidated.00..MP-1.pth; returns the folder."""
+    """Write params.json, tokenizer.model and consolidated.00..MP-1.pth; returns the folder.
+
+    tokenizer: copy this tokenizer.model (Meta's real Llama 3 one, say) instead of training one.
+    model_vocab: a Llama 3 layout's vocabulary when it is to be larger than the tokenizer's (a model
+    with Llama 2 7B's 32,000 ids, driven by token ids only).
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if family not in ("llama2", "llama3"):
         raise ValueError(f"family must be llama2 or llama3, got {family!r}")
-    n_words = build_tokenizer(family, out / "tokenizer.model", vocab_size)
-    params = params_json(family, dim, n_layers, n_heads, n_kv_heads, n_words, multiple_of, ffn_dim_multiplier)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.model")
+        n_words = load_tokenizer(out / "tokenizer.model").n_words
+    else:
+        n_words = build_tokenizer(family, out / "tokenizer.model", vocab_size)
+    params = params_json(family, dim, n_layers, n_heads, n_kv_heads, model_vocab or n_words, multiple_of,
+                         ffn_dim_multiplier)
     (out / "params.json").write_text(json.dumps(params, indent=2) + "\n")
     args = parse_params(params, out / "params.json", n_words)
-    weights = {k: v.to(dtype) for k, v in random_weights(full_shapes(args), seed).items()}
+    gen = torch.Generator().manual_seed(seed)
+    weights = {key: random_weight(key, shape, gen, dtype) for key, shape in full_shapes(args).items()}
     for m, state in enumerate(split_for_files(weights, family, mp)):
         if family == "llama2":
             state["rope.freqs"] = (1.0 / (10000.0 ** (torch.arange(0, args.head_dim, 2) / args.head_dim))).to(dtype)
