@@ -3,7 +3,8 @@
     python -m bench.bench_generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
                                    [--rounds 3] [--repeats 1] [--engines ...] [--before COMMIT_OR_PATH]
 
-float32 (or --dtype bfloat16) on CPU, greedy, stop tokens ignored, the same random prompts for every engine. Both
+float32 (or --dtype bfloat16) on CPU, greedy ("ours TP1 sampled": the yaml's default temperature
+0.6 and top_p 0.9, a seed per row), stop tokens ignored, the same random prompts for every engine. Both
 engines are timed the same way, from the moments new tokens reach the caller: prefill ends
 when the first new token of the batch is out, decode covers the remaining new tokens. The
 bandwidth floor of a decode step is the bytes it must read over the memory bandwidth measured in
@@ -39,9 +40,11 @@ from tp_llama.model import ModelArgs
 from tp_llama.tokenizer import load_tokenizer
 
 
-# name: (worker, ranks, environment)
-ENGINES = {"ours TP1": ("ours", 1, {}), "ours TP2": ("ours", 2, {}),
-           "ours oneDNN": ("ours", 1, {"TP_LLAMA_MATMUL": "onednn"}), "transformers": ("hf", 1, {})}
+# name: (worker, ranks, environment, worker arguments)
+ENGINES = {"ours TP1": ("ours", 1, {}, []), "ours TP2": ("ours", 2, {}, []),
+           "ours oneDNN": ("ours", 1, {"TP_LLAMA_MATMUL": "onednn"}, []), "transformers": ("hf", 1, {}, []),
+           "ours TP1 sampled": ("ours", 1, {}, ["--sample"])}
+SAMPLED = {"temperature": 0.6, "top_p": 0.9}  # the yaml's defaults
 
 
 def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
@@ -98,8 +101,10 @@ def kv_cache_bytes(args: ModelArgs, batch: int, context: float, elt: int = 4) ->
     return args.n_layers * batch * 2 * args.n_kv_heads * args.head_dim * context * elt
 
 
-def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> dict:
-    """Engine.generate on every rank; per-step times come from its on_step callback."""
+def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: str,
+             sample: bool = False) -> dict:
+    """Engine.generate on every rank; per-step times come from its on_step callback. sample: the
+    yaml's default temperature and top_p, a seed per row, rather than greedy."""
     engine = Engine.load(EngineConfig(str(ckpt), "tp", dtype, max_seq_len=prompt_len + new_tokens,
                                       max_batch_size=max(batches), prefill_budget=max(batches) * prompt_len))
     warm = prompts(engine.args, 1, 16)[0]
@@ -107,8 +112,8 @@ def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, r
 
     def run_once(batch: int) -> tuple[float, float, float, list[list[int]]]:
         stamps: list[float] = []
-        params = SamplingParams(new_tokens, ignore_eos=True)
-        seqs = [Sequence(str(i), p, params) for i, p in enumerate(prompts(engine.args, batch, prompt_len))]
+        seqs = [Sequence(str(i), p, SamplingParams(new_tokens, ignore_eos=True, seed=i, **(SAMPLED if sample else {})))
+                for i, p in enumerate(prompts(engine.args, batch, prompt_len))]
         started = time.perf_counter()
         engine.generate(seqs, on_step=lambda _: stamps.append(time.perf_counter()))
         if engine.rank != 0:  # the other ranks follow rank 0's plans; only rank 0's times are reported
@@ -188,10 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--before", help="older checkout to run as 'before TP1': a folder or a commit")
     parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--sample", action="store_true", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.worker:
-        run = run_ours if a.worker == "ours" else run_hf
-        result = run(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats, a.dtype)
+        if a.worker == "ours":
+            result = run_ours(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats, a.dtype, a.sample)
+        else:
+            result = run_hf(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats, a.dtype)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(json.dumps(result), flush=True)
         return
@@ -210,12 +218,12 @@ def main(argv: list[str] | None = None) -> None:
               "--dtype", a.dtype]
     engines_run = [(name, *ENGINES[name], REPO) for name in a.engines if name in ENGINES]
     if a.before and "before TP1" in a.engines:
-        engines_run.append(("before TP1", "ours", 1, {}, before_root(a.before)))
+        engines_run.append(("before TP1", "ours", 1, {}, [], before_root(a.before)))
     launches: dict[str, list[dict]] = {name: [] for name, *_ in engines_run}
     for _ in range(a.rounds):  # engines take turns, so a change in the machine's load hits all of them
-        for name, worker, nproc, env, root in engines_run:
+        for name, worker, nproc, env, extra, root in engines_run:
             bandwidths.append(stream_bandwidth_gbs())
-            out = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common], nproc, timeout=900,
+            out = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common, *extra], nproc, timeout=900,
                                      env=env, repo=root))
             launches[name].append(out)
             print(f"{name}: " + ", ".join(f"batch {r['batch']} prefill {r['prefill_tok_s']:.0f} decode "

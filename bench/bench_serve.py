@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 
 from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import OUT, REPO, last_json, table, torchrun, write_json
+from bench.common import OUT, last_json, table, torchrun, write_json
 from tp_llama.tokenizer import load_tokenizer
 
 from deploy.make_archive import build_archive
 from tests.support.serving_util import TorchServe, free_ports
+from tp_llama.testing.tokenizer_train import CORPUS_PATH
 
 NAME = "bench"
 
@@ -32,7 +33,7 @@ NAME = "bench"
 def prompt_text(ckpt: Path, tokens: int) -> str:
     """Text from the tokenizer's own corpus that encodes to about `tokens` tokens (BOS included)."""
     tokenizer = load_tokenizer(ckpt / "tokenizer.model")
-    corpus = (REPO / "tp_llama" / "data" / "corpus.txt").read_text()
+    corpus = CORPUS_PATH.read_text()
     return tokenizer.decode(tokenizer.encode(corpus, bos=False)[: tokens - 1])
 
 
