@@ -27,6 +27,7 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component */
 #define XFEATURE_XTILEDATA 18      /* the tile registers' data */
 #define X_CHUNK_BYTES (1 << 20)    /* rows of x that share one pass over the weights */
+#define K_SLAB 256                 /* k of the weight tile kept in L1 (16 KiB) */
 
 struct TileConfig {
     uint8_t palette, start_row, reserved[14];
@@ -50,30 +51,40 @@ static void configure(void) {
     _tile_loadconfig(&config);
 }
 
-/* A 32-row block of x, packed (pack_rows), times weight tile wt into y's rows (up to `rows` of them). */
-static void block(const uint16_t *packed, int64_t K, const char *wt, uint16_t *y, int64_t ldy, int64_t rows,
-                  int64_t cols, int gated, float *c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k0 = 0; k0 < K; k0 += 32) {
-        const uint16_t *a = packed + k0 * 32; /* 32 rows x 32 k, 2 KiB */
+/* The product of a 32-row block of x, packed (pack_rows), and weight tile wt, over k in [k0, k1):
+ * added to the sums in acc (float32 [32][32]) unless `first`, left there unless `last`, in which
+ * case the epilogue writes y's rows (up to `rows` of them). */
+static void block(const uint16_t *packed, const char *wt, int64_t k0, int64_t k1, int first, int last, float *acc,
+                  uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, 128);
+        _tile_loadd(1, acc + 16, 128);
+        _tile_loadd(2, acc + 16 * 32, 128);
+        _tile_loadd(3, acc + 16 * 32 + 16, 128);
+    }
+    for (int64_t k = k0; k < k1; k += 32) {
+        const uint16_t *a = packed + k * 32; /* 32 rows x 32 k, 2 KiB */
         _tile_loadd(4, a, 64);
         _tile_loadd(5, a + 16 * 32, 64);
-        _tile_loadd(6, wt + k0 / 2 * 128, 128);
-        _tile_loadd(7, wt + k0 / 2 * 128 + 64, 128);
+        _tile_loadd(6, wt + k / 2 * 128, 128);
+        _tile_loadd(7, wt + k / 2 * 128 + 64, 128);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
+    _tile_stored(0, acc, 128);
+    _tile_stored(1, acc + 16, 128);
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+    if (!last) return;
     for (int64_t m = 0; m < rows; m++) {
-        __m512 lo = _mm512_loadu_ps(c + m * 32), hi = _mm512_loadu_ps(c + m * 32 + 16);
+        __m512 lo = _mm512_loadu_ps(acc + m * 32), hi = _mm512_loadu_ps(acc + m * 32 + 16);
         if (gated) {
             _mm256_storeu_si256((__m256i *)(y + m * ldy), to_bf16(swiglu16(lo, hi, 1)));
             continue;
@@ -103,8 +114,15 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
      * for each tile was the bound at 512 rows. */
     int64_t chunk = X_CHUNK_BYTES / (K * 2) / 32 * 32;
     chunk = chunk < 32 ? 32 : chunk;
+    const int64_t blocks = ((M < chunk ? M : chunk) + 31) / 32;
+    /* With several row blocks, k goes in slabs whose part of the weight tile (K_SLAB / 2 rows of 128
+     * bytes) stays in L1 while every row block passes over it; each block's sums wait in acc. */
     uint16_t *packed = scratch;
-    float c[32 * 32] __attribute__((aligned(64)));
+    float one[32 * 32] __attribute__((aligned(64)));
+    float *acc = blocks > 1 ? aligned_alloc(64, (size_t)blocks * 32 * 32 * sizeof(float)) : NULL;
+    const int64_t slab = acc != NULL ? K_SLAB : K; /* no memory for the sums: whole k, one block at a time */
+    float *sums = acc != NULL ? acc : one;
+    const int64_t stride = acc != NULL ? 32 : 0;
     configure();
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
         int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
@@ -113,12 +131,16 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
         for (int64_t t = 0; t < tiles; t++) {
             const char *wt = (const char *)w + t * K * TILE_COLS * 2;
             uint16_t *yt = (uint16_t *)y + t * (gated ? TILE_COLS / 2 : TILE_COLS);
-            for (int64_t r0 = c0; r0 < c1; r0 += 32)
-                block(packed + (r0 - c0) * K, K, wt, yt + r0 * ldy, ldy, c1 - r0 < 32 ? c1 - r0 : 32,
-                      N - t * TILE_COLS, gated, c);
+            for (int64_t k0 = 0; k0 < K; k0 += slab) {
+                int64_t k1 = k0 + slab < K ? k0 + slab : K;
+                for (int64_t r0 = c0; r0 < c1; r0 += 32)
+                    block(packed + (r0 - c0) * K, wt, k0, k1, k0 == 0, k1 == K, sums + (r0 - c0) * stride,
+                          yt + r0 * ldy, ldy, c1 - r0 < 32 ? c1 - r0 : 32, N - t * TILE_COLS, gated);
+            }
         }
     }
     _tile_release();
+    free(acc);
     return TPL_OK;
 }
 
