@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -65,5 +66,9 @@ def test_requests_beyond_the_line_get_503_and_the_rest_their_own_text(server: To
     for i in refused:
         body = json.loads(replies[i].body)
         assert body["code"] == 503 and body["message"], body
+    seen = len(server.finishes())
     assert server.predict(greedy(0)).json() == alone[0]
+    deadline = time.monotonic() + 20  # the frontend writes the workers' log lines behind their replies
+    while len(server.finishes()) <= seen and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert server.finishes()[-1]["busy"] == 0

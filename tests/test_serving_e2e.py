@@ -173,6 +173,9 @@ def test_concurrent_requests_each_get_their_own_result(server: TorchServe) -> No
         assert got_ids == expected["token_ids"], i
         assert got_text == expected["text"], i
         assert expected["usage"]["completion_tokens"] == payloads[i]["max_new_tokens"]
+    deadline = time.monotonic() + 20  # the frontend writes the workers' log lines behind their replies
+    while len(server.finishes()) < seen + len(payloads) and time.monotonic() < deadline:
+        time.sleep(0.2)
     ended = server.finishes()[seen:]
     assert len(ended) == len(payloads) and all(e["how"] == "length" for e in ended), ended
     assert max(e["busy"] for e in ended) >= 1, "every request ran alone: none shared a step with another"
