@@ -32,7 +32,7 @@ from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.native import NativeRequest, parse_request
 from tp_llama.serving.openai_api import MODELS, PATHS, error_body, models_list, parse_openai
 from tp_llama.serving.request import Live, RequestError, json_line
-from tp_llama.serving.settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
+from tp_llama.serving.settings import HandlerSettings, device_of, resolve_ckpt_dir, settings_from_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class LlamaHandler(BaseHandler):
         settings = settings_from_yaml(yaml_config.get("handler"))
         self.response_timeout_s = float(yaml_config.get("responseTimeout", float("inf")))
         ckpt_dir = resolve_ckpt_dir(settings.engine.ckpt_dir, context.system_properties["model_dir"])
-        self.settings = settings = replace(settings, engine=replace(settings.engine, ckpt_dir=ckpt_dir))
+        engine = replace(settings.engine, ckpt_dir=ckpt_dir, device=device_of(yaml_config.get("deviceType")))
+        self.settings = settings = replace(settings, engine=engine)
         started = time.perf_counter()
         self.engine = Engine.load(settings.engine)
         # One token end to end now, so the first client does not pay for lazy kernel/collective setup.

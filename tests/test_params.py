@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tp_llama.errors import CheckpointError
 from tp_llama.checkpoint.params import read_params
@@ -60,3 +61,21 @@ def test_missing_key_and_bad_json(tmp_path):
     (tmp_path / "params.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="params.json: not valid JSON"):
         read_params(str(tmp_path), tokenizer_vocab=32000)
+
+
+def test_the_device_follows_the_yaml_and_one_gpu_per_rank():
+    """deviceType decides (cpu stays on CPU with GPUs present); more ranks than GPUs is refused with
+    what to change, before any collective. GPU counts are faked: the choice is the same anywhere."""
+    from tp_llama.parallel.distributed import pick_device
+    from tp_llama.serving.settings import device_of
+
+    assert pick_device(device_of("cpu"), 1, 2, gpus=8) == torch.device("cpu")
+    assert pick_device(device_of(None), 1, 2, gpus=0) == torch.device("cpu")
+    assert pick_device(device_of(None), 1, 2, gpus=2) == torch.device("cuda", 1)
+    assert pick_device(device_of("gpu"), 3, 4, gpus=4) == torch.device("cuda", 3)
+    with pytest.raises(RuntimeError, match=r"4 ranks on this node but 2 GPU\(s\) visible.*nproc-per-node to at most 2"):
+        pick_device("cuda", 0, 4, gpus=2)
+    with pytest.raises(RuntimeError, match="sees none"):
+        pick_device("cuda", 0, 1, gpus=0)
+    with pytest.raises(ValueError, match="deviceType must be one of"):
+        device_of("tpu")

@@ -92,7 +92,7 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
         """Join the process group, read the checkpoint and build the model on every rank."""
-        info = init_distributed(require_group=config.mode == "fsdp")
+        info = init_distributed(config.device, require_group=config.mode == "fsdp")
         started = time.perf_counter()
         log(f"loading {config.ckpt_dir} (mode={config.mode}, world_size={info.world_size}, device={info.device})",
             info.rank)

@@ -32,11 +32,24 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("TP_LLAMA_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
 
 
-def pick_device(local_rank: int) -> torch.device:
-    """CUDA when this process can see a GPU (TorchServe sets CUDA_VISIBLE_DEVICES), else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def pick_device(wanted: str, local_rank: int, local_world_size: int, gpus: int | None = None) -> torch.device:
+    """The device of this rank: "cpu", "cuda", or "auto" (CUDA when this process sees a GPU).
+
+    One GPU per rank (NCCL refuses two ranks on one GPU), so a node with more ranks than visible
+    GPUs is refused here, before any collective, with what to change.
+    """
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if wanted == "cpu" or (wanted == "auto" and gpus == 0):
+        return torch.device("cpu")
+    if gpus == 0:
+        raise RuntimeError("deviceType asks for GPUs, but this process sees none "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    if local_world_size > gpus:
+        raise RuntimeError(
+            f"{local_world_size} ranks on this node but {gpus} GPU(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): NCCL needs one GPU per rank; "
+            f"set torchrun.nproc-per-node to at most {gpus}, or deviceType: cpu")
+    return torch.device("cuda", local_rank)
 
 
 def die_with_launcher() -> None:
@@ -54,13 +67,14 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def init_distributed(require_group: bool = False) -> DistInfo:
+def init_distributed(device_type: str = "auto", require_group: bool = False) -> DistInfo:
     """Join torchrun's process group (nccl on CUDA, gloo on CPU), or run alone without torchrun.
 
-    A lone process gets a one-rank group only when asked (the FSDP path needs one).
+    device_type: "auto", "cpu" or "cuda" (pick_device). A lone process gets a one-rank group only
+    when asked (the FSDP path needs one).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(local_rank)
+    device = pick_device(device_type, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     launched = int(os.environ.get("WORLD_SIZE", 1)) > 1 or "MASTER_ADDR" in os.environ

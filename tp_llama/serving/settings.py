@@ -38,7 +38,7 @@ class HandlerSettings:
 def settings_from_yaml(block: dict[str, Any] | None) -> HandlerSettings:
     """Validate the yaml `handler:` block and fill in defaults."""
     block = dict(block or {})
-    engine_keys = {f.name for f in fields(EngineConfig)}
+    engine_keys = {f.name for f in fields(EngineConfig)} - {"device"}  # TorchServe's deviceType says it
     server_keys = {f.name for f in fields(HandlerSettings)} - {"engine"}
     unknown = sorted(set(block) - engine_keys - server_keys)
     if unknown:
@@ -50,6 +50,18 @@ def settings_from_yaml(block: dict[str, Any] | None) -> HandlerSettings:
         return HandlerSettings(engine, **{k: v for k, v in block.items() if k in server_keys})
     except ValueError as exc:  # its message begins with the key's name
         raise ValueError(f"handler.{exc}") from None
+
+
+DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda"}  # TorchServe's deviceType -> EngineConfig.device
+
+
+def device_of(device_type: str | None) -> str:
+    """EngineConfig.device for the yaml's deviceType (absent: wherever this process sees a GPU)."""
+    if device_type is None:
+        return "auto"
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"deviceType must be one of {sorted(DEVICE_TYPES)}, got {device_type!r}")
+    return DEVICE_TYPES[device_type]
 
 
 def resolve_ckpt_dir(ckpt_dir: str, model_dir: str) -> str:
