@@ -41,9 +41,10 @@ def test_default_dtype_follows_the_device_and_cpu_and_names_win():
 
 
 @pytest.fixture(scope="module", params=["llama2", "llama3"])
-def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, device: str):
     ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param) / "ckpt", family=request.param, mp=2)
-    engine = Engine.load(EngineConfig(str(ckpt), "tp", "bfloat16", max_seq_len=128, max_batch_size=2, prefill_budget=64))
+    engine = Engine.load(EngineConfig(str(ckpt), "tp", "bfloat16", max_seq_len=128, max_batch_size=2, prefill_budget=64,
+                                      device=device))
     return engine, ReferenceModel.load(ckpt, engine.tokenizer.n_words)
 
 

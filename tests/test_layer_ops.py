@@ -84,7 +84,7 @@ class Case:
         rows = len(slots)
         self.qkv = torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
         self.angles = torch.rand(rows, hd // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
-        self.rotation = torch.polar(torch.ones_like(self.angles), self.angles).to(torch.complex64).unsqueeze(1)
+        self.rotation = torch.stack((self.angles.cos(), self.angles.sin()), dim=-1).float().unsqueeze(1)
 
     def run(self, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k, v = self.k.clone(), self.v.clone()
@@ -101,7 +101,7 @@ class Case:
         qkv = self.qkv.double().unflatten(-1, (-1, hd))
         outs = []
         for r, (slot, pos) in enumerate(zip(self.slots.tolist(), self.positions.tolist())):
-            angles = self.rotation[r, 0].angle().double()  # the angles the kernel is given, as float32
+            angles = torch.atan2(*self.rotation[r, 0].double().unbind(-1)[::-1])  # the angles the kernel is given
             q = rotate(qkv[r, :heads], angles)
             k[slot, :, pos] = rotate(qkv[r, heads : heads + kv_heads], angles)
             v[slot, :, pos] = qkv[r, heads + kv_heads :]

@@ -141,9 +141,12 @@ class ParityRun:
     stderr: str
 
 
-def run_cli(ckpt: Path, prompts: list[str], mode: str, world: int, ignore_eos: bool) -> ParityRun:
-    """Run the generate CLI on `world` processes and collect rank 0's JSON lines."""
-    cli_args = ["--ckpt-dir", str(ckpt), "--mode", mode, "--dtype", "float32",
+def run_cli(ckpt: Path, prompts: list[str], mode: str, world: int, ignore_eos: bool, device: str) -> ParityRun:
+    """Run the generate CLI on `world` processes and collect rank 0's JSON lines.
+
+    On `device` when alone; several ranks stay on CPU (gloo), since NCCL wants a GPU per rank.
+    """
+    cli_args = ["--ckpt-dir", str(ckpt), "--mode", mode, "--dtype", "float32", "--device", device if world == 1 else "cpu",
                 "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-seq-len", "128"]
     for prompt in prompts:
         cli_args += ["--prompt", prompt]
@@ -168,7 +171,8 @@ def describe_mismatch(got: list[int], ref: ReferenceResult) -> str:
 
 
 @pytest.mark.parametrize(("mode", "family", "mp", "world", "ignore_eos"), _cases())
-def test_cli_greedy_matches_reference(store: Store, mode: str, family: str, mp: int, world: int, ignore_eos: bool):
+def test_cli_greedy_matches_reference(store: Store, mode: str, family: str, mp: int, world: int, ignore_eos: bool,
+                                      device: str):
     ckpt = store.ckpt(family, mp)
     tok = store.tokenizer(family, mp)
     # Three prompts of different lengths in one batch: a row that stops early (or, with
@@ -179,7 +183,7 @@ def test_cli_greedy_matches_reference(store: Store, mode: str, family: str, mp: 
     prompt_ids = [tok.encode(p, bos=True) for p in prompts]
     assert len(prompt_ids[0]) < len(prompt_ids[1]), "the batch must mix prompt lengths"
 
-    run = run_cli(ckpt, prompts, mode, world, ignore_eos)
+    run = run_cli(ckpt, prompts, mode, world, ignore_eos, device)
 
     for text, ids, out in zip(prompts, prompt_ids, run.outputs):
         ref = store.expected(family, mp, ids, ignore_eos)
@@ -220,7 +224,7 @@ def test_reference_reassembly_is_the_same_for_every_mp(store: Store, family: str
 
 
 @pytest.mark.parametrize("family", ["llama2", "llama3"])
-def test_engine_logits_match_reference(store: Store, family: str):
+def test_engine_logits_match_reference(store: Store, family: str, device: str):
     """One in-process engine (float32, MP 2 files) against the reference, logit by logit.
 
     Greedy tokens only see the argmax; this sees every logit of an ~85-token prompt, long
@@ -231,7 +235,7 @@ def test_engine_logits_match_reference(store: Store, family: str):
     from tests.support.run_model import dense_logits
 
     ckpt = store.ckpt(family, 2)
-    engine = Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=128, max_batch_size=1))
+    engine = Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=128, max_batch_size=1, device=device))
     ids = engine.tokenizer.encode(f"{LONG_PROMPT} {LONG_PROMPT}", bos=True)
     assert len(ids) > 60
     with torch.inference_mode():

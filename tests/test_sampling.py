@@ -93,15 +93,17 @@ def test_draws_follow_the_definition(name: str):
     assert torch.all((got - want).abs() <= tolerance), f"{name}:\n got  {got}\n want {want}"
 
 
-def test_the_pytorch_draw_follows_the_definition_too():
-    """draw_by_bisection is what CUDA and CPUs without the C kernels run."""
+def test_the_pytorch_draw_follows_the_definition_too(device: str):
+    """draw_by_bisection is what CUDA and CPUs without the C kernels run (on --device here)."""
     for name in ("top_p-tie", "top_k-tie", "all-filters"):
         params = CASES[name]
         want = reference(SMALL, Row(params))
         gen = torch.Generator().manual_seed(5)
         uniforms = torch.rand(4000, dtype=torch.float64, generator=gen).tolist()
-        picked = draw_by_bisection(SMALL.expand(4000, -1).contiguous(), list(range(4000)), [params] * 4000, uniforms)
-        got = torch.bincount(picked, minlength=len(SMALL)).double() / 4000
+        logits = SMALL.expand(4000, -1).contiguous().to(device)
+        picked = draw_by_bisection(logits, list(range(4000)), [params] * 4000, uniforms)
+        assert picked.device == logits.device
+        got = torch.bincount(picked.cpu(), minlength=len(SMALL)).double() / 4000
         assert torch.all(got[want == 0] == 0) and torch.all((got - want).abs() <= 5 * (want * (1 - want) / 4000).sqrt())
 
 

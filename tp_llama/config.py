@@ -13,6 +13,7 @@ from tp_llama.kernels import cpu_flags
 
 MODES = ("tp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where this process sees a GPU
+COMPILE = ("auto", "on", "off")  # auto: on for CUDA
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -58,6 +59,7 @@ class EngineConfig:
     max_batch_size: int = bounded(16, 1)  # KV-cache slots: sequences decoded together
     prefill_budget: int = bounded(512, 1)  # prompt tokens per step
     device: str = one_of("auto", DEVICES)  # TorchServe's deviceType or the CLI's --device
+    compile: str = one_of("auto", COMPILE)  # decode steps through torch.compile (CUDA graphs on CUDA)
 
     def __post_init__(self) -> None:
         check_fields(self)

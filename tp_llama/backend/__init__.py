@@ -16,9 +16,14 @@ from tp_llama.kernels import Tiled, choose
 from tp_llama.model import Transformer
 
 
-def optimize(model: Transformer) -> tuple[str, str]:
-    """Swap the serving modules in; returns kernels.choose's (kind, why not a faster one)."""
-    kind, why = choose(model.norm.weight.device, model.norm.weight.dtype)
+def optimize(model: Transformer, device: torch.device | None = None) -> tuple[str, str]:
+    """Swap the serving modules in, for the device the model will run on (its own unless given);
+    returns kernels.choose's (kind, why not a faster one).
+
+    Fusing on the host and moving the fused weights afterwards leaves no fragmented copies in
+    a GPU's memory.
+    """
+    kind, why = choose(device or model.norm.weight.device, model.norm.weight.dtype)
     if kind in ("amx", "tiles"):
         cpu.apply(model, kind)
     else:

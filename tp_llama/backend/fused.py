@@ -19,10 +19,17 @@ from tp_llama.parallel.layout import NONE
 from tp_llama.parallel.modules import LocalLinear
 
 
+def held(weight: torch.Tensor | Tiled) -> torch.Tensor | Tiled:
+    """A plain weight as a Parameter, so that moving the module to its device moves it too."""
+    if isinstance(weight, torch.Tensor) and not weight.is_mkldnn:
+        return nn.Parameter(weight, requires_grad=False)
+    return weight
+
+
 def serving_linear(module: nn.Module, kind: str) -> LocalLinear:
     """A Linear (or this rank's LocalLinear) with its weight prepared for `kind` of matmul."""
     local = module if isinstance(module, LocalLinear) else LocalLinear(module.weight.detach(), NONE, None)
-    prepared = prepare(local.weight, kind)
+    prepared = held(prepare(local.weight, kind))
     del local.weight
     local.weight = prepared
     return local
@@ -36,7 +43,7 @@ class FusedAttention(nn.Module):
         self.head_dim = attention.head_dim
         self.widths = (attention.wq.weight.shape[0], attention.wk.weight.shape[0])  # this rank's q and k features
         fused = torch.cat([w.weight.detach() for w in (attention.wq, attention.wk, attention.wv)])
-        self.wqkv: torch.Tensor | Tiled = prepare(fused, kind, own=True)
+        self.wqkv: torch.Tensor | Tiled = held(prepare(fused, kind, own=True))
         self.wo = serving_linear(attention.wo, kind)
         self.cache = attention.cache
 
@@ -57,8 +64,8 @@ class FusedFeedForward(nn.Module):
 
     def __init__(self, ffn: FeedForward, kind: str):
         super().__init__()
-        self.w13: torch.Tensor | Tiled = prepare(torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()]), kind,
-                                                 own=True)
+        w13 = torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()])
+        self.w13: torch.Tensor | Tiled = held(prepare(w13, kind, own=True))
         self.w2 = serving_linear(ffn.w2, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

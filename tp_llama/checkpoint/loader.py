@@ -53,7 +53,11 @@ def build_local_model(
 
 
 def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype) -> Transformer:
-    """Direct path: each rank reads only its slices, straight into its local modules' weights."""
+    """Direct path: each rank reads only its slices, straight into its local modules' weights.
+
+    The model stays on the host: the backend fuses its weights there before they move to
+    `info.device` (tp_llama.engine.core.load_model).
+    """
     tp, rank = info.world_size, info.rank
     expected = full_shapes(args)
     start = time.perf_counter()
@@ -73,9 +77,6 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         log(f"read {nbytes / 1e6:.0f} MB from {len(files.files_read())} of {len(files)} shard files "
             f"{[p.name for p in files.files_read()]} in {time.perf_counter() - start:.1f} s", rank)
-        if info.device.type != "cpu":
-            for key in state:  # one tensor at a time, so host memory never holds two copies
-                state[key] = state[key].to(info.device)
     except Exception as exc:  # forwarded to every rank below
         error = exc
     raise_if_any_rank_failed(error)

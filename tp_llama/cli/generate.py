@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from tp_llama.config import DEVICES, DTYPES, MODES, EngineConfig
+from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence, check_sequence
@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past stop tokens")
     parser.add_argument("--mode", choices=MODES, default="tp")
     parser.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA where a GPU is visible")
+    parser.add_argument("--compile", choices=COMPILE, default="auto",
+                        help="decode steps through torch.compile (CUDA graphs on CUDA); auto: on for CUDA")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32")
     parser.add_argument("--max-seq-len", type=int, default=None,
@@ -78,7 +80,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     longest = max(prompt_token_bound(prompt) for prompt in a.prompt) + a.max_new_tokens
     max_seq_len = a.max_seq_len if a.max_seq_len is not None else max(2, min(longest, SERVER.max_seq_len))
     slots = a.slots if a.slots is not None else min(len(a.prompt), SERVER.max_batch_size)
-    return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget, a.device)
+    return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget, a.device, a.compile)
 
 
 def run(a: argparse.Namespace) -> None:

@@ -22,6 +22,7 @@ from tp_llama import backend
 from tp_llama.checkpoint.loader import load_fsdp_model, load_tp_model
 from tp_llama.checkpoint.params import read_params
 from tp_llama.config import EngineConfig, resolve_dtype
+from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import StepPlan
 from tp_llama.engine.runner import ModelRunner
 from tp_llama.engine.sampling import sample_rows
@@ -40,8 +41,23 @@ class StepStats:
     decode_s: float = 0.0  # steps of decode rows only
 
 
-def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs]:
-    """The checkpoint's model on this rank, its serving modules swapped in and its KV cache allocated."""
+def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None) -> tuple[bool, str]:
+    """(whether decode steps run compiled at static shapes, why not where they do not).
+
+    kind: the matmuls of the `tp` mode (None under FSDP, which runs eagerly).
+    """
+    if config.compile == "off" or (config.compile == "auto" and device.type != "cuda"):
+        return False, f"compile={config.compile}"
+    if kind is None:
+        return False, "fsdp mode runs eagerly"
+    if kind in ("amx", "tiles"):
+        return False, "the C kernels already run a decode step in one call"
+    return True, ""
+
+
+def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs, bool]:
+    """The checkpoint's model on this rank, its serving modules swapped in and its KV cache allocated;
+    and whether its decode steps run compiled (their cache has one more slot, for padding rows)."""
     error, setup = None, None
     try:
         dtype = resolve_dtype(config.dtype, info.device)
@@ -54,14 +70,23 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
     dtype, tokenizer, args = setup
     if config.mode == "tp":
         model = load_tp_model(config.ckpt_dir, args, info, dtype)
-        kind, why = backend.optimize(model)
-        log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
+        error = None
+        try:
+            kind, why = backend.optimize(model, info.device)
+            log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
+            model.to(info.device)
+        except Exception as exc:  # a rank that fails here must not leave the others in a collective
+            error = exc
+        raise_if_any_rank_failed(error)
     else:
-        model = load_fsdp_model(config.ckpt_dir, args, info, dtype)
+        model, kind = load_fsdp_model(config.ckpt_dir, args, info, dtype), None
+    compiled, why = compiles_decode(config, info.device, kind)
+    log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
     kv_heads = args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
     error = None
     try:
-        model.setup_caches(config.max_batch_size, config.max_seq_len, dtype, info.device, kv_heads)
+        slots = config.max_batch_size + int(compiled)
+        model.setup_caches(slots, config.max_seq_len, dtype, info.device, kv_heads)
     except (RuntimeError, MemoryError) as exc:  # too many slots for this machine's memory
         error = MemoryError(
             f"the KV cache of {config.max_batch_size} slots x {config.max_seq_len} positions does not fit ({exc}); "
@@ -71,7 +96,7 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
     model.eval()
     if config.mode == "tp":
         warm_up(backend.matmul_weights(model), config.max_batch_size, dtype)
-    return model, tokenizer, args
+    return model, tokenizer, args, compiled
 
 
 @dataclass
@@ -82,11 +107,12 @@ class Engine:
     args: ModelArgs
     info: DistInfo
     load_s: float
+    decode_step: DecodeStep | None = None
     stats: StepStats = field(default_factory=StepStats)
 
     def __post_init__(self) -> None:
         self.runner = ModelRunner(self.model, self.info, self.config.max_batch_size,
-                                  self.config.prefill_budget + self.config.max_batch_size)
+                                  self.config.prefill_budget + self.config.max_batch_size, self.decode_step)
         self._last_step_s = 0.0
 
     @classmethod
@@ -96,11 +122,18 @@ class Engine:
         started = time.perf_counter()
         log(f"loading {config.ckpt_dir} (mode={config.mode}, world_size={info.world_size}, device={info.device})",
             info.rank)
-        model, tokenizer, args = load_model(config, info)
+        model, tokenizer, args, compiled = load_model(config, info)
+        decode_step = None
+        if compiled:
+            decode_step = DecodeStep(model, config.max_batch_size, info.device, compiled=True)
+            warm_started = time.perf_counter()
+            decode_step.warm_up()
+            log(f"compiled {len(decode_step.sizes)} decode-step sizes {decode_step.sizes} in "
+                f"{time.perf_counter() - warm_started:.1f} s", info.rank)
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({next(model.parameters()).dtype}, {config.max_batch_size} KV-cache slots "
             f"of {config.max_seq_len})", info.rank)
-        return cls(config, model, tokenizer, args, info, load_s)
+        return cls(config, model, tokenizer, args, info, load_s, decode_step)
 
     @property
     def rank(self) -> int:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import PlanWire, StepPlan
 from tp_llama.model import Batch
 from tp_llama.parallel.distributed import DistInfo, broadcast_from_rank0
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, info: DistInfo, max_rows: int, max_tokens: int):
-        self.model, self.info = model, info
+    def __init__(self, model: nn.Module, info: DistInfo, max_rows: int, max_tokens: int,
+                 decode_step: DecodeStep | None = None):
+        self.model, self.info, self.decode_step = model, info, decode_step
         self.wire = PlanWire(max_rows, max_tokens)
 
     @torch.inference_mode()
@@ -29,5 +31,7 @@ class ModelRunner:
                                                              self.info.device))
         if not plan.rows:
             return plan, None
+        if self.decode_step is not None and self.decode_step.accepts(plan.rows):
+            return plan, self.decode_step(plan.rows)
         rows = [(r.slot, r.start, r.tokens, r.sample) for r in plan.rows]
         return plan, self.model(Batch.build(rows, self.info.device))

@@ -48,16 +48,21 @@ def rope_frequencies(head_dim: int, theta: float, use_scaled_rope: bool) -> torc
 
 
 def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> torch.Tensor:
-    """Unit complex numbers [max_seq_len, head_dim/2]: the rotation of each pair at each position."""
+    """(cos, sin) [max_seq_len, head_dim/2, 2] in float32: the rotation of each pair at each position.
+
+    Real pairs rather than complex numbers: the same bytes as complex64, which compilers fuse and
+    the C kernels read as they are.
+    """
     freqs = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float().to(device)
 
 
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2]."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+    """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2, 2]."""
+    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rotation.unbind(-1)
+    return torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):

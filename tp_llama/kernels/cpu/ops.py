@@ -141,7 +141,7 @@ def decode_attention(qkv: torch.Tensor, rotation: torch.Tensor, slots: torch.Ten
                      cache_k: torch.Tensor, cache_v: torch.Tensor, out: torch.Tensor) -> None:
     """Attention of one new token per row, in one C call: RoPE, the cache write, softmax(qK)V.
 
-    qkv [rows, (heads + 2 kv_heads) * head_dim], rotation [rows, ..., head_dim / 2] complex,
+    qkv [rows, (heads + 2 kv_heads) * head_dim], rotation [rows, ..., head_dim / 2, 2] (cos, sin),
     slots and positions [rows] int64 (distinct slots); writes out [rows, heads * head_dim] and
     each row's new key and value into cache_k / cache_v [slots, kv_heads, max_seq_len, head_dim].
     """
@@ -152,7 +152,7 @@ def decode_attention(qkv: torch.Tensor, rotation: torch.Tensor, slots: torch.Ten
     if not all(t.is_contiguous() for t in (qkv, rotation, slots, positions, cache_k, cache_v, out)):
         raise ValueError("decode_attention needs contiguous tensors")
     status = library().decode_attention(
-        qkv.data_ptr(), torch.view_as_real(rotation).data_ptr(), slots.data_ptr(), positions.data_ptr(), rows,
+        qkv.data_ptr(), rotation.data_ptr(), slots.data_ptr(), positions.data_ptr(), rows,
         out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(), cache_v.data_ptr(), n_slots,
         max_seq_len, out.data_ptr(), qkv.dtype == torch.bfloat16)
     _raise_for(status, cache_k)
@@ -189,11 +189,11 @@ def decode_layers(layers: list[ctypes.Structure]) -> ctypes.Array:
 
 
 def decode_rows(rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> ctypes.Structure:
-    """A decode step's rows (struct DecodeRows): rotation [rows, ..., head_dim / 2] complex, slots and
+    """A decode step's rows (struct DecodeRows): rotation [rows, ..., head_dim / 2, 2] (cos, sin), slots and
     positions [rows] int64. The tensors must outlive the returned struct."""
     if not all(t.is_contiguous() for t in (rotation, slots, positions)):
         raise ValueError("decode rows need contiguous tensors")
-    return library().structs["DecodeRows"](slots.shape[0], torch.view_as_real(rotation).data_ptr(), slots.data_ptr(),
+    return library().structs["DecodeRows"](slots.shape[0], rotation.data_ptr(), slots.data_ptr(),
                                            positions.data_ptr())
 
 

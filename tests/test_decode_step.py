@@ -1,0 +1,132 @@
+"""The capture-ready decode step (engine/decode_step.py) against the step it stands in for.
+
+Rows at scattered slots and lengths on both sides of the attention block size, holes between
+them, padding to a bucket: the same logits and the same KV cache as Batch.build's step, eager
+and compiled; the same greedy tokens through the whole engine, at TP 1 and TP 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.support.cli_util import launch_cli
+from tp_llama.backend import fused
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import compiles_decode
+from tp_llama.engine.decode_step import DecodeStep, bucket_sizes
+from tp_llama.engine.plan import Row
+from tp_llama.model import ModelArgs, Transformer
+from tp_llama.model.batch import Batch
+from tp_llama.model.kv_cache import KV_BLOCK
+from tp_llama.testing.synthetic import write_checkpoint
+
+MAX_ROWS, MAX_SEQ = 8, 2 * KV_BLOCK + 40
+# slot -> tokens already in its cache: inside the first block, at its end, just past it, in the third
+FILLED = {0: 5, 2: KV_BLOCK - 1, 3: KV_BLOCK, 5: KV_BLOCK + 1, 6: 2 * KV_BLOCK + 7}
+
+
+def served_model(device: str) -> Transformer:
+    """A small GQA model fused as served off the C kernels, its slots filled to FILLED."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=300, ffn_dim=192)
+    model = Transformer(args).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    fused.apply(model, "plain")
+    model.to(device)
+    model.setup_caches(MAX_ROWS + 1, MAX_SEQ, torch.float32, torch.device(device))
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for slot, length in FILLED.items():
+            ids = torch.randint(0, args.vocab_size, (length,), generator=gen).tolist()
+            model(Batch.build([(slot, 0, ids, False)], torch.device(device)))
+    return model
+
+
+def caches(model: Transformer) -> list[torch.Tensor]:
+    return [t.clone() for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
+
+
+def restore(model: Transformer, saved: list[torch.Tensor]) -> None:
+    live = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
+    for target, value in zip(live, saved):
+        target.copy_(value)
+
+
+def decode_rows() -> list[Row]:
+    return [Row(slot, length, [17 + slot], True) for slot, length in FILLED.items()]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_decode_step_gives_the_batch_steps_logits_and_cache(device: str, compiled: bool):
+    model = served_model(device)
+    rows = decode_rows()
+    before = caches(model)
+    with torch.inference_mode():
+        want = model(Batch.build([(r.slot, r.start, r.tokens, True) for r in rows], torch.device(device)))
+        want_cache = caches(model)
+        restore(model, before)
+        step = DecodeStep(model, MAX_ROWS, torch.device(device), compiled=compiled)
+        got = step(rows)
+        got_cache = caches(model)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+        # Every slot but the spare one padding rows write to, within float32 rounding: a matmul of 8 rows
+        # (5 and padding) may block its sums otherwise than one of 5, and attention is another kernel.
+        for g, w in zip(got_cache, want_cache):
+            torch.testing.assert_close(g[:MAX_ROWS], w[:MAX_ROWS], rtol=0, atol=1e-5)
+        # The same graph for other slots and lengths, in the same bucket of 8 (5 rows and 3 padding).
+        restore(model, before)
+        fewer = rows[1:]
+        want_fewer = model(Batch.build([(r.slot, r.start, r.tokens, True) for r in fewer], torch.device(device)))
+        restore(model, before)
+        torch.testing.assert_close(step(fewer), want_fewer, rtol=0, atol=2e-5)
+
+
+def test_buckets_cover_every_row_count_up_to_the_cap():
+    for cap in (1, 3, 16, 33, 300):
+        sizes = bucket_sizes(cap)
+        assert sizes[-1] == cap and list(sizes) == sorted(set(sizes))
+        assert all(any(s >= n for s in sizes) for n in range(1, cap + 1))
+
+
+def test_only_decode_only_steps_take_the_decode_step():
+    assert DecodeStep.accepts([Row(0, 4, [1], True), Row(3, 9, [2], True)])
+    assert not DecodeStep.accepts([])
+    assert not DecodeStep.accepts([Row(0, 4, [1], True), Row(1, 0, [5, 6], True)])
+    assert not DecodeStep.accepts([Row(0, 4, [1], False)])  # a one-token prompt chunk that samples nothing
+
+
+def test_compiling_is_chosen_by_device_mode_and_kernels():
+    config = EngineConfig("-")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert compiles_decode(config, cuda, "plain") == (True, "")
+    assert not compiles_decode(config, cpu, "onednn")[0]
+    assert compiles_decode(EngineConfig("-", compile="on"), cpu, "onednn") == (True, "")
+    assert not compiles_decode(EngineConfig("-", compile="on"), cpu, "amx")[0]
+    assert not compiles_decode(EngineConfig("-", compile="on"), cuda, None)[0]  # fsdp
+    assert not compiles_decode(EngineConfig("-", compile="off"), cuda, "plain")[0]
+    with pytest.raises(ValueError, match="compile must be one of"):
+        EngineConfig("-", compile="yes")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path, world: int):
+    """The whole engine, compile on and off (TP 2: the all-reduces traced, the logits' gather to rank 0 after)."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=2)
+    prompts = ["the lamp", "a keeper wrote the reading in the log at dusk"]
+    outputs = {}
+    for compile_ in ("off", "on"):
+        args = ["--ckpt-dir", str(ckpt), "--dtype", "float32", "--max-new-tokens", "10", "--slots", "2",
+                "--compile", compile_]
+        for prompt in prompts:
+            args += ["--prompt", prompt]
+        run = launch_cli(args, world, timeout=300, env={"TP_LLAMA_MATMUL": "plain"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert f"decode steps: {'compiled' if compile_ == 'on' else 'eager'}" in run.stderr
+        outputs[compile_] = [json.loads(line)["token_ids"] for line in run.stdout.splitlines() if line.strip()]
+    assert len(outputs["on"]) == len(prompts)
+    assert outputs["on"] == outputs["off"]
