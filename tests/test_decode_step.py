@@ -8,6 +8,9 @@ and compiled; the same greedy tokens through the whole engine, at TP 1 and TP 2.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +133,12 @@ def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path, world: int):
         outputs[compile_] = [json.loads(line)["token_ids"] for line in run.stdout.splitlines() if line.strip()]
     assert len(outputs["on"]) == len(prompts)
     assert outputs["on"] == outputs["off"]
+
+
+def test_the_gpu_check_runs_here_on_cpu():
+    """bench/gpu_check.py runs for the first time on a lent GPU: keep it working meanwhile."""
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    table = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 8 and all(line.endswith("| ok |") for line in table[1:]), run.stdout

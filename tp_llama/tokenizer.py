@@ -14,9 +14,10 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import sentencepiece as spm
-import tiktoken
+if TYPE_CHECKING:
+    import sentencepiece as spm
 
 # Llama 3's pre-tokenizer: pieces never cross these matches, and BPE runs inside each piece.
 LLAMA3_SPLIT_PATTERN = "|".join(
@@ -159,6 +160,8 @@ class TiktokenTokenizer(Tokenizer):
     def __init__(self, ranks: dict[bytes, int], name: str) -> None:
         n_base = len(ranks)
         self.special_ids = {tok: n_base + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        import tiktoken  # here, so the engine imports on machines without the tokenizers (bench/gpu_check.py)
+
         self._enc = tiktoken.Encoding(
             name=name,
             pat_str=LLAMA3_SPLIT_PATTERN,
@@ -206,6 +209,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     data = path.read_bytes()
     if _looks_like_tiktoken(data):
         return TiktokenTokenizer(_parse_tiktoken_ranks(data, path), name=path.name)
+    import sentencepiece as spm
+
     processor = spm.SentencePieceProcessor()
     try:
         processor.LoadFromSerializedProto(data)

@@ -56,8 +56,7 @@ def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None
 
 
 def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs, bool]:
-    """The checkpoint's model on this rank, its serving modules swapped in and its KV cache allocated;
-    and whether its decode steps run compiled (their cache has one more slot, for padding rows)."""
+    """The checkpoint's model on this rank, ready to serve (see `ready_to_serve`)."""
     error, setup = None, None
     try:
         dtype = resolve_dtype(config.dtype, info.device)
@@ -70,6 +69,17 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
     dtype, tokenizer, args = setup
     if config.mode == "tp":
         model = load_tp_model(config.ckpt_dir, args, info, dtype)
+    else:
+        model = load_fsdp_model(config.ckpt_dir, args, info, dtype)
+    return model, tokenizer, args, ready_to_serve(model, config, info, args)
+
+
+def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs) -> bool:
+    """In `tp` mode, swap the serving modules in on the host and move the model to its device; then
+    allocate the KV cache. Returns whether decode steps run compiled (their cache has one more slot,
+    for padding rows)."""
+    kind = None
+    if config.mode == "tp":
         error = None
         try:
             kind, why = backend.optimize(model, info.device)
@@ -78,10 +88,9 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
         except Exception as exc:  # a rank that fails here must not leave the others in a collective
             error = exc
         raise_if_any_rank_failed(error)
-    else:
-        model, kind = load_fsdp_model(config.ckpt_dir, args, info, dtype), None
     compiled, why = compiles_decode(config, info.device, kind)
     log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
+    dtype = next(model.parameters()).dtype
     kv_heads = args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
     error = None
     try:
@@ -96,7 +105,7 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
     model.eval()
     if config.mode == "tp":
         warm_up(backend.matmul_weights(model), config.max_batch_size, dtype)
-    return model, tokenizer, args, compiled
+    return compiled
 
 
 @dataclass
@@ -123,6 +132,12 @@ class Engine:
         log(f"loading {config.ckpt_dir} (mode={config.mode}, world_size={info.world_size}, device={info.device})",
             info.rank)
         model, tokenizer, args, compiled = load_model(config, info)
+        return cls.around(config, model, tokenizer, args, info, compiled, started)
+
+    @classmethod
+    def around(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs, info: DistInfo,
+               compiled: bool, started: float) -> Engine:
+        """The engine of a model made ready by `ready_to_serve` (its decode steps compiled now, if so)."""
         decode_step = None
         if compiled:
             decode_step = DecodeStep(model, config.max_batch_size, info.device, compiled=True)

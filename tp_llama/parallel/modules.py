@@ -26,6 +26,18 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     return x
 
 
+def _on_host_under_gloo(collective):
+    """Gloo gathers host tensors only: ranks sharing one GPU over gloo (bench/gpu_check.py) gather a copy."""
+
+    def run(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        if x.is_cuda and dist.get_backend(group) == "gloo":
+            return collective(x.cpu(), group).to(x.device)
+        return collective(x, group)
+
+    return run
+
+
+@_on_host_under_gloo
 def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate the ranks' [..., n] pieces, in rank order, into [..., tp * n]."""
     tp = dist.get_world_size(group)
@@ -35,6 +47,7 @@ def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return gathered.unflatten(0, (tp, x.shape[0])).movedim(0, -2).flatten(-2)
 
 
+@_on_host_under_gloo
 def gather_last_dim_to_rank0(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """On the group's rank 0, the ranks' [..., n] pieces side by side, [..., tp * n]; elsewhere [..., 0]."""
     x = x.contiguous()

@@ -1,0 +1,278 @@
+"""The GPU check: `python -m bench.gpu_check` from the repository root, on a machine with one GPU.
+
+Needs only PyTorch (2.11 or newer) and this folder: no install, no TorchServe, no Java, no
+network, nothing written to disk. Random weights are made in memory. It checks, and prints one
+table of:
+
+1. parity on the GPU against the float64 CPU reference (tests/support/reference.py): float32
+   logits within 1e-3 and greedy tokens identical, bfloat16 logits within 5% of the logit scale;
+   prefill and a decode step, with eager steps and with compiled (CUDA-graph) decode steps;
+2. TP 2: two ranks over gloo sharing the one GPU (NCCL wants a GPU per rank), greedy tokens;
+3. NCCL at world size 1: the model's collectives on CUDA tensors, then greedy tokens;
+4. decode speed on a Llama 3 8B-shaped model in bfloat16: ms per step at 1/8/32 rows, eager and
+   captured, against the floor of reading the weights and KV cache once at the measured bandwidth.
+
+Exit status 1 when a check fails. `--device cpu --skip-speed` runs checks 1-2 on CPU (as the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.support.reference import Config, ReferenceModel, greedy
+from tp_llama.checkpoint.loader import build_local_model
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine, ready_to_serve
+from tp_llama.engine.decode_step import DecodeStep
+from tp_llama.engine.plan import Row
+from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.model import ModelArgs
+from tp_llama.model.batch import Batch
+from tp_llama.parallel.distributed import DistInfo, init_distributed
+from tp_llama.parallel.layout import full_shapes, shard_dim
+from tp_llama.parallel.modules import all_gather_last_dim, all_reduce_sum, gather_last_dim_to_rank0
+
+SMALL = ModelArgs(dim=256, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=1024, ffn_dim=640, rope_theta=500000.0,
+                  use_scaled_rope=True, family="llama3")
+LLAMA3_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
+                      rope_theta=500000.0, use_scaled_rope=True, family="llama3")
+PROMPTS = [[1, 17, 300, 45, 9, 800, 3], [1, 5], [1, 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 2, 77]]
+NEW_TOKENS = 12
+ROWS = []  # the table: (check, setting, result, verdict)
+
+
+class NoText:
+    """The engine asks its tokenizer only for stop ids; these runs have none."""
+
+    stop_ids: frozenset[int] = frozenset()
+
+
+def random_state(args: ModelArgs, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """Weights in Meta's names, scaled so activations and logits stay of order one."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for key, shape in full_shapes(args).items():
+        if key.endswith("norm.weight"):
+            state[key] = 1 + 0.1 * torch.randn(shape, generator=gen, device=device)
+        else:
+            std = 1.0 if key == "tok_embeddings.weight" else shape[1] ** -0.5
+            state[key] = torch.randn(shape, generator=gen, device=device) * std
+        state[key] = state[key].to(dtype)
+    return state
+
+
+def reference_of(args: ModelArgs, state: dict) -> ReferenceModel:
+    cfg = Config(args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size, args.ffn_dim, args.norm_eps,
+                 args.rope_theta, args.use_scaled_rope)
+    return ReferenceModel(cfg, {key: value.double() for key, value in state.items()})
+
+
+def served_model(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int,
+                 max_seq_len: int) -> tuple[torch.nn.Module, EngineConfig, bool]:
+    """The model the CLI and the handler serve, on weights from memory (this rank's shards of `state`)."""
+    tp = info.world_size
+    local = {}
+    for key, tensor in state.items():
+        dim = shard_dim(key, args.family) if tp > 1 else None
+        local[key] = (tensor if dim is None else tensor.chunk(tp, dim)[info.rank]).to(getattr(torch, dtype)).contiguous()
+    model = build_local_model(args, local, tp, dist.group.WORLD if tp > 1 else None)
+    config = EngineConfig("-", "tp", dtype, max_seq_len, max_rows, prefill_budget=max_seq_len,
+                          device=info.device.type, compile=compile_)
+    return model, config, ready_to_serve(model, config, info, args)
+
+
+def engine_of(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,
+              max_seq_len: int = 256) -> Engine:
+    model, config, compiled = served_model(args, state, info, dtype, compile_, max_rows, max_seq_len)
+    return Engine.around(config, model, NoText(), args, info, compiled, time.perf_counter())
+
+
+def greedy_tokens(engine: Engine) -> list[list[int]]:
+    sequences = [Sequence(str(i), ids, SamplingParams(NEW_TOKENS, ignore_eos=True)) for i, ids in enumerate(PROMPTS)]
+    return [seq.output for seq in engine.generate(sequences)]
+
+
+def step_logits(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a prefill of ids[:-1] (every position) and of the decode step of ids[-1], in slot 0."""
+    device = engine.device
+    with torch.inference_mode():
+        prefill = engine.model(Batch.build([(0, 0, ids[:-1], True)], device, all_logits=True))
+        row = Row(0, len(ids) - 1, ids[-1:], True)
+        if engine.decode_step is not None:
+            decode = engine.decode_step([row])
+        else:
+            decode = engine.model(Batch.build([(row.slot, row.start, row.tokens, True)], device))
+    return prefill.float().cpu(), decode.float().cpu()
+
+
+def record(check: str, setting: str, result: str, ok: bool) -> bool:
+    ROWS.append((check, setting, result, "ok" if ok else "FAIL"))
+    print(f"  {check} | {setting} | {result} | {'ok' if ok else 'FAIL'}", file=sys.stderr, flush=True)
+    return ok
+
+
+def parity(device: str) -> None:
+    state = random_state(SMALL, 0)
+    ref = reference_of(SMALL, state)
+    want_tokens = [greedy(ref, ids, NEW_TOKENS, frozenset(), ignore_eos=True).token_ids for ids in PROMPTS]
+    ids = PROMPTS[2]
+    want = ref.logits(ids)
+    scale = want.abs().max().item()
+    info = DistInfo(0, 1, 0, torch.device(device), "none")
+    for dtype in ("float32", "bfloat16"):
+        for compile_ in ("off", "on"):
+            engine = engine_of(SMALL, state, info, dtype, compile_)
+            prefill, decode = step_logits(engine, ids)
+            error = max((prefill - want[:-1]).abs().max().item(), (decode[0] - want[-1]).abs().max().item())
+            setting = f"{device} {dtype} decode {'compiled' if compile_ == 'on' else 'eager'}"
+            if dtype == "float32":
+                record("parity: logits", setting, f"max abs diff {error:.2e} (limit 1e-3)", error < 1e-3)
+                got = greedy_tokens(engine)
+                same = sum(g == w for g, w in zip(got, want_tokens))
+                record("parity: greedy tokens", setting, f"{same}/{len(PROMPTS)} prompts identical", same == len(PROMPTS))
+            else:
+                share = error / scale
+                record("parity: logits", setting, f"max abs diff {share:.1%} of the logit scale {scale:.1f} (limit 5%)",
+                       share < 0.05)
+
+
+def _tp_rank(rank: int, port: int, device: str, out: str) -> None:
+    os.environ["TP_LLAMA_MATMUL"] = "plain"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    info = DistInfo(rank, 2, rank, torch.device(device, 0) if device == "cuda" else torch.device(device), "gloo")
+    engine = engine_of(SMALL, random_state(SMALL, 0), info, "float32", "off")
+    tokens = greedy_tokens(engine)
+    if rank == 0:
+        Path(out).write_text(json.dumps(tokens))
+    dist.destroy_process_group()
+
+
+def tp2_over_gloo(device: str) -> None:
+    state = random_state(SMALL, 0)
+    want = [greedy(reference_of(SMALL, state), ids, NEW_TOKENS, frozenset(), ignore_eos=True).token_ids
+            for ids in PROMPTS]
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "tokens.json")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        context = mp.start_processes(_tp_rank, args=(port, device, out), nprocs=2, join=False, start_method="spawn")
+        deadline = time.monotonic() + 300
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                record("TP 2 over gloo", f"{device}, 2 ranks", "timed out after 300 s", False)
+                return
+        got = json.loads(Path(out).read_text())
+    same = sum(g == w for g, w in zip(got, want))
+    record("TP 2 over gloo", f"{device}, 2 ranks, float32", f"{same}/{len(PROMPTS)} prompts' greedy tokens identical",
+           same == len(PROMPTS))
+
+
+def nccl_world_one() -> None:
+    info = init_distributed("cuda", require_group=True)
+    x = torch.randn(3, 8, device=info.device)
+    collectives_ok = (info.backend == "nccl" and torch.equal(all_reduce_sum(x.clone(), None), x)
+                      and torch.equal(all_gather_last_dim(x, None), x) and torch.equal(gather_last_dim_to_rank0(x, None), x))
+    record("NCCL world 1", "all_reduce, all_gather, gather", f"backend {info.backend}", collectives_ok)
+    state = random_state(SMALL, 0)
+    want = [greedy(reference_of(SMALL, state), ids, NEW_TOKENS, frozenset(), ignore_eos=True).token_ids for ids in PROMPTS]
+    got = greedy_tokens(engine_of(SMALL, state, info, "float32", "on"))
+    same = sum(g == w for g, w in zip(got, want))
+    record("NCCL world 1", "float32, compiled decode", f"{same}/{len(PROMPTS)} prompts' greedy tokens identical",
+           same == len(PROMPTS))
+    dist.destroy_process_group()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a device-to-device copy of 2 GiB moves (read plus write)."""
+    src = torch.empty(2**30, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() * 2 / (time.perf_counter() - started)
+
+
+def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> None:
+    device = torch.device("cuda", 0)
+    bandwidth = copy_bandwidth(device)
+    info = DistInfo(0, 1, 0, device, "none")
+    state = random_state(LLAMA3_8B, 0, device="cuda", dtype=torch.bfloat16)
+    weight_bytes = sum(t.numel() * 2 for key, t in state.items() if key != "tok_embeddings.weight")
+    model, _, _ = served_model(LLAMA3_8B, state, info, "bfloat16", "on", max(sizes), context + 8)
+    del state
+    started = time.perf_counter()
+    captured = DecodeStep(model, max(sizes), device, compiled=True)  # the same model and cache as the eager steps
+    captured.warm_up(tuple(sizes))
+    compile_s = time.perf_counter() - started
+    kv_per_row = context * LLAMA3_8B.n_layers * 2 * LLAMA3_8B.n_kv_heads * LLAMA3_8B.head_dim * 2
+    for rows_n in sizes:
+        rows = [Row(slot, context, [100 + slot], True) for slot in range(rows_n)]
+        floor_ms = (weight_bytes + rows_n * kv_per_row) / bandwidth * 1e3
+        for name, run in (("eager", lambda: model(Batch.build([(r.slot, r.start, r.tokens, True) for r in rows],
+                                                                device))),
+                          ("captured", lambda: captured(rows))):
+            with torch.inference_mode():
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(steps):
+                    run()
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - started) / steps * 1e3
+            record("decode speed 8B bf16", f"{rows_n} rows, {name}, context {context}",
+                   f"{ms:.2f} ms/step, floor {floor_ms:.2f} ms ({floor_ms / ms:.0%})", True)
+    record("decode speed 8B bf16", "setup", f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, compile {compile_s:.0f} s, "
+           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--skip-speed", action="store_true", help="leave out the 8B decode benchmark")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=512, help="KV positions each row attends over")
+    parser.add_argument("--steps", type=int, default=20)
+    a = parser.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("no GPU visible to this process", file=sys.stderr)
+        return 1
+    os.environ.setdefault("TP_LLAMA_COLLECTIVE_TIMEOUT_S", "60")
+    os.environ["TP_LLAMA_MATMUL"] = "plain"  # what CUDA runs; on CPU, the path compile applies to
+    started = time.perf_counter()
+    parity(a.device)
+    tp2_over_gloo(a.device)
+    if a.device == "cuda":
+        nccl_world_one()
+        if not a.skip_speed:
+            decode_speed(tuple(a.sizes), a.context, a.steps)
+    print("| check | setting | result | |\n|---|---|---|---|")
+    for row in ROWS:
+        print("| " + " | ".join(row) + " |")
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
+    return 0 if all(row[3] == "ok" for row in ROWS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
