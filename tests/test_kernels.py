@@ -155,6 +155,7 @@ def test_forced_kind_and_bad_values(monkeypatch):
         assert choose(CPU, torch.bfloat16) == ("tiles", "")
     monkeypatch.setenv("TP_LLAMA_MATMUL", "onednn")
     assert choose(CPU, torch.float32)[0] == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
+    assert choose(CPU, torch.float32, traced=True)[0] == "plain"  # torch.compile cannot trace oneDNN's weights
     monkeypatch.setenv("TP_LLAMA_MATMUL", "fast")
     with pytest.raises(ValueError, match="TP_LLAMA_MATMUL"):
         choose(CPU, torch.float32)

@@ -16,14 +16,14 @@ from tp_llama.kernels import Tiled, choose
 from tp_llama.model import Transformer
 
 
-def optimize(model: Transformer, device: torch.device | None = None) -> tuple[str, str]:
+def optimize(model: Transformer, device: torch.device | None = None, traced: bool = False) -> tuple[str, str]:
     """Swap the serving modules in, for the device the model will run on (its own unless given);
     returns kernels.choose's (kind, why not a faster one).
 
     Fusing on the host and moving the fused weights afterwards leaves no fragmented copies in
-    a GPU's memory.
+    a GPU's memory. traced: decode steps will go through torch.compile (kernels.choose).
     """
-    kind, why = choose(device or model.norm.weight.device, model.norm.weight.dtype)
+    kind, why = choose(device or model.norm.weight.device, model.norm.weight.dtype, traced)
     if kind in ("amx", "tiles"):
         cpu.apply(model, kind)
     else:

@@ -41,12 +41,16 @@ class StepStats:
     decode_s: float = 0.0  # steps of decode rows only
 
 
+def wants_compile(config: EngineConfig, device: torch.device) -> bool:
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
 def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None) -> tuple[bool, str]:
     """(whether decode steps run compiled at static shapes, why not where they do not).
 
     kind: the matmuls of the `tp` mode (None under FSDP, which runs eagerly).
     """
-    if config.compile == "off" or (config.compile == "auto" and device.type != "cuda"):
+    if not wants_compile(config, device):
         return False, f"compile={config.compile}"
     if kind is None:
         return False, "fsdp mode runs eagerly"
@@ -82,7 +86,7 @@ def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args:
     if config.mode == "tp":
         error = None
         try:
-            kind, why = backend.optimize(model, info.device)
+            kind, why = backend.optimize(model, info.device, traced=wants_compile(config, info.device))
             log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
             model.to(info.device)
         except Exception as exc:  # a rank that fails here must not leave the others in a collective

@@ -36,8 +36,12 @@ KINDS = ("amx", "tiles", "onednn", "plain")
 __all__ = ["KINDS", "Tiled", "choose", "cpu_flags", "linear", "prepare", "prepare_swiglu", "warm_up"]
 
 
-def choose(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """(kind, why): which matmul this process's weights are prepared for, and why not a faster one."""
+def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tuple[str, str]:
+    """(kind, why): which matmul this process's weights are prepared for, and why not a faster one.
+
+    traced: the forward goes through torch.compile, which cannot trace oneDNN's packed weights
+    ("plain" instead: inductor packs them itself); the C kernels stay, their steps untraced.
+    """
     forced = os.environ.get("TP_LLAMA_MATMUL")
     if forced is not None and forced not in KINDS:
         raise ValueError(f"TP_LLAMA_MATMUL={forced!r}: choose one of {', '.join(KINDS)}")
@@ -48,6 +52,8 @@ def choose(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
         library, why = ffi.load()
         if library is not None:
             return ("amx" if forced != "tiles" and ffi.amx_ready() else "tiles"), ""
+    if onednn.available() and traced:
+        return "plain", "torch.compile cannot trace oneDNN's packed weights"
     if onednn.available():
         return "onednn", why
     return "plain", why

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tp_llama.errors import CheckpointError
+from tp_llama.model.batch import to_device
 
 # Every collective gives up after this long, so a dead or failed rank never hangs the group.
 DEFAULT_TIMEOUT_S = 600.0
@@ -150,8 +151,11 @@ def exit_now(status: int) -> NoReturn:
 
 
 def broadcast_from_rank0(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Make every rank use rank 0's values (sampled tokens), so ranks can never drift apart."""
+    """Make every rank use rank 0's values (the step plan), so ranks can never drift apart."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    if dist.get_rank() == 0:  # it has them: no copy back, and none that blocks on the way out
+        dist.broadcast(to_device(values, device), src=0)
         return values
     on_device = values.to(device)
     dist.broadcast(on_device, src=0)
