@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -123,25 +124,40 @@ def record(check: str, setting: str, result: str, ok: bool) -> bool:
     return ok
 
 
-def parity(device: str) -> None:
-    state = random_state(SMALL, 0)
-    ref = reference_of(SMALL, state)
-    want_tokens = [greedy(ref, ids, NEW_TOKENS, frozenset(), ignore_eos=True).token_ids for ids in PROMPTS]
+def record_tokens(check: str, setting: str, got: list[list[int]], want: list[list[int]]) -> bool:
+    same = sum(g == w for g, w in zip(got, want))
+    return record(check, setting, f"{same}/{len(PROMPTS)} prompts' greedy tokens identical", same == len(PROMPTS))
+
+
+@dataclass
+class Expected:
+    """The small model's weights and what the float64 reference makes of them, computed once for every check."""
+
+    state: dict
+    reference: ReferenceModel
+    tokens: list[list[int]]
+
+    @classmethod
+    def small(cls) -> Expected:
+        state = random_state(SMALL, 0)
+        ref = reference_of(SMALL, state)
+        return cls(state, ref, [greedy(ref, ids, NEW_TOKENS, frozenset(), ignore_eos=True).token_ids for ids in PROMPTS])
+
+
+def parity(device: str, expected: Expected) -> None:
     ids = PROMPTS[2]
-    want = ref.logits(ids)
+    want = expected.reference.logits(ids)
     scale = want.abs().max().item()
     info = DistInfo(0, 1, 0, torch.device(device), "none")
     for dtype in ("float32", "bfloat16"):
         for compile_ in ("off", "on"):
-            engine = engine_of(SMALL, state, info, dtype, compile_)
+            engine = engine_of(SMALL, expected.state, info, dtype, compile_)
             prefill, decode = step_logits(engine, ids)
             error = max((prefill - want[:-1]).abs().max().item(), (decode[0] - want[-1]).abs().max().item())
             setting = f"{device} {dtype} decode {'compiled' if compile_ == 'on' else 'eager'}"
             if dtype == "float32":
                 record("parity: logits", setting, f"max abs diff {error:.2e} (limit 1e-3)", error < 1e-3)
-                got = greedy_tokens(engine)
-                same = sum(g == w for g, w in zip(got, want_tokens))
-                record("parity: greedy tokens", setting, f"{same}/{len(PROMPTS)} prompts identical", same == len(PROMPTS))
+                record_tokens("parity: greedy tokens", setting, greedy_tokens(engine), expected.tokens)
             else:
                 share = error / scale
                 record("parity: logits", setting, f"max abs diff {share:.1%} of the logit scale {scale:.1f} (limit 5%)",
@@ -162,10 +178,7 @@ def _tp_rank(rank: int, port: int, device: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def tp2_over_gloo(device: str) -> None:
-    state = random_state(SMALL, 0)
-    want = [greedy(reference_of(SMALL, state), ids, NEW_TOKENS, frozenset(), ignore_eos=True).token_ids
-            for ids in PROMPTS]
+def tp2_over_gloo(device: str, expected: Expected) -> None:
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "tokens.json")
         with socket.socket() as s:
@@ -180,23 +193,17 @@ def tp2_over_gloo(device: str) -> None:
                 record("TP 2 over gloo", f"{device}, 2 ranks", "timed out after 300 s", False)
                 return
         got = json.loads(Path(out).read_text())
-    same = sum(g == w for g, w in zip(got, want))
-    record("TP 2 over gloo", f"{device}, 2 ranks, float32", f"{same}/{len(PROMPTS)} prompts' greedy tokens identical",
-           same == len(PROMPTS))
+    record_tokens("TP 2 over gloo", f"{device}, 2 ranks, float32", got, expected.tokens)
 
 
-def nccl_world_one() -> None:
+def nccl_world_one(expected: Expected) -> None:
     info = init_distributed("cuda", require_group=True)
     x = torch.randn(3, 8, device=info.device)
     collectives_ok = (info.backend == "nccl" and torch.equal(all_reduce_sum(x.clone(), None), x)
                       and torch.equal(all_gather_last_dim(x, None), x) and torch.equal(gather_last_dim_to_rank0(x, None), x))
     record("NCCL world 1", "all_reduce, all_gather, gather", f"backend {info.backend}", collectives_ok)
-    state = random_state(SMALL, 0)
-    want = [greedy(reference_of(SMALL, state), ids, NEW_TOKENS, frozenset(), ignore_eos=True).token_ids for ids in PROMPTS]
-    got = greedy_tokens(engine_of(SMALL, state, info, "float32", "on"))
-    same = sum(g == w for g, w in zip(got, want))
-    record("NCCL world 1", "float32, compiled decode", f"{same}/{len(PROMPTS)} prompts' greedy tokens identical",
-           same == len(PROMPTS))
+    record_tokens("NCCL world 1", "float32, compiled decode",
+                  greedy_tokens(engine_of(SMALL, expected.state, info, "float32", "on")), expected.tokens)
     dist.destroy_process_group()
 
 
@@ -229,9 +236,9 @@ def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> None:
     for rows_n in sizes:
         rows = [Row(slot, context, [100 + slot], True) for slot in range(rows_n)]
         floor_ms = (weight_bytes + rows_n * kv_per_row) / bandwidth * 1e3
-        for name, run in (("eager", lambda: model(Batch.build([(r.slot, r.start, r.tokens, True) for r in rows],
-                                                                device))),
-                          ("captured", lambda: captured(rows))):
+        batch_rows = [(r.slot, r.start, r.tokens, True) for r in rows]
+        for name, run in (("eager", lambda spec=batch_rows: model(Batch.build(spec, device))),
+                          ("captured", lambda rows=rows: captured(rows))):
             with torch.inference_mode():
                 for _ in range(3):
                     run()
@@ -261,10 +268,11 @@ def main() -> int:
     os.environ.setdefault("TP_LLAMA_COLLECTIVE_TIMEOUT_S", "60")
     os.environ["TP_LLAMA_MATMUL"] = "plain"  # what CUDA runs; on CPU, the path compile applies to
     started = time.perf_counter()
-    parity(a.device)
-    tp2_over_gloo(a.device)
+    expected = Expected.small()
+    parity(a.device, expected)
+    tp2_over_gloo(a.device, expected)
     if a.device == "cuda":
-        nccl_world_one()
+        nccl_world_one(expected)
         if not a.skip_speed:
             decode_speed(tuple(a.sizes), a.context, a.steps)
     print("| check | setting | result | |\n|---|---|---|---|")

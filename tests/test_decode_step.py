@@ -137,7 +137,8 @@ def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path, world: int):
 
 def test_the_gpu_check_runs_here_on_cpu():
     """bench/gpu_check.py runs for the first time on a lent GPU: keep it working meanwhile."""
-    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu"], check=False,
+                         capture_output=True, text=True,
                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     table = [line for line in run.stdout.splitlines() if line.startswith("| ")]
