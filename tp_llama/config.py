@@ -42,6 +42,8 @@ def check_fields(settings: object) -> None:
                 raise ValueError(f"{name} must be {noun}, got {value!r}")
             if value < spec.metadata.get("min", -math.inf):
                 raise ValueError(f"{name} must be {noun} >= {spec.metadata['min']}, got {value!r}")
+        elif kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
         elif kind is str and (not isinstance(value, str) or not value):
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         elif "choices" in spec.metadata and value not in spec.metadata["choices"]:
@@ -55,14 +57,19 @@ class EngineConfig:
     ckpt_dir: str  # params.json, tokenizer.model, consolidated.NN.pth
     mode: str = one_of("tp", MODES)  # tp: each rank reads its slices; fsdp: the seed converter and FSDP
     dtype: str | None = one_of(None, tuple(DTYPES))  # None: see resolve_dtype
-    max_seq_len: int = bounded(2048, 2)  # KV-cache positions per sequence
-    max_batch_size: int = bounded(16, 1)  # KV-cache slots: sequences decoded together
+    max_seq_len: int = bounded(2048, 2)  # the longest sequence: prompt + new tokens
+    max_batch_size: int = bounded(64, 1)  # the most sequences running at once (the KV pool decides how many fit)
     prefill_budget: int = bounded(512, 1)  # prompt tokens per step
     device: str = one_of("auto", DEVICES)  # TorchServe's deviceType or the CLI's --device
     compile: str = one_of("auto", COMPILE)  # decode steps through torch.compile (CUDA graphs on CUDA)
+    kv_cache_memory_gb: float = bounded(0.0, 0)  # the KV-cache pool per rank; 0: see kv_pool_bytes
+    kv_block_size: int = bounded(16, 16)  # positions per KV-cache block, a multiple of 16
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.kv_block_size % 16:
+            raise ValueError(f"kv_block_size must be a multiple of 16, got {self.kv_block_size}")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -60,8 +60,8 @@ class CAttention(FusedAttention):
         done = batch.n_decode
         out = qkv.new_empty((qkv.shape[0], self.widths[0]))
         if done:
-            ops.decode_attention(qkv[:done], rotation[:done], batch.slots[:done], batch.positions[:done],
-                                 self.cache.k, self.cache.v, out[:done])
+            rows = ops.decode_rows(rotation[:done], batch.tables[:done], batch.positions[:done])
+            ops.decode_attention(qkv[:done], rows, self.cache.k, self.cache.v, self.cache.block_size, out[:done])
         if done < qkv.shape[0]:
             out[done:] = self.attend(qkv[done:], rotation[done:], batch, done)
         return self.wo(out)
@@ -78,7 +78,7 @@ class DecodeLayers(Layers):
         structs = self._structs() if 0 < batch.n_decode == len(batch.tokens) else None
         if structs is None:
             return super().forward(h, rotation, batch)
-        rows = ops.decode_rows(rotation, batch.slots, batch.positions)
+        rows = ops.decode_rows(rotation, batch.tables, batch.positions)
         scratch = ops.decode_scratch(structs[0], len(h))
         h = h.contiguous()
         first = self[0].attention
@@ -111,7 +111,8 @@ class DecodeLayers(Layers):
                 return None
             c_layer = ops.decode_layer((layer.attention_norm.weight, layer.ffn_norm.weight),
                                        (attention.wqkv, attention.wo.weight, ffn.w13, ffn.w2.weight),
-                                       attention.cache.k, attention.cache.v, layer.attention_norm.eps)
+                                       attention.cache.k, attention.cache.v, attention.cache.block_size,
+                                       layer.attention_norm.eps)
             if c_layer is None:
                 return None
             planned.append(c_layer)

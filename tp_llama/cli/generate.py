@@ -15,7 +15,7 @@ import sys
 import torch.distributed as dist
 
 from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, EngineConfig
-from tp_llama.engine.core import Engine
+from tp_llama.engine.core import CPU_DEFAULT_SEQUENCES, Engine
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence, check_sequence
 from tp_llama.errors import CheckpointError
@@ -43,11 +43,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32")
     parser.add_argument("--max-seq-len", type=int, default=None,
-                        help=f"KV-cache length per slot (default: what the prompts and --max-new-tokens can need, "
+                        help=f"the longest sequence (default: what the prompts and --max-new-tokens can need, "
                              f"at most {SERVER.max_seq_len})")
     parser.add_argument("--slots", type=int, default=None,
-                        help=f"KV-cache slots: sequences decoded together (default: one per prompt, at most "
+                        help=f"the most sequences running at once (default: one per prompt, at most "
                              f"{SERVER.max_batch_size})")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.0,
+                        help=f"the KV-cache pool per rank (default: {CPU_DEFAULT_SEQUENCES} sequences of --max-seq-len "
+                             "on CPU, most of the free memory on a GPU)")
+    parser.add_argument("--kv-block-size", type=int, default=SERVER.kv_block_size, help="positions per KV-cache block")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt from its first token")
     parser.add_argument("--prefill-budget", type=int, default=SERVER.prefill_budget,
                         help="prompt tokens per step (longer prompts are prefilled in chunks)")
     return parser.parse_args(argv)
@@ -72,15 +77,16 @@ def prompt_token_bound(prompt: str) -> int:
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
-    """The run's settings; the KV cache sized to the job where not given, not to a server.
+    """The run's settings; the longest sequence sized to the job where not given, not to a server.
 
-    The server's default (16 slots x 2048 positions, 0.5 GB for a 1B model) took longer to page in
-    than the rest of the load.
+    The server's default pool (16 sequences of 2048 positions, 0.5 GB for a 1B model) took longer to
+    page in than the rest of the load.
     """
     longest = max(prompt_token_bound(prompt) for prompt in a.prompt) + a.max_new_tokens
     max_seq_len = a.max_seq_len if a.max_seq_len is not None else max(2, min(longest, SERVER.max_seq_len))
     slots = a.slots if a.slots is not None else min(len(a.prompt), SERVER.max_batch_size)
-    return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget, a.device, a.compile)
+    return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget, a.device, a.compile,
+                        a.kv_cache_memory_gb, a.kv_block_size, not a.no_prefix_caching)
 
 
 def run(a: argparse.Namespace) -> None:
@@ -110,7 +116,8 @@ def run(a: argparse.Namespace) -> None:
             "text": engine.tokenizer.decode(seq.output),
             "token_ids": seq.output,
             "finish_reason": seq.finish_reason,
-            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)},
+            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output),
+                      "cached_prompt_tokens": seq.cached_tokens or 0},
             "timings": timings,
             "peak_rss_mb": rss,
         }

@@ -10,6 +10,7 @@ by releasing the other ranks.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,14 +23,16 @@ from tp_llama import backend
 from tp_llama.checkpoint.loader import load_fsdp_model, load_tp_model
 from tp_llama.checkpoint.params import read_params
 from tp_llama.config import EngineConfig, resolve_dtype
+from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import StepPlan
 from tp_llama.engine.runner import ModelRunner
 from tp_llama.engine.sampling import sample_rows
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.kernels import warm_up
-from tp_llama.model import ModelArgs
-from tp_llama.parallel.distributed import DistInfo, init_distributed, log, raise_if_any_rank_failed
+from tp_llama.model import KVCache, ModelArgs
+from tp_llama.parallel.distributed import (DistInfo, init_distributed, log, raise_if_any_rank_failed,
+                                          smallest_across_ranks)
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -59,6 +62,23 @@ def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None
     return True, ""
 
 
+CPU_DEFAULT_SEQUENCES = 16  # the CPU pool's default: this many sequences of max_seq_len
+GPU_FREE_FRACTION = 0.85  # of the memory free after the weights; the rest for activations and graphs
+
+
+def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int) -> int:
+    """This rank's KV-cache pool: handler.kv_cache_memory_gb, or by default most of the GPU's free
+    memory, or on CPU (where the pool is touched at load) the memory of CPU_DEFAULT_SEQUENCES full
+    sequences, at most a quarter of RAM across the node's ranks."""
+    if config.kv_cache_memory_gb:
+        return int(config.kv_cache_memory_gb * 2**30)
+    if info.device.type == "cuda":
+        return int(torch.cuda.mem_get_info(info.device)[0] * GPU_FREE_FRACTION)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return min(CPU_DEFAULT_SEQUENCES * config.max_seq_len * token_bytes, ram // (4 * ranks_here))
+
+
 def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs, bool]:
     """The checkpoint's model on this rank, ready to serve (see `ready_to_serve`)."""
     error, setup = None, None
@@ -80,8 +100,8 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
 
 def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs) -> bool:
     """In `tp` mode, swap the serving modules in on the host and move the model to its device; then
-    allocate the KV cache. Returns whether decode steps run compiled (their cache has one more slot,
-    for padding rows)."""
+    allocate the KV-cache pool, every rank the same number of blocks. Returns whether decode steps
+    run compiled."""
     kind = None
     if config.mode == "tp":
         error = None
@@ -96,16 +116,26 @@ def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args:
     log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
     dtype = next(model.parameters()).dtype
     kv_heads = args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
-    error = None
+    block_bytes = 2 * args.n_layers * kv_heads * config.kv_block_size * args.head_dim * dtype.itemsize
+    error, n_blocks = None, 0
     try:
-        slots = config.max_batch_size + int(compiled)
-        model.setup_caches(slots, config.max_seq_len, dtype, info.device, kv_heads)
-    except (RuntimeError, MemoryError) as exc:  # too many slots for this machine's memory
-        error = MemoryError(
-            f"the KV cache of {config.max_batch_size} slots x {config.max_seq_len} positions does not fit ({exc}); "
-            "lower handler.max_batch_size or handler.max_seq_len"
-        )
+        n_blocks = smallest_across_ranks(kv_pool_bytes(config, info, block_bytes // config.kv_block_size) // block_bytes,
+                                        info.device)
+        needed = -(-config.max_seq_len // config.kv_block_size)
+        if n_blocks < needed:
+            raise MemoryError(f"a KV-cache pool of {n_blocks} blocks of {config.kv_block_size} positions cannot hold "
+                              f"one sequence of max_seq_len {config.max_seq_len} ({needed} blocks, "
+                              f"{needed * block_bytes / 2**30:.2f} GiB per rank); raise handler.kv_cache_memory_gb "
+                              "or lower handler.max_seq_len")
+        model.setup_caches(config.max_seq_len, n_blocks, config.kv_block_size, dtype, info.device, kv_heads)
+    except (RuntimeError, MemoryError) as exc:  # more than this machine's memory
+        error = exc if isinstance(exc, MemoryError) else MemoryError(
+            f"the KV-cache pool of {n_blocks} blocks x {config.kv_block_size} positions does not fit ({exc}); "
+            "lower handler.kv_cache_memory_gb")
     raise_if_any_rank_failed(error)
+    log(f"KV cache: {n_blocks} blocks of {config.kv_block_size} positions ({n_blocks * config.kv_block_size} "
+        f"tokens, {n_blocks * block_bytes / 2**30:.2f} GiB per rank), prefix caching "
+        f"{'on' if config.prefix_caching else 'off'}", info.rank)
     model.eval()
     if config.mode == "tp":
         warm_up(backend.matmul_weights(model), config.max_batch_size, dtype)
@@ -124,9 +154,18 @@ class Engine:
     stats: StepStats = field(default_factory=StepStats)
 
     def __post_init__(self) -> None:
-        self.runner = ModelRunner(self.model, self.info, self.config.max_batch_size,
-                                  self.config.prefill_budget + self.config.max_batch_size, self.decode_step)
+        c = self.config
+        self.runner = ModelRunner(self.model, self.info, c.max_batch_size, c.prefill_budget + c.max_batch_size,
+                                  c.max_batch_size * self.blocks_per_sequence, self.decode_step)
         self._last_step_s = 0.0
+
+    @property
+    def cache(self) -> KVCache:
+        return self.model.layers[0].attention.cache
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.config.max_seq_len // self.config.kv_block_size)
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -144,13 +183,14 @@ class Engine:
         """The engine of a model made ready by `ready_to_serve` (its decode steps compiled now, if so)."""
         decode_step = None
         if compiled:
-            decode_step = DecodeStep(model, config.max_batch_size, info.device, compiled=True)
+            decode_step = DecodeStep(model, config.max_batch_size, -(-config.max_seq_len // config.kv_block_size),
+                                     info.device, compiled=True)
             warm_started = time.perf_counter()
             decode_step.warm_up()
             log(f"compiled {len(decode_step.sizes)} decode-step sizes {decode_step.sizes} in "
                 f"{time.perf_counter() - warm_started:.1f} s", info.rank)
         load_s = time.perf_counter() - started
-        log(f"loaded in {load_s:.2f} s ({next(model.parameters()).dtype}, {config.max_batch_size} KV-cache slots "
+        log(f"loaded in {load_s:.2f} s ({next(model.parameters()).dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)
         return cls(config, model, tokenizer, args, info, load_s, decode_step)
 
@@ -172,7 +212,8 @@ class Engine:
 
     def new_scheduler(self) -> Scheduler:
         c = self.config
-        return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids)
+        pool = BlockPool(self.cache.n_blocks, c.kv_block_size, c.prefix_caching)
+        return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool)
 
     def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
             on_step: Callable[[list[Sequence]], None] | None = None) -> None:

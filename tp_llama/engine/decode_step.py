@@ -1,11 +1,13 @@
 """Decode-only steps at static shapes: what CUDA graphs capture and torch.compile compiles once.
 
-A decode step's rows are padded to the next bucket size (padding rows write into a spare KV-cache
-slot no sequence owns). Each row carries its own token, position and cache slot as device
-tensors, built on the host and sent in one copy with every slot's length; the cache is written in
-place by index and attention reads each slot up to its own length (Batch.decode_by_index). So one
-graph per bucket serves every mix of slots and lengths, with no host sync inside. The paged cache
-will give rows block-table locations in place of (slot, position) without changing this shape.
+A decode step's rows are padded to the next bucket size (padding rows write into the spare
+KV-cache block no sequence owns). Each row carries its token, position, cache index and block
+table (padded to max_seq_len's blocks) as device tensors, built on the host and sent in one copy;
+the cache is written in place by index and attention reads each row's blocks up to its own length
+(Batch.decode_by_index). So one graph per bucket serves every mix of tables and lengths, with no
+host sync inside. Which logical block each pool block is, per row (FlexAttention's mask reads
+it), is scattered on the device outside the graph: inductor on CPU miscompiles a mask that reads
+a tensor computed inside it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from tp_llama.engine.plan import Row
 from tp_llama.model.batch import Batch, to_device
+from tp_llama.model.kv_cache import block_owner
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -26,10 +29,11 @@ def bucket_sizes(max_rows: int) -> tuple[int, ...]:
 class DecodeStep:
     """The model's decode-only steps, padded to buckets; compiled (CUDA graphs on CUDA) when asked."""
 
-    def __init__(self, model: nn.Module, max_rows: int, device: torch.device, compiled: bool):
-        self.model, self.device = model, device
+    def __init__(self, model: nn.Module, max_rows: int, width: int, device: torch.device, compiled: bool):
+        self.model, self.device, self.width = model, device, width
         self.sizes = bucket_sizes(max_rows)
-        self.spare = max_rows  # the cache holds max_rows + 1 slots (Transformer.setup_caches)
+        cache = model.layers[0].attention.cache
+        self.block_size, self.spare, self.pool_blocks = cache.block_size, cache.spare, cache.spare + 1
         forward = self._forward
         if compiled:
             for module in model.modules():  # the caches are written in place: keep their addresses
@@ -49,24 +53,25 @@ class DecodeStep:
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         """Logits [len(rows), V] (rank 0; [len(rows), 0] elsewhere under TP)."""
         size = next(b for b in self.sizes if b >= len(rows))
-        pad = size - len(rows)
-        seen = [-1] * (self.spare + 1)
-        seen[self.spare] = 0
-        for row in rows:
-            seen[row.slot] = row.start
+        pad, b = size - len(rows), self.block_size
+        tables = [row.blocks + [self.spare] * (self.width - len(row.blocks)) for row in rows]
+        tables += [[self.spare] * self.width] * pad
         host = torch.tensor([row.tokens[0] for row in rows] + [0] * pad
                             + [row.start for row in rows] + [0] * pad
-                            + [row.slot for row in rows] + [self.spare] * pad + seen, dtype=torch.long)
-        tokens, positions, slots, slot_seen = to_device(host, self.device).split([size, size, size, len(seen)])
-        return self.forward(tokens, positions, slots, slot_seen)[: len(rows)]
+                            + [row.blocks[row.start // b] * b + row.start % b for row in rows] + [self.spare * b] * pad
+                            + [v for table in tables for v in table], dtype=torch.long)
+        tokens, positions, locations, flat = to_device(host, self.device).split([size, size, size, size * self.width])
+        tables_t = flat.view(size, self.width)
+        owner = block_owner(tables_t, self.pool_blocks)
+        return self.forward(tokens, positions, locations, tables_t, owner)[: len(rows)]
 
     @torch.inference_mode()
     def warm_up(self, sizes: tuple[int, ...] | None = None) -> None:
-        """Compile (and capture) the buckets now rather than on the first requests; writes only the spare slot."""
+        """Compile (and capture) the buckets now rather than on the first requests; writes only the spare block."""
         for size in sizes or self.sizes:
             for _ in range(3):  # CUDA graph trees run a graph eagerly, then record it, then replay it
-                self([Row(self.spare, 0, [0], True)] * size)
+                self([Row(0, [0], True, [self.spare])] * size)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 slot_seen: torch.Tensor) -> torch.Tensor:
-        return self.model(Batch.decode_by_index(tokens, positions, slots, slot_seen))
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor, tables: torch.Tensor,
+                 owner: torch.Tensor) -> torch.Tensor:
+        return self.model(Batch.decode_by_index(tokens, positions, locations, tables, owner, self.block_size))

@@ -9,10 +9,10 @@ import torch
 
 @dataclass(frozen=True)
 class Row:
-    slot: int
-    start: int
+    start: int  # position of the first token
     tokens: list[int]
     sample: bool  # the row's last token is the newest of its sequence: pick the next one
+    blocks: list[int]  # the sequence's block table, as far as the row's last position
 
 
 @dataclass(frozen=True)
@@ -26,32 +26,37 @@ class StepPlan:
 class PlanWire:
     """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
 
-    Layout: [end, n_rows, n_tokens, rows x (slot, start, length, sample), tokens...].
+    Layout: [end, n_rows, rows x (start, length, sample, n_blocks), tokens..., block ids...].
     """
 
-    def __init__(self, max_rows: int, max_tokens: int):
-        self.max_rows, self.max_tokens = max_rows, max_tokens
-        self.size = 3 + 4 * max_rows + max_tokens
+    def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
+        self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
+        self.size = 2 + 4 * max_rows + max_tokens + max_blocks
 
     def encode(self, plan: StepPlan) -> torch.Tensor:
         tokens = [t for row in plan.rows for t in row.tokens]
-        if len(plan.rows) > self.max_rows or len(tokens) > self.max_tokens:
-            raise ValueError(f"plan of {len(plan.rows)} rows / {len(tokens)} tokens exceeds the wire's capacity")
-        header = [int(plan.end), len(plan.rows), len(tokens)]
-        rows = [v for row in plan.rows for v in (row.slot, row.start, len(row.tokens), int(row.sample))]
+        blocks = [b for row in plan.rows for b in row.blocks]
+        if len(plan.rows) > self.max_rows or len(tokens) > self.max_tokens or len(blocks) > self.max_blocks:
+            raise ValueError(f"plan of {len(plan.rows)} rows / {len(tokens)} tokens / {len(blocks)} blocks exceeds "
+                             "the wire's capacity")
+        rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks))]
         wire = torch.zeros(self.size, dtype=torch.long)
-        filled = header + rows
-        wire[: len(filled)] = torch.tensor(filled, dtype=torch.long)
-        wire[3 + 4 * self.max_rows : 3 + 4 * self.max_rows + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        head = [int(plan.end), len(plan.rows)] + rows
+        wire[: len(head)] = torch.tensor(head, dtype=torch.long)
+        at = 2 + 4 * self.max_rows
+        wire[at : at + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        at += self.max_tokens
+        wire[at : at + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         return wire
 
     def decode(self, wire: torch.Tensor) -> StepPlan:
         values = wire.tolist()
-        end, n_rows, _ = values[:3]
-        tokens = values[3 + 4 * self.max_rows :]
-        rows, offset = [], 0
+        end, n_rows = values[:2]
+        tokens = iter(values[2 + 4 * self.max_rows :])
+        blocks = iter(values[2 + 4 * self.max_rows + self.max_tokens :])
+        rows = []
         for r in range(n_rows):
-            slot, start, length, sample = values[3 + 4 * r : 7 + 4 * r]
-            rows.append(Row(slot, start, tokens[offset : offset + length], bool(sample)))
-            offset += length
+            start, length, sample, n_blocks = values[2 + 4 * r : 6 + 4 * r]
+            rows.append(Row(start, [next(tokens) for _ in range(length)], bool(sample),
+                            [next(blocks) for _ in range(n_blocks)]))
         return StepPlan(rows, end=bool(end))

@@ -12,10 +12,11 @@ from tp_llama.parallel.distributed import DistInfo, broadcast_from_rank0
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, info: DistInfo, max_rows: int, max_tokens: int,
+    def __init__(self, model: nn.Module, info: DistInfo, max_rows: int, max_tokens: int, max_blocks: int,
                  decode_step: DecodeStep | None = None):
         self.model, self.info, self.decode_step = model, info, decode_step
-        self.wire = PlanWire(max_rows, max_tokens)
+        self.cache = model.layers[0].attention.cache
+        self.wire = PlanWire(max_rows, max_tokens, max_blocks)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan | None = None) -> tuple[StepPlan, torch.Tensor | None]:
@@ -33,5 +34,5 @@ class ModelRunner:
             return plan, None
         if self.decode_step is not None and self.decode_step.accepts(plan.rows):
             return plan, self.decode_step(plan.rows)
-        rows = [(r.slot, r.start, r.tokens, r.sample) for r in plan.rows]
-        return plan, self.model(Batch.build(rows, self.info.device))
+        rows = [(r.start, r.tokens, r.sample, r.blocks) for r in plan.rows]
+        return plan, self.model(Batch.build(rows, self.cache.block_size, self.cache.spare, self.info.device))

@@ -1,12 +1,16 @@
-"""Rank 0's scheduler: which sequences run in the next step, in which KV-cache slots, on which tokens.
+"""Rank 0's scheduler: which sequences run in the next step, on which tokens, in which KV-cache blocks.
 
-Only rank 0 holds sequences. Each step it turns them into rows of slot, start position and tokens
-(`Scheduled`, whose rows go out as the step's `StepPlan`) that every rank runs as it is, so ranks never have to agree on anything
-else: arrivals, cancellations and finishes all happen here, between steps.
+Only rank 0 holds sequences. Each step it turns them into rows of start position, tokens and
+block table (`Scheduled`, whose rows go out as the step's `StepPlan`) that every rank runs as it
+is, so ranks never have to agree on anything else: arrivals, cancellations, preemptions and
+finishes all happen here, between steps.
 
 A step holds every sequence that is decoding (one token each) plus prompt chunks of waiting
 or half-prefilled sequences, up to `prefill_budget` prompt tokens, so a long prompt is
-prefilled over several steps while the others keep decoding.
+prefilled over several steps while the others keep decoding. Memory decides how many run: a
+sequence is admitted when the blocks its prompt still needs (after the prefix cache's hits) are
+free, and grows a block at a time; when the pool runs dry mid-decode the newest sequence is
+preempted (its blocks freed, its tokens recomputed later, as vLLM does).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.plan import Row
 from tp_llama.engine.sampling import SamplingParams, TokenLogprobs, check_params
 
@@ -29,10 +34,14 @@ class Sequence:
     id: str
     prompt_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # prefixes are shared only between requests of the same salt
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
-    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)  # block table: the KV-cache blocks of positions 0, B, 2B, ...
+    keys: list[int] = field(default_factory=list)  # the prefix-cache key of each full block in `blocks`
     computed: int = 0  # tokens already written to the KV cache
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     arrived: float = field(default_factory=time.perf_counter)
@@ -45,8 +54,13 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output
+
+    @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt_ids)
+        """More than the newest token still to compute: a prompt, or the tokens of a preempted sequence."""
+        return self.computed < len(self.prompt_ids) + len(self.output) - 1 or not self.output
 
     def take_new_tokens(self) -> tuple[list[int], list[TokenLogprobs]]:
         """Output tokens not handed out before (for streaming), and their log-probabilities if asked for."""
@@ -79,26 +93,28 @@ def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: i
 
 
 class Scheduler:
-    """Admission in arrival order, lowest free slot first, a prompt-token budget per step."""
+    """Admission in arrival order (preempted sequences first), by free blocks, a prompt-token budget per step."""
 
-    def __init__(self, slots: int, max_seq_len: int, prefill_budget: int, stop_ids: frozenset[int]):
-        if slots < 1 or prefill_budget < 1:
-            raise ValueError("slots and prefill_budget must be >= 1")
-        self.slots, self.max_seq_len, self.prefill_budget = slots, max_seq_len, prefill_budget
-        self.stop_ids = stop_ids
+    def __init__(self, max_running: int, max_seq_len: int, prefill_budget: int, stop_ids: frozenset[int],
+                 pool: BlockPool):
+        if max_running < 1 or prefill_budget < 1:
+            raise ValueError("max_running and prefill_budget must be >= 1")
+        if pool.blocks_for(max_seq_len) > pool.n_blocks:
+            raise ValueError(f"a KV-cache pool of {pool.n_blocks} blocks of {pool.size} cannot hold one sequence "
+                             f"of max_seq_len {max_seq_len}")
+        self.max_running, self.max_seq_len, self.prefill_budget = max_running, max_seq_len, prefill_budget
+        self.stop_ids, self.pool = stop_ids, pool
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
-        self._free = list(range(slots))
-
-    @property
-    def busy_slots(self) -> int:
-        return len(self.running)
+        self.running: list[Sequence] = []  # in order of admission: the last is preempted first
+        self.preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, found there
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; one that can never run is refused here (ValueError), before it takes a slot."""
+        """Queue a sequence; one that can never run is refused here (ValueError), before it takes a block."""
         check_sequence(seq.prompt_ids, seq.params, self.max_seq_len)
         params = seq.params
         if params.temperature > 0:
@@ -107,7 +123,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
-        """End a sequence wherever it is (client gone, timeout, stop string); its slot is free for the next step."""
+        """End a sequence wherever it is (client gone, timeout, stop string); its blocks are free for the next step."""
         if seq.finished:
             return
         if seq in self.waiting:
@@ -115,27 +131,25 @@ class Scheduler:
         self._finish(seq, reason)
 
     def schedule(self) -> Scheduled:
-        """The next step: every decoding sequence, then prompt chunks within the budget."""
+        """The next step: every decoding sequence (each given room for its token), then prompt chunks within the budget."""
         rows: list[Row] = []
         owners: list[Sequence] = []
-        for slot in sorted(self.running):
-            seq = self.running[slot]
-            if not seq.prefilling:
-                rows.append(Row(slot, seq.computed, [seq.output[-1]], True))
-                owners.append(seq)
+        for seq in [s for s in self.running if not s.prefilling]:
+            if seq not in self.running or not self._room_for(seq, seq.computed + 1):
+                continue  # preempted to make room for an older one
+            rows.append(Row(seq.computed, [seq.output[-1]], True, self._table(seq, seq.computed + 1)))
+            owners.append(seq)
         budget = self.prefill_budget
-        for seq in [s for s in self.running.values() if s.prefilling] + list(self.waiting):
+        for seq in [s for s in self.running if s.prefilling] + list(self.waiting):
             if budget == 0:
                 break
-            if seq.slot is None:
-                if not self._free:
-                    break
-                self.waiting.remove(seq)
-                seq.slot = self._free.pop(0)
-                self.running[seq.slot] = seq
-            chunk = seq.prompt_ids[seq.computed : seq.computed + budget]
+            if seq not in self.running and not self._admit(seq):
+                break
+            tokens = seq.tokens
+            chunk = tokens[seq.computed : seq.computed + budget]
             budget -= len(chunk)
-            rows.append(Row(seq.slot, seq.computed, chunk, seq.computed + len(chunk) == len(seq.prompt_ids)))
+            end = seq.computed + len(chunk)
+            rows.append(Row(seq.computed, chunk, end == len(tokens), self._table(seq, end)))
             owners.append(seq)
         return Scheduled(rows, owners, self.prefill_budget - budget)
 
@@ -151,6 +165,7 @@ class Scheduler:
                     next(tokens)
                 continue
             seq.computed += len(row.tokens)
+            self._remember_full_blocks(seq)
             if not row.sample:
                 continue
             token, token_logprobs = next(tokens)
@@ -166,10 +181,65 @@ class Scheduler:
                 self._finish(seq, "length")
         return step.sequences
 
+    def _admit(self, seq: Sequence) -> bool:
+        """Move the head of the queue to running with blocks for all its tokens, the prefix cache's first."""
+        if len(self.running) >= self.max_running or seq is not self.waiting[0]:
+            return False
+        tokens = seq.tokens
+        hits = self.pool.match(tokens[:-1], seq.cache_salt)  # the last token is computed, for its logits
+        reviving = sum(1 for b in hits if self.pool.blocks[b].refs == 0)  # cached but free: they leave the queue
+        needed = self.pool.blocks_for(len(tokens)) - len(hits)
+        if needed + reviving > len(self.pool.free):
+            return False
+        self.pool.take(hits)
+        seq.blocks = hits + self.pool.allocate(needed)
+        seq.keys = [self.pool.blocks[b].key for b in hits]
+        seq.computed = len(hits) * self.pool.size
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.computed
+            self.prefix_queries += len(tokens)
+            self.prefix_hits += seq.computed
+        self.waiting.popleft()
+        self.running.append(seq)
+        return True
+
+    def _room_for(self, seq: Sequence, positions: int) -> bool:
+        """Blocks for `positions` positions of a running sequence, preempting the newest others
+        while the pool is dry; False when `seq` itself had to go."""
+        while len(seq.blocks) < self.pool.blocks_for(positions):
+            if self.pool.free:
+                seq.blocks += self.pool.allocate(1)
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.keys, seq.computed = [], [], 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _table(self, seq: Sequence, positions: int) -> list[int]:
+        return seq.blocks[: self.pool.blocks_for(positions)]
+
+    def _remember_full_blocks(self, seq: Sequence) -> None:
+        """Blocks the step filled join the prefix cache (a chat's answer included, for its next turn)."""
+        size, tokens = self.pool.size, None
+        for i in range(len(seq.keys), seq.computed // size):
+            tokens = tokens or seq.tokens
+            previous = seq.keys[-1] if seq.keys else None
+            seq.keys.append(self.pool.remember(seq.blocks[i], previous, tuple(tokens[i * size : (i + 1) * size]),
+                                               seq.cache_salt))
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.finished_at = time.perf_counter()
-        if seq.slot is not None and self.running.get(seq.slot) is seq:
-            del self.running[seq.slot]
-            self._free.append(seq.slot)
-            self._free.sort()
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.release(seq.blocks)
+            seq.blocks, seq.keys = [], []

@@ -124,16 +124,17 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope: torch.Tensor | None = None
 
-    def setup_caches(self, slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
-                     n_kv_heads: int | None = None) -> None:
-        """A KV cache of `slots` sequences of max_seq_len positions for each layer, and the RoPE table.
+    def setup_caches(self, max_seq_len: int, n_blocks: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device, n_kv_heads: int | None = None) -> None:
+        """A KV cache of `n_blocks` blocks of `block_size` positions for each layer (plus the spare
+        block), and the RoPE table of max_seq_len positions.
 
         n_kv_heads: the KV heads this process holds (all of them unless the model is sharded).
         """
         self.rope = rope_table(self.args, max_seq_len, device)
         heads = self.args.n_kv_heads if n_kv_heads is None else n_kv_heads
         for layer in self.layers:  # FSDP1's wrapper passes attribute reads through to the block
-            layer.attention.cache = KVCache(slots, max_seq_len, heads, self.args.head_dim, dtype, device)
+            layer.attention.cache = KVCache(n_blocks, block_size, heads, self.args.head_dim, dtype, device)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch.logits_at), V] (float32) of the tokens the batch asks for."""

@@ -162,6 +162,15 @@ def broadcast_from_rank0(values: torch.Tensor, device: torch.device) -> torch.Te
     return on_device.to(values.device)
 
 
+def smallest_across_ranks(value: int, device: torch.device) -> int:
+    """The least of every rank's `value` (each rank calls this at the same point)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def wait_for_peers(seconds: float = 10.0) -> None:
     """Best-effort barrier before a failing exit, so no rank is killed by the launcher mid-report."""
     if not dist.is_initialized():

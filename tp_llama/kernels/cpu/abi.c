@@ -11,6 +11,7 @@ static const struct {
     int64_t value;
 } CONSTANTS[] = {
     {"TILE_COLS", TILE_COLS}, {"GATE_RUN", GATE_RUN}, {"MAX_HEAD_DIM", MAX_HEAD_DIM}, {"AMX_ROWS", AMX_ROWS}, {"WIDE_MIN_ROWS", WIDE_MIN_ROWS},
+    {"KEY_RUN", KEY_RUN},
     {"TPL_OK", TPL_OK}, {"TPL_NO_MEMORY", TPL_NO_MEMORY}, {"TPL_OFF_CACHE", TPL_OFF_CACHE},
     {"TPL_HEAD_DIM", TPL_HEAD_DIM}, {"TPL_NO_AMX", TPL_NO_AMX},
 };
@@ -22,15 +23,15 @@ static const struct {
     size_t at; /* the size for the struct's own entry, the offset for a field's */
 } LAYOUT[] = {
     STRUCT(DecodeLayer), FIELD(DecodeLayer, dim), FIELD(DecodeLayer, n_heads), FIELD(DecodeLayer, n_kv_heads),
-    FIELD(DecodeLayer, head_dim), FIELD(DecodeLayer, ffn), FIELD(DecodeLayer, n_slots),
-    FIELD(DecodeLayer, max_seq_len), FIELD(DecodeLayer, eps), FIELD(DecodeLayer, bf16), FIELD(DecodeLayer, amx),
+    FIELD(DecodeLayer, head_dim), FIELD(DecodeLayer, ffn), FIELD(DecodeLayer, n_blocks),
+    FIELD(DecodeLayer, block_size), FIELD(DecodeLayer, eps), FIELD(DecodeLayer, bf16), FIELD(DecodeLayer, amx),
     FIELD(DecodeLayer, attention_norm), FIELD(DecodeLayer, ffn_norm), FIELD(DecodeLayer, wqkv),
     FIELD(DecodeLayer, wo), FIELD(DecodeLayer, w13), FIELD(DecodeLayer, w2), FIELD(DecodeLayer, cache_k),
     FIELD(DecodeLayer, cache_v),
     STRUCT(SampleRow), FIELD(SampleRow, row), FIELD(SampleRow, top_k), FIELD(SampleRow, temperature),
     FIELD(SampleRow, top_p), FIELD(SampleRow, min_p), FIELD(SampleRow, uniform), FIELD(SampleRow, token),
-    STRUCT(DecodeRows), FIELD(DecodeRows, rows), FIELD(DecodeRows, rotation), FIELD(DecodeRows, slots),
-    FIELD(DecodeRows, positions),
+    STRUCT(DecodeRows), FIELD(DecodeRows, rows), FIELD(DecodeRows, width), FIELD(DecodeRows, rotation),
+    FIELD(DecodeRows, tables), FIELD(DecodeRows, positions),
 };
 
 int64_t tpl_constant(const char *name, int64_t *value) {

@@ -22,17 +22,18 @@
 #define MAX_HEAD_DIM 256         /* a query and its sums in registers (Llama's heads are 64 or 128) */
 #define AMX_ROWS 12              /* bfloat16 matmuls of this many rows run on AMX where asked (amx.c) */
 #define WIDE_MIN_ROWS 16         /* `wide` scratch holds at least this many rows: AMX packs 32 there */
+#define KEY_RUN 16               /* keys scored at once; KV-cache blocks are a multiple of it */
 
 /* Status codes */
 #define TPL_OK 0
 #define TPL_NO_MEMORY -1    /* scratch memory could not be had */
-#define TPL_OFF_CACHE -2    /* a row's slot or position lies outside the KV cache */
+#define TPL_OFF_CACHE -2    /* a row's position or one of its blocks lies outside its table or the cache */
 #define TPL_HEAD_DIM -3     /* head_dim over MAX_HEAD_DIM */
 #define TPL_NO_AMX -4       /* no AMX here (CPU, kernel permission, build) or a width it cannot take */
 
 /* One layer's shapes (this rank's share) and tensors, for decode.c. */
 struct DecodeLayer {
-    int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_slots, max_seq_len;
+    int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_blocks, block_size; /* n_blocks: the spare too */
     float eps;
     int32_t bf16, amx; /* amx: bfloat16 matmuls of AMX_ROWS rows or more on AMX */
     const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
@@ -50,11 +51,11 @@ struct SampleRow {
     int64_t token;
 };
 
-/* A decode step's rows: one new token each, in distinct slots. */
+/* A decode step's rows: one new token each, each with its block table. */
 struct DecodeRows {
-    int64_t rows;
+    int64_t rows, width;
     const float *rotation; /* [rows][head_dim]: cos, sin pairs at the row's position */
-    const int64_t *slots, *positions;
+    const int64_t *tables, *positions; /* tables [rows][width]: the blocks of positions 0, block_size, ... */
 };
 
 /* Weights in tiles (matmul.c). A weight [N][K] of 4-byte units (a float32, or a pair of bfloat16
@@ -74,9 +75,9 @@ int amx_enable(void);
 
 /* Layer ops (layer.c). */
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
-int decode_attention(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
-                     int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
-                     void *cache_v, int64_t n_slots, int64_t max_seq_len, void *out, int bf16);
+int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads,
+                     int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks,
+                     int64_t block_size, void *out, int bf16);
 
 /* A decode step's layers (decode.c). */
 int64_t decode_scratch_bytes(const struct DecodeLayer *layer, int64_t rows);
@@ -99,13 +100,12 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch);
 void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
 /* Rows already checked by check_rows; scores: max_threads * scores_per_thread floats. */
-void attention_rows(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
-                    int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
-                    void *cache_v, int64_t max_seq_len, void *out, int bf16, float *scores,
-                    int64_t scores_per_thread);
+void attention_rows(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,
+                    int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
+                    int bf16, float *scores, int64_t scores_per_thread);
 /* TPL_OK, TPL_OFF_CACHE or TPL_HEAD_DIM; *scores_per_thread: the scratch attention_rows needs per thread. */
-int check_rows(const int64_t *slots, const int64_t *positions, int64_t rows, int64_t n_slots, int64_t max_seq_len,
-               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread);
+int check_rows(const struct DecodeRows *rows, int64_t n_blocks, int64_t block_size, int64_t n_heads,
+               int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread);
 
 /* The library's description of itself (abi.c): a constant's value, a struct's size, a field's
  * offset; -1 for a name it does not know (no constant is negative but the status codes, which

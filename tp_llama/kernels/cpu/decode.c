@@ -59,8 +59,7 @@ int64_t decode_scratch_bytes(const struct DecodeLayer *L, int64_t rows) {
 int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, void *h, const void *delta_in,
                     void *delta_out, void *scratch) {
     int64_t per_thread, rows = R->rows, attn = L->n_heads * L->head_dim;
-    int status = check_rows(R->slots, R->positions, rows, L->n_slots, L->max_seq_len, L->n_heads, L->n_kv_heads,
-                            L->head_dim, &per_thread);
+    int status = check_rows(R, L->n_blocks, L->block_size, L->n_heads, L->n_kv_heads, L->head_dim, &per_thread);
     if (status) return status;
     float *scores = malloc((size_t)(omp_get_max_threads() * per_thread) * sizeof(float));
     if (scores == NULL) return TPL_NO_MEMORY;
@@ -71,8 +70,8 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
         if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
         rms_norm_rows(h, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
         tiled_matmul(s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, L->bf16, s.wide, L->amx);
-        attention_rows(s.first, R->rotation, R->slots, R->positions, rows, L->n_heads, L->n_kv_heads, L->head_dim,
-                       L->cache_k, L->cache_v, L->max_seq_len, s.second, L->bf16, scores, per_thread);
+        attention_rows(s.first, R, L->n_heads, L->n_kv_heads, L->head_dim, L->cache_k, L->cache_v, L->n_blocks,
+                       L->block_size, s.second, L->bf16, scores, per_thread);
         tiled_matmul(s.second, rows, attn, L->wo, L->dim, delta_out, 0, L->bf16, s.wide, L->amx);
     }
     free(scores);

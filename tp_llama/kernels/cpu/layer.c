@@ -6,7 +6,8 @@
  * of a 24 ms step on the bench's quarter model. Here each is one call:
  *   rms_norm          Meta's RMSNorm: normalise in float32, round to the activation type, scale
  *   decode_attention  one new token per row: RoPE on its query and key, the key and value
- *                     written to the row's cache slot, then softmax attention over the slot
+ *                     written to the row's place in its cache blocks, then softmax attention
+ *                     over the blocks of its table
  * (SwiGLU's silu(gate) * up runs in the w1/w3 matmul's tiles, matmul.c.) Every output
  * element is computed from its own row alone, in a fixed order, so a row gets
  * the same bits whatever else shares the batch. bf16 = 1 means bfloat16 arrays, 0 float32;
@@ -52,9 +53,16 @@ static inline __m512 rotate16(__m512 x, const float *rot, int64_t d, __mmask16 m
     return _mm512_fmaddsub_ps(x, _mm512_moveldup_ps(cos_sin), _mm512_mul_ps(swapped, _mm512_movehdup_ps(cos_sin)));
 }
 
+/* A layer's heads and its paged cache: cache_k/v [n_kv_heads][n_blocks * block_size][head_dim]. */
 struct Attention {
-    int64_t n_heads, n_kv_heads, max_seq_len;
+    int64_t n_heads, n_kv_heads, n_blocks, block_size;
 };
+
+/* The element where key j of KV head g lies: its block from the row's table, then its place there.
+ * A run of KEY_RUN keys from a multiple of KEY_RUN lies in one block. */
+static inline int64_t key_at(const struct Attention *a, const int64_t *table, int64_t g, int64_t j, int64_t hd) {
+    return (g * a->n_blocks * a->block_size + table[j / a->block_size] * a->block_size + j % a->block_size) * hd;
+}
 
 /* r[i] = the sum of v[i]'s lanes: 16 keys' dot products from their lane-wise partial sums, in
  * 45 shuffles and adds where 16 separate reductions take about 130. */
@@ -72,29 +80,32 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
-/* Asks for keys j0 .. j0 + 15 of a head (key 0 at element `base`), those that exist. */
-static inline __attribute__((always_inline)) void prefetch_keys(const void *cache, int64_t base, int64_t j0, int64_t keys, int64_t hd, int bf16) {
-    int64_t size = bf16 ? 2 : 4, end = j0 + 16 < keys ? j0 + 16 : keys;
-    const char *first = (const char *)cache + (base + j0 * hd) * size;
-    for (int64_t at = 0; at < (end - j0) * hd * size; at += 64) _mm_prefetch(first + at, _MM_HINT_T0);
+/* Asks for the run of keys from j0 (those that exist) of head g. */
+static inline __attribute__((always_inline)) void prefetch_run(const struct Attention *a, const void *cache,
+                                                               const int64_t *table, int64_t g, int64_t j0,
+                                                               int64_t keys, int64_t hd, int bf16) {
+    if (j0 >= keys) return;
+    int64_t size = bf16 ? 2 : 4, n = keys - j0 < KEY_RUN ? keys - j0 : KEY_RUN;
+    const char *first = (const char *)cache + key_at(a, table, g, j0, hd) * size;
+    for (int64_t at = 0; at < n * hd * size; at += 64) _mm_prefetch(first + at, _MM_HINT_T0);
 }
 
 /* One row's KV head g and the rep query heads that share it; `scores` (rep * (pos + 1)) is this
  * thread's scratch. A query (head_dim <= MAX_HEAD_DIM) stays in registers over all its keys.
  * Inlined with constant hd and bf16 for Llama's shapes, so its loops unroll and lose their masks. */
 static inline __attribute__((always_inline)) void attend(const struct Attention *a, const void *qkv_row,
-                                                          const float *rot, int64_t slot, int64_t pos, int64_t g,
-                                                          void *cache_k, void *cache_v, void *out_row, float *scores,
-                                                          const int64_t hd, const int bf16) {
+                                                          const float *rot, const int64_t *table, int64_t pos,
+                                                          int64_t g, void *cache_k, void *cache_v, void *out_row,
+                                                          float *scores, const int64_t hd, const int bf16) {
     const int64_t vecs = (hd + 15) / 16, rep = a->n_heads / a->n_kv_heads, keys = pos + 1;
-    const int64_t base = (slot * a->n_kv_heads + g) * a->max_seq_len * hd; /* key 0 of this head */
+    const int64_t own = key_at(a, table, g, pos, hd);
     const int64_t k_at = (a->n_heads + g) * hd, v_at = (a->n_heads + a->n_kv_heads + g) * hd;
     for (int64_t d = 0; d < hd; d += 16) {
         __mmask16 m = lanes(hd - d);
-        store16(cache_k, base + pos * hd + d, rotate16(load16(qkv_row, k_at + d, bf16, m), rot, d, m), bf16, m);
-        store16(cache_v, base + pos * hd + d, load16(qkv_row, v_at + d, bf16, m), bf16, m);
+        store16(cache_k, own + d, rotate16(load16(qkv_row, k_at + d, bf16, m), rot, d, m), bf16, m);
+        store16(cache_v, own + d, load16(qkv_row, v_at + d, bf16, m), bf16, m);
     }
-    for (int64_t j0 = 0; j0 < PREFETCH_KEYS; j0 += 16) prefetch_keys(cache_k, base, j0, keys, hd, bf16);
+    for (int64_t j0 = 0; j0 < PREFETCH_KEYS; j0 += KEY_RUN) prefetch_run(a, cache_k, table, g, j0, keys, hd, bf16);
     const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)hd));
     for (int64_t i = 0; i < rep; i++) {
         const int64_t q_at = (g * rep + i) * hd;
@@ -105,18 +116,19 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
         }
         float *s = scores + i * keys;
         __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < keys; j0 += 16) {
+        for (int64_t j0 = 0; j0 < keys; j0 += KEY_RUN) {
             if (i == 0) { /* the first query pulls this head's keys and values in ahead of use */
-                prefetch_keys(cache_k, base, j0 + PREFETCH_KEYS, keys, hd, bf16);
-                prefetch_keys(cache_v, base, j0, keys, hd, bf16);
+                prefetch_run(a, cache_k, table, g, j0 + PREFETCH_KEYS, keys, hd, bf16);
+                prefetch_run(a, cache_v, table, g, j0, keys, hd, bf16);
             }
-            __m512 part[16];
-            for (int jj = 0; jj < 16; jj++) {
+            const int64_t run = key_at(a, table, g, j0, hd);
+            __m512 part[KEY_RUN];
+            for (int jj = 0; jj < KEY_RUN; jj++) {
                 part[jj] = _mm512_setzero_ps();
                 if (j0 + jj >= keys) continue;
                 for (int64_t v = 0; v < vecs; v++)
-                    part[jj] = _mm512_fmadd_ps(q[v], load16(cache_k, base + (j0 + jj) * hd + 16 * v, bf16,
-                                                            lanes(hd - 16 * v)), part[jj]);
+                    part[jj] = _mm512_fmadd_ps(q[v], load16(cache_k, run + jj * hd + 16 * v, bf16, lanes(hd - 16 * v)),
+                                               part[jj]);
             }
             __m512 dots = _mm512_mul_ps(sum_lanes16(part), scale);
             _mm512_mask_storeu_ps(s + j0, lanes(keys - j0), dots);
@@ -130,10 +142,14 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
             total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
         }
         for (int64_t v = 0; v < vecs; v++) acc[v] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < keys; j++) {
-            __m512 p = _mm512_set1_ps(s[j]);
-            for (int64_t v = 0; v < vecs; v++)
-                acc[v] = _mm512_fmadd_ps(p, load16(cache_v, base + j * hd + 16 * v, bf16, lanes(hd - 16 * v)), acc[v]);
+        for (int64_t j0 = 0; j0 < keys; j0 += KEY_RUN) {
+            const int64_t run = key_at(a, table, g, j0, hd), n = keys - j0 < KEY_RUN ? keys - j0 : KEY_RUN;
+            for (int64_t jj = 0; jj < n; jj++) {
+                __m512 p = _mm512_set1_ps(s[j0 + jj]);
+                for (int64_t v = 0; v < vecs; v++)
+                    acc[v] = _mm512_fmadd_ps(p, load16(cache_v, run + jj * hd + 16 * v, bf16, lanes(hd - 16 * v)),
+                                             acc[v]);
+            }
         }
         __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
         for (int64_t v = 0; v < vecs; v++)
@@ -141,32 +157,38 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
     }
 }
 
-int check_rows(const int64_t *slots, const int64_t *positions, int64_t rows, int64_t n_slots, int64_t max_seq_len,
-               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread) {
+int check_rows(const struct DecodeRows *R, int64_t n_blocks, int64_t block_size, int64_t n_heads,
+               int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread) {
     if (head_dim > MAX_HEAD_DIM) return TPL_HEAD_DIM;
+    if (block_size < KEY_RUN || block_size % KEY_RUN) return TPL_OFF_CACHE;
     int64_t longest = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        if (slots[r] < 0 || slots[r] >= n_slots || positions[r] < 0 || positions[r] >= max_seq_len) return TPL_OFF_CACHE;
-        longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    for (int64_t r = 0; r < R->rows; r++) {
+        int64_t pos = R->positions[r];
+        if (pos < 0 || pos / block_size >= R->width) return TPL_OFF_CACHE;
+        for (int64_t b = 0; b <= pos / block_size; b++) {
+            int64_t block = R->tables[r * R->width + b];
+            if (block < 0 || block >= n_blocks) return TPL_OFF_CACHE;
+        }
+        longest = pos + 1 > longest ? pos + 1 : longest;
     }
     *scores_per_thread = n_heads / n_kv_heads * longest;
     return TPL_OK;
 }
 
-void attention_rows(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
-                    int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
-                    void *cache_v, int64_t max_seq_len, void *out, int bf16, float *scores,
-                    int64_t scores_per_thread) {
-    const struct Attention a = {n_heads, n_kv_heads, max_seq_len};
+void attention_rows(const void *qkv, const struct DecodeRows *R, int64_t n_heads, int64_t n_kv_heads,
+                    int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
+                    int bf16, float *scores, int64_t scores_per_thread) {
+    const struct Attention a = {n_heads, n_kv_heads, n_blocks, block_size};
     const int64_t width = (n_heads + 2 * n_kv_heads) * head_dim, size = bf16 ? 2 : 4;
     float *mine = scores + omp_get_thread_num() * scores_per_thread;
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < R->rows; r++)
         for (int64_t g = 0; g < n_kv_heads; g++) {
             const void *row = (const char *)qkv + r * width * size;
-            const float *rot = rotation + r * head_dim;
+            const float *rot = R->rotation + r * head_dim;
+            const int64_t *table = R->tables + r * R->width;
             void *out_row = (char *)out + r * n_heads * head_dim * size;
-#define ATTEND(HD, BF16) attend(&a, row, rot, slots[r], positions[r], g, cache_k, cache_v, out_row, mine, HD, BF16)
+#define ATTEND(HD, BF16) attend(&a, row, rot, table, R->positions[r], g, cache_k, cache_v, out_row, mine, HD, BF16)
             if (head_dim == 128)
                 bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
             else if (head_dim == 64)
@@ -178,20 +200,20 @@ void attention_rows(const void *qkv, const float *rotation, const int64_t *slots
 }
 
 /* qkv [rows][(n_heads + 2 n_kv_heads) head_dim]: each row's new token, q then k then v heads.
- * rotation [rows][head_dim]: cos, sin pairs at the row's position. cache_k/v [slots][n_kv_heads]
- * [max_seq_len][head_dim]. out [rows][n_heads head_dim]. Rows must be in distinct slots.
+ * cache_k/v [n_kv_heads][n_blocks * block_size][head_dim], block_size a multiple of KEY_RUN.
+ * out [rows][n_heads head_dim]. Rows must write distinct cache positions.
  * TPL_OK, TPL_NO_MEMORY, TPL_OFF_CACHE or TPL_HEAD_DIM. */
-int decode_attention(const void *qkv, const float *rotation, const int64_t *slots, const int64_t *positions,
-                     int64_t rows, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, void *cache_k,
-                     void *cache_v, int64_t n_slots, int64_t max_seq_len, void *out, int bf16) {
+int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,
+                     int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
+                     int bf16) {
     int64_t per_thread;
-    int status = check_rows(slots, positions, rows, n_slots, max_seq_len, n_heads, n_kv_heads, head_dim, &per_thread);
+    int status = check_rows(rows, n_blocks, block_size, n_heads, n_kv_heads, head_dim, &per_thread);
     if (status) return status;
     float *scores = malloc((size_t)(omp_get_max_threads() * per_thread) * sizeof(float));
     if (scores == NULL) return TPL_NO_MEMORY;
 #pragma omp parallel
-    attention_rows(qkv, rotation, slots, positions, rows, n_heads, n_kv_heads, head_dim, cache_k, cache_v,
-                   max_seq_len, out, bf16, scores, per_thread);
+    attention_rows(qkv, rows, n_heads, n_kv_heads, head_dim, cache_k, cache_v, n_blocks, block_size, out, bf16, scores,
+                   per_thread);
     free(scores);
     return TPL_OK;
 }

@@ -131,56 +131,55 @@ def _raise_for(status: int, cache_k: torch.Tensor) -> None:
     if status == codes["TPL_OK"]:
         return
     if status == codes["TPL_OFF_CACHE"]:
-        raise IndexError(f"a decode row's slot or position lies outside the KV cache {tuple(cache_k.shape)}")
+        raise IndexError(f"a decode row's position or block lies outside its block table or the KV cache "
+                         f"{tuple(cache_k.shape)}")
     if status == codes["TPL_HEAD_DIM"]:
         raise ValueError(f"decode attention takes heads of up to {codes['MAX_HEAD_DIM']}, not {cache_k.shape[-1]}")
     raise MemoryError("no memory for attention scores")
 
 
-def decode_attention(qkv: torch.Tensor, rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                     cache_k: torch.Tensor, cache_v: torch.Tensor, out: torch.Tensor) -> None:
-    """Attention of one new token per row, in one C call: RoPE, the cache write, softmax(qK)V.
+def decode_attention(qkv: torch.Tensor, rows: ctypes.Structure, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                     block_size: int, out: torch.Tensor) -> None:
+    """Attention of one new token per row (`decode_rows`), in one C call: RoPE, the cache write, softmax(qK)V.
 
-    qkv [rows, (heads + 2 kv_heads) * head_dim], rotation [rows, ..., head_dim / 2, 2] (cos, sin),
-    slots and positions [rows] int64 (distinct slots); writes out [rows, heads * head_dim] and
-    each row's new key and value into cache_k / cache_v [slots, kv_heads, max_seq_len, head_dim].
+    qkv [rows, (heads + 2 kv_heads) * head_dim]; writes out [rows, heads * head_dim] and each
+    row's new key and value into cache_k / cache_v [kv_heads, blocks * block_size, head_dim].
     """
-    rows = qkv.shape[0]
-    if not rows:
+    if not rows.rows:
         return
-    n_slots, n_kv_heads, max_seq_len, head_dim = cache_k.shape
-    if not all(t.is_contiguous() for t in (qkv, rotation, slots, positions, cache_k, cache_v, out)):
+    n_kv_heads, pool, head_dim = cache_k.shape
+    if not all(t.is_contiguous() for t in (qkv, cache_k, cache_v, out)):
         raise ValueError("decode_attention needs contiguous tensors")
     status = library().decode_attention(
-        qkv.data_ptr(), rotation.data_ptr(), slots.data_ptr(), positions.data_ptr(), rows,
-        out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(), cache_v.data_ptr(), n_slots,
-        max_seq_len, out.data_ptr(), qkv.dtype == torch.bfloat16)
+        qkv.data_ptr(), ctypes.byref(rows), out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(),
+        cache_v.data_ptr(), pool // block_size, block_size, out.data_ptr(), qkv.dtype == torch.bfloat16)
     _raise_for(status, cache_k)
 
 
 def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],
-                 cache_k: torch.Tensor, cache_v: torch.Tensor, eps: float) -> ctypes.Structure | None:
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, block_size: int, eps: float) -> ctypes.Structure | None:
     """A layer as decode_stack, attention_block and ffn_block run it (struct DecodeLayer), or None where they cannot.
 
     norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
-    shards) in tiles; the cache [slots, kv_heads, max_seq_len, head_dim]. The layer's tensors must
+    shards) in tiles; the cache [kv_heads, blocks * block_size, head_dim]. The layer's tensors must
     outlive the returned struct, which holds only their addresses.
     """
     lib = library()
     wqkv, wo, w13, w2 = weights
     if not all(isinstance(w, Tiled) for w in weights) or wqkv.gated or wo.gated or w2.gated or not w13.gated:
         return None
-    n_slots, n_kv_heads, max_seq_len, head_dim = cache_k.shape
+    n_kv_heads, pool, head_dim = cache_k.shape
     n_heads = wo.shape[1] // head_dim
-    if (head_dim > lib.constants["MAX_HEAD_DIM"] or n_heads % n_kv_heads
+    if (head_dim > lib.constants["MAX_HEAD_DIM"] or n_heads % n_kv_heads or block_size % lib.constants["KEY_RUN"]
             or wqkv.shape[0] != (n_heads + 2 * n_kv_heads) * head_dim):
         return None
     tensors = (*norms, *(w.data for w in weights), cache_k, cache_v)
     if not all(t.is_contiguous() and t.dtype == cache_k.dtype for t in tensors):
         return None
     amx = all(w.amx for w in weights) and amx_ready()
-    return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], n_slots, max_seq_len,
-                                      eps, cache_k.dtype == torch.bfloat16, amx, *(t.data_ptr() for t in tensors))
+    return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], pool // block_size,
+                                      block_size, eps, cache_k.dtype == torch.bfloat16, amx,
+                                      *(t.data_ptr() for t in tensors))
 
 
 def decode_layers(layers: list[ctypes.Structure]) -> ctypes.Array:
@@ -188,13 +187,13 @@ def decode_layers(layers: list[ctypes.Structure]) -> ctypes.Array:
     return (library().structs["DecodeLayer"] * len(layers))(*layers)
 
 
-def decode_rows(rotation: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> ctypes.Structure:
-    """A decode step's rows (struct DecodeRows): rotation [rows, ..., head_dim / 2, 2] (cos, sin), slots and
-    positions [rows] int64. The tensors must outlive the returned struct."""
-    if not all(t.is_contiguous() for t in (rotation, slots, positions)):
-        raise ValueError("decode rows need contiguous tensors")
-    return library().structs["DecodeRows"](slots.shape[0], rotation.data_ptr(), slots.data_ptr(),
-                                           positions.data_ptr())
+def decode_rows(rotation: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor) -> ctypes.Structure:
+    """A decode step's rows (struct DecodeRows): rotation [rows, ..., head_dim / 2, 2] (cos, sin), block
+    tables [rows, width] and positions [rows] int64. The tensors must outlive the returned struct."""
+    if not all(t.is_contiguous() for t in (rotation, tables, positions)) or tables.dtype != torch.long:
+        raise ValueError("decode rows need contiguous tensors and int64 block tables")
+    return library().structs["DecodeRows"](positions.shape[0], tables.shape[1], rotation.data_ptr(),
+                                           tables.data_ptr(), positions.data_ptr())
 
 
 def decode_scratch(layer: ctypes.Structure, rows: int) -> torch.Tensor:
