@@ -6,7 +6,7 @@ The long version of tests/test_reliability.py's first two tests. It sends the ho
 (500+ bodies), then runs plain, streaming and disconnect-mid-stream clients for --minutes,
 then a corpus from another seed, and reports every figure the README quotes:
 statuses, failed valid requests, rank restarts, resident memory drift after warm-up and the
-KV-cache slots still held at the end. Exits non-zero if any reliability target is missed.
+KV-cache blocks still in use at the end. Exits non-zero if any reliability target is missed.
 """
 
 from __future__ import annotations
@@ -80,18 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     rss_rows = [[rank, f"{min(s):.0f}", f"{max(s):.0f}", f"{soak.rss_band(rank):.2%}"]
                 for rank, s in sorted(soak.rss_mb.items())]
     print(f"\nsoak: {requests} requests in {soak.seconds:.0f} s ({dict(soak.completed)}), {soak.tokens} tokens, "
-          f"{len(soak.failures)} failed, kv slots busy at the end: {soak.slots_busy_at_end}, "
+          f"{len(soak.failures)} failed, kv blocks used at the end: {soak.kv_blocks_used_at_end}, "
           f"ranks restarted: {restarted}, orphaned ranks: {strays}")
     print(table(["rank", "RSS min MiB (after warm-up)", "RSS max MiB", "band"], rss_rows))
     problems = [p for r, _ in rounds for p in r.problems] + soak.failures
-    ok = (not problems and not restarted and not strays and soak.slots_busy_at_end == 0
+    ok = (not problems and not restarted and not strays and soak.kv_blocks_used_at_end == 0
           and all(soak.rss_band(rank) <= 0.05 for rank in soak.rss_mb))
     write_json("soak", {
         "minutes": a.minutes, "clients": a.clients,
         "corpus": [{"bodies": r.sent, "seconds": t, "statuses": dict(r.by_status), "valid_ok": r.valid_ok,
                     "problems": r.problems} for r, t in rounds],
         "soak": {"seconds": soak.seconds, "completed": dict(soak.completed), "tokens": soak.tokens,
-                 "failures": soak.failures, "rss_mb": soak.rss_mb, "slots_busy_at_end": soak.slots_busy_at_end},
+                 "failures": soak.failures, "rss_mb": soak.rss_mb, "kv_blocks_used_at_end": soak.kv_blocks_used_at_end},
         "restarted": restarted, "strays": strays, "ok": ok,
     })
     for problem in problems[:20]:

@@ -83,9 +83,9 @@ class LlamaHandler(BaseHandler):
             self.scheduler = self.engine.new_scheduler()
             self.model_name = getattr(context, "model_name", None) or self.model_name
             self.metrics = ServingMetrics(getattr(context, "metrics", None), self.model_name,
-                                          settings.engine.max_batch_size)
+                                          self.scheduler.pool.n_blocks)
         logger.info(
-            "rank %d/%d ready on %s (%d threads): %s (%s tokenizer, mode=%s, %s, %d slots) loaded in %.2f s",
+            "rank %d/%d ready on %s (%d threads): %s (%s tokenizer, mode=%s, %s, up to %d sequences) loaded in %.2f s",
             self.engine.rank, self.engine.world_size, self.engine.device, torch.get_num_threads(), ckpt_dir,
             self.engine.tokenizer.family, settings.engine.mode, self.engine.dtype, settings.engine.max_batch_size,
             time.perf_counter() - started,
@@ -125,7 +125,7 @@ class LlamaHandler(BaseHandler):
         call spread it, and a call still ends as soon as a sequence finishes.
         """
         scheduler = self.scheduler
-        if scheduler.waiting or any(seq.prefilling for seq in scheduler.running.values()):
+        if scheduler.waiting or any(seq.prefilling for seq in scheduler.running):
             return 0.0
         return self.settings.decode_call_ms / 1000
 
@@ -146,8 +146,9 @@ class LlamaHandler(BaseHandler):
         if self.metrics is None:
             return
         scheduler = self.scheduler
-        decoding = sum(1 for seq in scheduler.running.values() if not seq.prefilling)
-        self.metrics.update_gauges(decoding, len(scheduler.waiting), scheduler.busy_slots)
+        decoding = sum(1 for seq in scheduler.running if not seq.prefilling)
+        self.metrics.update_gauges(decoding, len(scheduler.waiting), scheduler.pool.used)
+        self.metrics.cache_counts(scheduler.prefix_queries, scheduler.prefix_hits, scheduler.preemptions)
         self.metrics.flush()
 
     def _count(self, outcome: str, seq: Sequence | None = None) -> None:
@@ -214,7 +215,7 @@ class LlamaHandler(BaseHandler):
                 else:
                     api = NativeRequest(parse_request(request, self.settings, tokenizer, self.engine.args.vocab_size),
                                         tokenizer.decode)
-                seq = Sequence(rid, api.job.prompt_ids, api.job.params)
+                seq = Sequence(rid, api.job.prompt_ids, api.job.params, api.job.cache_salt)
                 self.scheduler.add(seq)
             except RequestError as exc:
                 answers[rid] = ("openai" if openai else "native", exc)
@@ -259,7 +260,7 @@ class LlamaHandler(BaseHandler):
 
     def _log_end(self, rid: str, live: Live, how: str) -> None:
         logger.info(
-            "rank 0: request %s %s after %d tokens; kv slots busy %d/%d, waiting %d",
-            rid, how, len(live.seq.output), self.scheduler.busy_slots, self.engine.config.max_batch_size,
-            len(self.scheduler.waiting),
+            "rank 0: request %s %s after %d tokens; running %d/%d, kv blocks used %d/%d, waiting %d",
+            rid, how, len(live.seq.output), len(self.scheduler.running), self.engine.config.max_batch_size,
+            self.scheduler.pool.used, self.scheduler.pool.n_blocks, len(self.scheduler.waiting),
         )

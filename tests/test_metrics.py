@@ -2,7 +2,8 @@
 
 The numbers scraped before, during and after a load are checked against what the clients saw:
 token counters against the replies' usage, request outcomes against the statuses, one time to
-first token per answered request, gauges busy during the load and back to zero after it.
+first token per answered request, gauges busy during the load and back to zero after it, the
+prefix cache's hits against the cached tokens the replies report.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_SEQ_LEN = 256
 STARTUP_TIMEOUT = 240
 SLOTS = 4
+SHARED = "You are a patient guide who answers in short plain sentences about nature and travel. "
 SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -99,24 +101,25 @@ def _openai_stream(server: TorchServe, prompt: str, max_tokens: int) -> dict:
 
 def test_metrics_match_what_the_clients_saw(server: TorchServe) -> None:
     before = scrape(server)
-    assert value(before, "llama_kv_cache_slots_total") == SLOTS
+    blocks_total = value(before, "llama_kv_cache_blocks_total")
+    assert blocks_total >= SLOTS * MAX_SEQ_LEN / 16
 
     usages: list[dict] = []
     statuses: dict[int, int] = defaultdict(int)
     lock = threading.Lock()
     done = threading.Event()
-    peaks = {"running": 0.0, "waiting": 0.0, "slots": 0.0}
+    peaks = {"running": 0.0, "waiting": 0.0, "blocks": 0.0}
 
     def watch() -> None:
         while not done.is_set():
             now = scrape(server)
             peaks["running"] = max(peaks["running"], value(now, "llama_running_sequences"))
             peaks["waiting"] = max(peaks["waiting"], value(now, "llama_waiting_sequences"))
-            peaks["slots"] = max(peaks["slots"], value(now, "llama_kv_cache_slots_used"))
+            peaks["blocks"] = max(peaks["blocks"], value(now, "llama_kv_cache_blocks_used"))
             time.sleep(0.1)
 
     def native(i: int) -> None:
-        reply = server.predict({"prompt": f"Request {i} about rivers", "max_new_tokens": 20 + 10 * i,
+        reply = server.predict({"prompt": f"{SHARED}Request {i} about rivers", "max_new_tokens": 20 + 10 * i,
                                 "temperature": 0, "ignore_eos": True})
         with lock:
             statuses[reply.status] += 1
@@ -142,11 +145,12 @@ def test_metrics_match_what_the_clients_saw(server: TorchServe) -> None:
     with ThreadPoolExecutor(len(calls)) as pool:
         for future in [pool.submit(call) for call in calls]:
             future.result(timeout=300)
+    native(6)  # alone, after the others: its shared prefix is in the cache for certain
     elapsed = time.monotonic() - started
     done.set()
     watcher.join(timeout=30)
     answered = len(usages)
-    assert (answered, dict(statuses)) == (9, {200: 9, 400: 2})
+    assert (answered, dict(statuses)) == (10, {200: 10, 400: 2})
 
     def delta(samples: dict, name: str, **labels: str) -> float:
         return value(samples, name, **labels) - value(before, name, **labels)
@@ -155,7 +159,7 @@ def test_metrics_match_what_the_clients_saw(server: TorchServe) -> None:
     after = settle(server, lambda s: delta(s, "llama_requests_total", outcome="ok") >= answered
                    and delta(s, "llama_requests_total", outcome="4xx") >= 2
                    and delta(s, "llama_time_to_first_token_seconds_count") >= answered
-                   and value(s, "llama_kv_cache_slots_used") == 0)
+                   and value(s, "llama_kv_cache_blocks_used") == 0)
     assert delta(after, "llama_requests_total", outcome="ok") == answered
     assert delta(after, "llama_requests_total", outcome="4xx") == 2
     assert delta(after, "llama_requests_total", outcome="failed") == 0
@@ -168,16 +172,23 @@ def test_metrics_match_what_the_clients_saw(server: TorchServe) -> None:
     tpot_mean = delta(after, "llama_time_per_output_token_seconds_sum") / answered
     assert 0 < tpot_mean < elapsed
     assert (value(after, "llama_running_sequences"), value(after, "llama_waiting_sequences"),
-            value(after, "llama_kv_cache_slots_used")) == (0, 0, 0)
-    assert peaks["slots"] >= 2 and peaks["running"] >= 1, peaks  # seen busy during the load
-    assert peaks["slots"] <= SLOTS
+            value(after, "llama_kv_cache_blocks_used")) == (0, 0, 0)
+    assert peaks["blocks"] >= 2 and peaks["running"] >= 1, peaks  # seen busy during the load
+    assert peaks["blocks"] <= blocks_total
+    cached = [u.get("cached_prompt_tokens", u.get("prompt_tokens_details", {}).get("cached_tokens")) for u in usages]
+    assert cached[-1] >= len(SHARED) // 8  # the last request's shared prefix came from the cache
+    assert delta(after, "llama_prefix_cache_hits_tokens_total") == sum(cached)
+    assert delta(after, "llama_prefix_cache_queries_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta(after, "llama_preemptions_total") == 0
     types = metric_types(server)
     for name in ("llama_time_to_first_token_seconds", "llama_time_per_output_token_seconds"):
         assert types.get(name) == "histogram", (name, types.get(name))
-    for name in ("llama_prompt_tokens_total", "llama_generation_tokens_total", "llama_requests_total"):
+    for name in ("llama_prompt_tokens_total", "llama_generation_tokens_total", "llama_requests_total",
+                 "llama_prefix_cache_hits_tokens_total", "llama_prefix_cache_queries_tokens_total",
+                 "llama_preemptions_total"):
         assert types.get(name) == "counter", (name, types.get(name))
-    for name in ("llama_running_sequences", "llama_waiting_sequences", "llama_kv_cache_slots_used",
-                 "llama_kv_cache_slots_total"):
+    for name in ("llama_running_sequences", "llama_waiting_sequences", "llama_kv_cache_blocks_used",
+                 "llama_kv_cache_blocks_total"):
         assert types.get(name) == "gauge", (name, types.get(name))
     print(f"\n{answered} requests, {generated} tokens in {elapsed:.1f} s; peaks during the load {peaks}; "
           f"mean TTFT {ttft_sum / answered * 1000:.0f} ms, mean TPOT {tpot_mean * 1000:.1f} ms")

@@ -133,18 +133,18 @@ def test_hostile_corpus_is_refused_without_restarts(server: TorchServe, tokenize
     assert {p.pid for p in rank_processes(server).values()} == pids, "a rank was restarted"
 
 
-def test_soak_mixed_clients_memory_flat_and_slots_released(server: TorchServe) -> None:
+def test_soak_mixed_clients_memory_flat_and_kv_blocks_released(server: TorchServe) -> None:
     report = run_soak(server, seconds=SOAK_S, clients=6, warmup=SOAK_S / 4)
     bands = {rank: report.rss_band(rank) for rank in report.rss_mb}
     print(f"\nsoak: {dict(report.completed)} requests in {report.seconds:.0f} s, {report.tokens} tokens, "
           f"failures {len(report.failures)}, rss band after warm-up "
           + ", ".join(f"rank {r}: {b:.1%}" for r, b in sorted(bands.items()))
-          + f", kv slots busy at end {report.slots_busy_at_end}")
+          + f", kv blocks used at end {report.kv_blocks_used_at_end}")
     assert not report.failures, report.failures[:10]
     assert min(report.completed[k] for k in ("plain", "stream", "disconnect")) > 0, report.completed
     assert sorted(bands) == [0, 1]
     assert all(band <= 0.05 for band in bands.values()), bands
-    assert report.slots_busy_at_end == 0
+    assert report.kv_blocks_used_at_end == 0
 
 
 def _in_flight(ts: TorchServe, payloads: list[dict]) -> tuple[list[threading.Thread], dict]:

@@ -1,7 +1,7 @@
-"""The scheduler's slot accounting and plans, and the model running any mix of rows.
+"""The scheduler's plans and block accounting, and the model running any mix of rows.
 
-The model checks compare a row's logits inside mixed batches (chunked prefill, decode rows with
-holes between their slots) with the same sequence run alone in one piece; tests/test_parity.py
+The model checks compare a row's logits inside mixed batches (chunked prefill, decode rows in
+scattered blocks) with the same sequence run alone in one piece; tests/test_parity.py
 compares the whole path with the independent float64 reference.
 """
 
@@ -12,17 +12,22 @@ import copy
 import pytest
 import torch
 
-from tests.support.run_model import dense_logits
+from tests.support.run_model import dense_logits, setup_slots, slot_batch
 from tp_llama import backend
-from tp_llama.model import Batch, Transformer
-from tp_llama.model import ModelArgs
+from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.scheduler import SamplingParams, Scheduler, Sequence
+from tp_llama.model import ModelArgs, Transformer
 
 EOS = 2
 
 
 def seq(name: str, prompt_len: int, max_new: int = 4, **kw) -> Sequence:
     return Sequence(name, list(range(10, 10 + prompt_len)), SamplingParams(max_new, **kw))
+
+
+def scheduler_of(running: int, max_seq_len: int, prefill_budget: int, stop_ids=frozenset({EOS}), blocks: int = 64,
+                 block_size: int = 4) -> Scheduler:
+    return Scheduler(running, max_seq_len, prefill_budget, stop_ids, BlockPool(blocks, block_size))
 
 
 def step(scheduler: Scheduler, pick=lambda row: 7):
@@ -33,39 +38,41 @@ def step(scheduler: Scheduler, pick=lambda row: 7):
 
 
 def test_prompts_are_prefilled_in_chunks_within_the_budget_while_others_decode():
-    scheduler = Scheduler(slots=4, max_seq_len=64, prefill_budget=8, stop_ids=frozenset({EOS}))
+    scheduler = scheduler_of(4, max_seq_len=64, prefill_budget=8)
     a, b = seq("a", 3, max_new=10), seq("b", 20)
     scheduler.add(a)
     scheduler.add(b)
     plan = step(scheduler)
-    assert [(r.slot, r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 0, 3, True), (1, 0, 5, False)]
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 3, True), (0, 5, False)]
     plan = step(scheduler)
     # a decodes its first token while b's prompt goes on, 8 tokens at a time
-    assert [(r.slot, r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 3, 1, True), (1, 5, 8, False)]
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(3, 1, True), (5, 8, False)]
     plan = step(scheduler)
-    assert [(r.slot, r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 4, 1, True), (1, 13, 7, True)]
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(4, 1, True), (13, 7, True)]
     assert b.output == [7] and a.output == [7, 7, 7]
+    # each row carries its table as far as its last position (blocks of 4)
+    assert [len(r.blocks) for r in plan.rows] == [2, 5] and plan.rows[1].blocks == b.blocks[:5]
 
 
-def test_slots_are_taken_lowest_first_freed_on_finish_and_cancel_and_waiting_ones_get_them():
-    scheduler = Scheduler(slots=2, max_seq_len=64, prefill_budget=64, stop_ids=frozenset({EOS}))
+def test_running_is_capped_blocks_are_freed_on_finish_and_cancel_and_waiting_ones_get_them():
+    scheduler = scheduler_of(2, max_seq_len=64, prefill_budget=64)
     seqs = [seq(str(i), 2, max_new=3) for i in range(4)]
     for s in seqs:
         scheduler.add(s)
     step(scheduler)
-    assert (seqs[0].slot, seqs[1].slot, scheduler.busy_slots, len(scheduler.waiting)) == (0, 1, 2, 2)
+    assert (scheduler.running, len(scheduler.waiting), scheduler.pool.used) == (seqs[:2], 2, 2)
     scheduler.cancel(seqs[0])
-    assert seqs[0].finish_reason == "cancelled" and scheduler.busy_slots == 1
+    assert seqs[0].finish_reason == "cancelled" and scheduler.running == [seqs[1]] and scheduler.pool.used == 1
     step(scheduler)
-    assert seqs[2].slot == 0 and scheduler.busy_slots == 2
+    assert scheduler.running == [seqs[1], seqs[2]]
     while scheduler.has_work():
         step(scheduler)
     assert [s.finish_reason for s in seqs] == ["cancelled", "length", "length", "length"]
-    assert scheduler.busy_slots == 0 and sorted(scheduler._free) == [0, 1]
+    assert not scheduler.running and scheduler.pool.used == 0
 
 
 def test_stop_tokens_end_a_sequence_unless_ignored_and_are_not_returned():
-    scheduler = Scheduler(slots=2, max_seq_len=64, prefill_budget=64, stop_ids=frozenset({EOS}))
+    scheduler = scheduler_of(2, max_seq_len=64, prefill_budget=64)
     stops, goes_on = seq("s", 2, max_new=5), seq("g", 2, max_new=3, ignore_eos=True)
     scheduler.add(stops)
     scheduler.add(goes_on)
@@ -77,17 +84,17 @@ def test_stop_tokens_end_a_sequence_unless_ignored_and_are_not_returned():
 
 
 def test_a_sequence_cancelled_while_its_step_runs_is_left_alone():
-    scheduler = Scheduler(slots=1, max_seq_len=64, prefill_budget=64, stop_ids=frozenset())
+    scheduler = scheduler_of(1, max_seq_len=64, prefill_budget=64, stop_ids=frozenset())
     a = seq("a", 2)
     scheduler.add(a)
     plan = scheduler.schedule()
     scheduler.cancel(a)
     scheduler.commit(plan, [9])
-    assert a.output == [] and a.finish_reason == "cancelled" and scheduler.busy_slots == 0
+    assert a.output == [] and a.finish_reason == "cancelled" and scheduler.pool.used == 0
 
 
 def test_requests_that_cannot_fit_are_refused_before_taking_a_slot():
-    scheduler = Scheduler(slots=1, max_seq_len=16, prefill_budget=8, stop_ids=frozenset())
+    scheduler = scheduler_of(1, max_seq_len=16, prefill_budget=8, stop_ids=frozenset())
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         scheduler.add(seq("long", 10, max_new=7))
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -103,7 +110,7 @@ def model() -> Transformer:
     m = Transformer(args)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    m.setup_caches(6, 64, torch.float32, torch.device("cpu"))
+    setup_slots(m, 6, 64, torch.float32, torch.device("cpu"))
     return m
 
 
@@ -121,7 +128,7 @@ def test_rows_give_the_same_logits_in_any_mix_of_chunks_and_slots(model: Transfo
         backend.optimize(runner)
 
     def check(rows, expected):
-        got = runner(Batch.build(rows, cpu))
+        got = runner(slot_batch(model, rows, cpu))
         for logits, (s, pos) in zip(got, expected):
             torch.testing.assert_close(logits, alone[s][pos], rtol=1e-4, atol=1e-4)
 
@@ -140,5 +147,7 @@ def test_a_kv_cache_too_big_for_memory_fails_the_load_naming_the_keys(tmp_path):
     from tp_llama.testing.synthetic import write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=1)
-    with pytest.raises(MemoryError, match="lower handler.max_batch_size or handler.max_seq_len"):
-        Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=2**20, max_batch_size=2**20))
+    with pytest.raises(MemoryError, match="lower handler.kv_cache_memory_gb"):
+        Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=2**16, kv_cache_memory_gb=2**20))
+    with pytest.raises(MemoryError, match="cannot hold one sequence of max_seq_len 65536"):
+        Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=2**16, kv_cache_memory_gb=0.001))

@@ -277,7 +277,7 @@ def test_a_disconnected_client_frees_its_slot(server: TorchServe) -> None:
         cancelled = [e for e in ended if "disconnected" in e["how"]]
         if cancelled:
             assert cancelled[0]["tokens"] < NEW_TOKENS_LIMIT
-            assert ended[-1]["busy"] == 0, ended
+            assert (ended[-1]["busy"], ended[-1]["blocks"]) == (0, 0), ended
             return
         time.sleep(0.2)
     pytest.fail(f"the disconnected request was never cancelled: {server.finishes()[seen:]}")

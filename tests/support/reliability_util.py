@@ -127,7 +127,7 @@ class SoakReport:
     failures: list[str] = field(default_factory=list)
     tokens: int = 0
     rss_mb: dict[int, list[float]] = field(default_factory=dict)  # samples after warm-up, by rank
-    slots_busy_at_end: int | None = None
+    kv_blocks_used_at_end: int | None = None
 
     def rss_band(self, rank: int) -> float:
         """(max - min) / min of the rank's resident memory after warm-up."""
@@ -214,5 +214,6 @@ def run_soak(ts: TorchServe, seconds: float, clients: int, warmup: float, new_to
     # A client that left while nothing else ran is only noticed at the next call: one probe makes it.
     probe = ts.predict({"prompt": "probe", "max_new_tokens": 1})
     ended = ts.finishes()
-    report.slots_busy_at_end = ended[-1]["busy"] if probe.status == 200 and ended else None
+    # Blocks in use, not sequences: a leaked block outlives its sequence.
+    report.kv_blocks_used_at_end = ended[-1]["blocks"] if probe.status == 200 and ended else None
     return report

@@ -32,7 +32,7 @@ from deploy.server_config import UNIX_PATH_MAX, connection, read_properties, wri
 VENV_BIN = Path(sys.executable).parent
 ERROR_LINE = re.compile(r"error|Error|Exception|Traceback|\[tp_llama rank")
 FINISH_LINE = re.compile(
-    r"rank 0: request (\S+) (.+?) after (\d+) tokens; kv slots busy (\d+)/(\d+), waiting (\d+)")
+    r"rank 0: request (\S+) (.+?) after (\d+) tokens; running (\d+)/(\d+), kv blocks used (\d+)/(\d+), waiting (\d+)")
 
 
 def free_ports(count: int) -> list[int]:
@@ -235,9 +235,11 @@ class TorchServe:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def finishes(self) -> list[dict]:
-        """Every request rank 0 has ended (answered, stopped or cancelled), with the slots busy after it."""
+        """Every request rank 0 has ended (answered, stopped or cancelled), with the sequences running
+        and the KV-cache blocks in use after it."""
         return [
-            {"id": m[1], "how": m[2], "tokens": int(m[3]), "busy": int(m[4]), "slots": int(m[5]), "waiting": int(m[6])}
+            {"id": m[1], "how": m[2], "tokens": int(m[3]), "busy": int(m[4]), "slots": int(m[5]),
+             "blocks": int(m[6]), "blocks_total": int(m[7]), "waiting": int(m[8])}
             for m in FINISH_LINE.finditer(self.model_log())
         ]
 

@@ -29,8 +29,11 @@ GENERATED_TOKENS = PREFIX + "generation_tokens_total"
 REQUESTS = PREFIX + "requests_total"
 RUNNING = PREFIX + "running_sequences"
 WAITING = PREFIX + "waiting_sequences"
-KV_SLOTS = PREFIX + "kv_cache_slots_used"
-KV_SLOTS_TOTAL = PREFIX + "kv_cache_slots_total"
+KV_BLOCKS = PREFIX + "kv_cache_blocks_used"
+KV_BLOCKS_TOTAL = PREFIX + "kv_cache_blocks_total"
+PREFIX_QUERIES = PREFIX + "prefix_cache_queries_tokens_total"  # prompt tokens looked up in the prefix cache
+PREFIX_HITS = PREFIX + "prefix_cache_hits_tokens_total"  # of those, found there (not prefilled)
+PREEMPTIONS = PREFIX + "preemptions_total"  # sequences whose blocks were taken back, to be recomputed
 OUTCOMES = ("ok", "4xx", "cancelled", "failed")
 
 MODEL = "model_name"
@@ -44,7 +47,7 @@ class ServingMetrics:
     in `totals` and `gauges`, so they can be checked, but nothing is emitted.
     """
 
-    def __init__(self, cache: Any, model_name: str, slots: int) -> None:
+    def __init__(self, cache: Any, model_name: str, kv_blocks: int) -> None:
         self.model = model_name
         self.metrics: dict[str, Any] = {}
         self.totals: Counter[tuple[str, str]] = Counter()  # (name, outcome or "") -> value, for tests
@@ -62,7 +65,10 @@ class ServingMetrics:
             self._counts[(REQUESTS, outcome)] += 0
         self._counts[(PROMPT_TOKENS, "")] += 0
         self._counts[(GENERATED_TOKENS, "")] += 0
-        self._set(KV_SLOTS_TOTAL, slots)
+        self._scheduler_totals = (0, 0, 0)
+        for name in (PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS):
+            self._counts[(name, "")] += 0
+        self._set(KV_BLOCKS_TOTAL, kv_blocks)
         self.update_gauges(0, 0, 0)
         self.flush()
 
@@ -77,8 +83,11 @@ class ServingMetrics:
             (REQUESTS, "requests", MetricTypes.COUNTER, [MODEL, OUTCOME]),
             (RUNNING, "sequences", MetricTypes.GAUGE, [MODEL]),
             (WAITING, "sequences", MetricTypes.GAUGE, [MODEL]),
-            (KV_SLOTS, "slots", MetricTypes.GAUGE, [MODEL]),
-            (KV_SLOTS_TOTAL, "slots", MetricTypes.GAUGE, [MODEL]),
+            (KV_BLOCKS, "blocks", MetricTypes.GAUGE, [MODEL]),
+            (KV_BLOCKS_TOTAL, "blocks", MetricTypes.GAUGE, [MODEL]),
+            (PREFIX_QUERIES, "tokens", MetricTypes.COUNTER, [MODEL]),
+            (PREFIX_HITS, "tokens", MetricTypes.COUNTER, [MODEL]),
+            (PREEMPTIONS, "sequences", MetricTypes.COUNTER, [MODEL]),
         ):
             self.metrics[name] = cache.add_metric_to_cache(name, unit, dims, kind)
 
@@ -105,10 +114,17 @@ class ServingMetrics:
             self.observations[TPOT] += 1
             self._emit(TPOT, round((done - seq.first_token_at) / (len(seq.output) - 1), 6))
 
-    def update_gauges(self, running: int, waiting: int, slots_used: int) -> None:
+    def update_gauges(self, running: int, waiting: int, kv_blocks_used: int) -> None:
         self._set(RUNNING, running)
         self._set(WAITING, waiting)
-        self._set(KV_SLOTS, slots_used)
+        self._set(KV_BLOCKS, kv_blocks_used)
+
+    def cache_counts(self, queries: int, hits: int, preemptions: int) -> None:
+        """The scheduler's running totals; what grew since the last call is counted."""
+        for name, now, before in zip((PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS), (queries, hits, preemptions),
+                                     self._scheduler_totals):
+            self._counts[(name, "")] += now - before
+        self._scheduler_totals = (queries, hits, preemptions)
 
     def _set(self, name: str, value: float) -> None:
         if self.gauges.get(name) != value:

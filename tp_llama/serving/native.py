@@ -1,6 +1,7 @@
 """The native API, POST /predictions/NAME: its request fields and its replies, together.
 
-Reply: {"text", "token_ids", "finish_reason", "usage"} as one JSON object, or streamed as one JSON
+Reply: {"text", "token_ids", "finish_reason", "usage"} as one JSON object (usage: prompt_tokens,
+completion_tokens, and cached_prompt_tokens, the prompt tokens found in the prefix cache), or streamed as one JSON
 line per TorchServe call with the new text and ids, the last one carrying finish_reason and usage;
 with "logprobs": N, also "logprobs", one entry per token id: its log-probability and the N most
 likely tokens'.
@@ -17,6 +18,7 @@ from tp_llama.serving.request import (
     Job,
     RequestError,
     boolean_field,
+    cache_salt_field,
     chat_prompt_ids,
     decode_body,
     fit_max_new_tokens,
@@ -32,7 +34,7 @@ from tp_llama.serving.settings import HandlerSettings
 from tp_llama.serving.stream import StreamDecoder
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-          "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream")
+          "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream", "cache_salt")
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 
@@ -58,7 +60,7 @@ def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer:
                                         len(prompt_ids), settings)
     params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"),
                              boolean_field(body, "ignore_eos"))
-    return Job(prompt_ids, params, boolean_field(body, "stream"))
+    return Job(prompt_ids, params, boolean_field(body, "stream"), cache_salt_field(body))
 
 
 class NativeRequest:
@@ -85,7 +87,8 @@ class NativeRequest:
                 return ""
             new, logprobs = seq.take_new_tokens()
             return json_line(self._piece(self.stream.push(new), new, logprobs)) if new else ""
-        usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output)}
+        usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output),
+                 "cached_prompt_tokens": seq.cached_tokens or 0}
         if seq.finish_reason == "timeout":
             return json_line({"error": f"the request ran past responseTimeout ({timeout_s:g} s)",
                               "finish_reason": "timeout", "usage": usage})

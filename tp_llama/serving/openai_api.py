@@ -20,6 +20,7 @@ from typing import Any
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.request import (
+    cache_salt_field,
     ChatTokenizer,
     Job,
     RequestError,
@@ -84,9 +85,9 @@ _HONOURED = {
     COMPLETIONS: {"prompt", "max_tokens", "logprobs"},
     CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
-# ignore_eos, top_k, min_p and repetition_penalty are vLLM's extensions, which its clients send.
+# ignore_eos, top_k, min_p, repetition_penalty and cache_salt are vLLM's extensions, which its clients send.
 _COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
-           "frequency_penalty", "presence_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty"}
+           "frequency_penalty", "presence_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "cache_salt"}
 
 
 def error_body(error: RequestError) -> dict[str, Any]:
@@ -156,9 +157,10 @@ class OpenAIRequest:
     def finish_reason(self, seq: Sequence) -> str:
         return "stop" if self.stopped else seq.finish_reason
 
-    def usage(self, seq: Sequence) -> dict[str, int]:
+    def usage(self, seq: Sequence) -> dict[str, Any]:
         prompt, completion = len(seq.prompt_ids), len(seq.output)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": seq.cached_tokens or 0}}
 
     # --- replies -----------------------------------------------------------------------------
 
@@ -380,7 +382,7 @@ def parse_openai(
         prompt_ids = _completion_prompt_ids(body["prompt"], tokenizer, vocab_size)
     max_new_tokens = fit_max_new_tokens(integer_field(body, key), key, len(prompt_ids), settings)
     params = sampling_params(body, settings, max_new_tokens, vocab_size, _logprobs_asked(body, path), ignore_eos)
-    job = Job(prompt_ids, params, stream)
+    job = Job(prompt_ids, params, stream, cache_salt_field(body))
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created)

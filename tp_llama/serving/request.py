@@ -44,6 +44,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
+    cache_salt: str | None = None  # the prefix cache is shared only between requests of the same salt
 
 
 class FrontDoor(Protocol):
@@ -173,6 +174,16 @@ def boolean_field(body: dict[str, Any], key: str) -> bool:
         return False
     if not isinstance(value, bool):
         raise RequestError(f"{key} must be true or false, got {type_name(value)}", param=key)
+    return value
+
+
+def cache_salt_field(body: dict[str, Any]) -> str | None:
+    """vLLM's cache_salt: a non-empty string that keeps a tenant's cached prefixes its own."""
+    value = body.get("cache_salt")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"cache_salt must be a non-empty string, got {type_name(value)}", param="cache_salt")
     return value
 
 
