@@ -1,8 +1,8 @@
 """The capture-ready decode step (engine/decode_step.py) against the step it stands in for.
 
-Rows at scattered slots and lengths on both sides of the attention block size, holes between
-them, padding to a bucket: the same logits and the same KV cache as Batch.build's step, eager
-and compiled; the same greedy tokens through the whole engine, at TP 1 and TP 2.
+Rows in scattered blocks, at lengths on both sides of the cache's block size, padding to a
+bucket: the same logits and the same KV cache as Batch.build's step, eager and compiled; the same
+greedy tokens through the whole engine, at TP 1 and TP 2.
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ import pytest
 import torch
 
 from tests.support.cli_util import launch_cli
+from tests.support.run_model import BLOCK, setup_slots, slot_batch, slot_blocks
 from tp_llama.backend import fused
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import compiles_decode
 from tp_llama.engine.decode_step import DecodeStep, bucket_sizes
 from tp_llama.engine.plan import Row
 from tp_llama.model import ModelArgs, Transformer
-from tp_llama.model.batch import Batch
-from tp_llama.model.kv_cache import KV_BLOCK
 from tp_llama.testing.synthetic import write_checkpoint
 
-MAX_ROWS, MAX_SEQ = 8, 2 * KV_BLOCK + 40
+MAX_ROWS, MAX_SEQ = 8, 2 * BLOCK + 40
+WIDTH = -(-MAX_SEQ // BLOCK)  # blocks per sequence
 # slot -> tokens already in its cache: inside the first block, at its end, just past it, in the third
-FILLED = {0: 5, 2: KV_BLOCK - 1, 3: KV_BLOCK, 5: KV_BLOCK + 1, 6: 2 * KV_BLOCK + 7}
+FILLED = {0: 5, 2: BLOCK - 1, 3: BLOCK, 5: BLOCK + 1, 6: 2 * BLOCK + 7}
 
 
 def served_model(device: str) -> Transformer:
@@ -40,12 +40,12 @@ def served_model(device: str) -> Transformer:
         p.data.normal_(0, 0.2)
     fused.apply(model, "plain")
     model.to(device)
-    model.setup_caches(MAX_ROWS + 1, MAX_SEQ, torch.float32, torch.device(device))
+    setup_slots(model, MAX_ROWS, MAX_SEQ, torch.float32, torch.device(device))
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for slot, length in FILLED.items():
             ids = torch.randint(0, args.vocab_size, (length,), generator=gen).tolist()
-            model(Batch.build([(slot, 0, ids, False)], torch.device(device)))
+            model(slot_batch(model, [(slot, 0, ids, False)]))
     return model
 
 
@@ -59,34 +59,41 @@ def restore(model: Transformer, saved: list[torch.Tensor]) -> None:
         target.copy_(value)
 
 
-def decode_rows() -> list[Row]:
-    return [Row(slot, length, [17 + slot], True) for slot, length in FILLED.items()]
+def decode_rows(model: Transformer) -> list[tuple[int, Row]]:
+    """(slot, its decode row) for each filled slot."""
+    return [(slot, Row(length, [17 + slot], True, slot_blocks(model, slot, length + 1)))
+            for slot, length in FILLED.items()]
+
+
+def batch_logits(model: Transformer, rows: list[tuple[int, Row]]) -> torch.Tensor:
+    return model(slot_batch(model, [(slot, r.start, r.tokens, True) for slot, r in rows]))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_decode_step_gives_the_batch_steps_logits_and_cache(device: str, compiled: bool):
     model = served_model(device)
-    rows = decode_rows()
+    rows = decode_rows(model)
     before = caches(model)
+    spare_at = model.layers[0].attention.cache.spare * BLOCK
     with torch.inference_mode():
-        want = model(Batch.build([(r.slot, r.start, r.tokens, True) for r in rows], torch.device(device)))
+        want = batch_logits(model, rows)
         want_cache = caches(model)
         restore(model, before)
-        step = DecodeStep(model, MAX_ROWS, torch.device(device), compiled=compiled)
-        got = step(rows)
+        step = DecodeStep(model, MAX_ROWS, WIDTH, torch.device(device), compiled=compiled)
+        got = step([r for _, r in rows])
         got_cache = caches(model)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
-        # Every slot but the spare one padding rows write to, within float32 rounding: a matmul of 8 rows
+        # Every block but the spare one padding rows write to, within float32 rounding: a matmul of 8 rows
         # (5 and padding) may block its sums otherwise than one of 5, and attention is another kernel.
         for g, w in zip(got_cache, want_cache):
-            torch.testing.assert_close(g[:MAX_ROWS], w[:MAX_ROWS], rtol=0, atol=1e-5)
-        # The same graph for other slots and lengths, in the same bucket of 8 (5 rows and 3 padding).
+            torch.testing.assert_close(g[:, :spare_at], w[:, :spare_at], rtol=0, atol=1e-5)
+        # The same graph for other tables and lengths, in the same bucket of 8 (4 rows and 4 padding).
         restore(model, before)
         fewer = rows[1:]
-        want_fewer = model(Batch.build([(r.slot, r.start, r.tokens, True) for r in fewer], torch.device(device)))
+        want_fewer = batch_logits(model, fewer)
         restore(model, before)
-        torch.testing.assert_close(step(fewer), want_fewer, rtol=0, atol=2e-5)
+        torch.testing.assert_close(step([r for _, r in fewer]), want_fewer, rtol=0, atol=2e-5)
 
 
 def test_buckets_cover_every_row_count_up_to_the_cap():
@@ -97,10 +104,10 @@ def test_buckets_cover_every_row_count_up_to_the_cap():
 
 
 def test_only_decode_only_steps_take_the_decode_step():
-    assert DecodeStep.accepts([Row(0, 4, [1], True), Row(3, 9, [2], True)])
+    assert DecodeStep.accepts([Row(4, [1], True, [0]), Row(9, [2], True, [1])])
     assert not DecodeStep.accepts([])
-    assert not DecodeStep.accepts([Row(0, 4, [1], True), Row(1, 0, [5, 6], True)])
-    assert not DecodeStep.accepts([Row(0, 4, [1], False)])  # a one-token prompt chunk that samples nothing
+    assert not DecodeStep.accepts([Row(4, [1], True, [0]), Row(0, [5, 6], True, [1])])
+    assert not DecodeStep.accepts([Row(4, [1], False, [0])])  # a one-token prompt chunk that samples nothing
 
 
 def test_compiling_is_chosen_by_device_mode_and_kernels():

@@ -40,7 +40,7 @@ def build_edited(tmp_path: Path, edit: dict[str, tuple[str, str]]) -> tuple[Path
 
 def test_the_header_parses_into_every_struct_function_and_constant():
     structs, functions, constants = ffi.parse_header((HERE / "api.h").read_text())
-    assert [f for f, *_ in structs["DecodeRows"]] == ["rows", "rotation", "slots", "positions"]
+    assert [f for f, *_ in structs["DecodeRows"]] == ["rows", "width", "rotation", "tables", "positions"]
     assert ("cache_v", "void", True) in structs["DecodeLayer"] and ("eps", "float", False) in structs["DecodeLayer"]
     assert functions["decode_stack"] == (("int", False), [("struct DecodeLayer", True), ("int64_t", False),
                                                            ("struct DecodeRows", True), ("void", True),
@@ -55,7 +55,7 @@ def test_the_library_describes_what_python_reads():
     assert lib is not None, why
     assert lib.constants["TILE_COLS"] == 32 and lib.constants["TPL_OFF_CACHE"] == -2
     rows = lib.structs["DecodeRows"]
-    assert ctypes.sizeof(rows) == lib.tpl_struct_size(b"DecodeRows") == 32
+    assert ctypes.sizeof(rows) == lib.tpl_struct_size(b"DecodeRows") == 40
     assert lib.decode_stack.argtypes[0] is ctypes.POINTER(lib.structs["DecodeLayer"])
 
 
@@ -64,7 +64,7 @@ def test_a_python_struct_that_disagrees_with_the_library_is_refused():
     lib, _ = ffi.load()
     good = lib.structs["DecodeRows"]
     swapped = type("DecodeRows", (ctypes.Structure,), {"_fields_": [good._fields_[1], good._fields_[0], *good._fields_[2:]]})
-    with pytest.raises(ffi.LayoutError, match="DecodeRows.rotation: at byte 8 in the library, 0 by api.h"):
+    with pytest.raises(ffi.LayoutError, match="DecodeRows.width: at byte 8 in the library, 0 by api.h"):
         ffi.check_layout(lib.lib, swapped)
     full = lib.structs["DecodeLayer"]
     short = type("DecodeLayer", (ctypes.Structure,), {"_fields_": full._fields_[:-1]})
@@ -75,10 +75,11 @@ def test_a_python_struct_that_disagrees_with_the_library_is_refused():
 
 @needs_build
 @pytest.mark.parametrize(("edit", "message"), [
-    ({"api.h": ("    int64_t rows;\n", "    int64_t rows, spare;\n")}, r"DecodeRows.* 40 bytes, api.h's 40|DecodeRows.spare"),
+    ({"api.h": ("    int64_t rows, width;\n", "    int64_t rows, width, spare;\n")},
+     r"DecodeRows.* 48 bytes, api.h's 48|DecodeRows.spare"),
     ({"api.h": ("#define MAX_HEAD_DIM 256", "#define MAX_HEAD_DIM 256\n#define SPARE_ROWS 4")},
      "constant SPARE_ROWS of api.h is unknown to the library"),
-    ({"abi.c": ("FIELD(DecodeRows, slots),", "")}, r"DecodeRows.slots: at byte -1 in the library"),
+    ({"abi.c": ("FIELD(DecodeRows, tables),", "")}, r"DecodeRows.tables: at byte -1 in the library"),
 ], ids=["field-added-to-the-header", "constant-added-to-the-header", "field-missing-from-the-library"])
 def test_a_header_and_library_that_disagree_are_refused(tmp_path: Path, edit: dict, message: str):
     library, header = build_edited(tmp_path, edit)

@@ -11,7 +11,9 @@ import torch
 from tp_llama import backend
 from tp_llama.kernels import choose, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
+from tp_llama.model import Batch
 from tp_llama.model.llama import Layers
+from tests.support.run_model import setup_slots, slot_batch
 
 pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"),
                                 reason="the C kernels need AVX-512 and a compiler (test_kernels checks they load here)")
@@ -71,27 +73,38 @@ def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
+BLOCK = 16
+
+
 class Case:
-    """A cache with random history and some decode rows, each in its own slot."""
+    """A paged cache with random history and some decode rows, each in its own slot: a table of
+    blocks scattered over the pool (a random permutation), so block lookups are exercised."""
 
     def __init__(self, dtype, heads, kv_heads, hd, slots, positions, max_seq_len=40, seed=0):
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.kv_heads, self.hd = heads, kv_heads, hd
-        shape = (max(slots) + 2, kv_heads, max_seq_len, hd)
+        per_slot = -(-max_seq_len // BLOCK)
+        self.n_blocks = (max(slots) + 2) * per_slot
+        shape = (kv_heads, self.n_blocks * BLOCK, hd)
         self.k = torch.randn(shape, generator=gen).to(dtype)
         self.v = torch.randn(shape, generator=gen).to(dtype)
-        self.slots, self.positions = torch.tensor(slots), torch.tensor(positions)
+        pool = torch.randperm(self.n_blocks, generator=gen)
+        self.tables = torch.stack([pool[s * per_slot : (s + 1) * per_slot] for s in slots])
+        self.positions = torch.tensor(positions)
         rows = len(slots)
         self.qkv = torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
         self.angles = torch.rand(rows, hd // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
         self.rotation = torch.stack((self.angles.cos(), self.angles.sin()), dim=-1).float().unsqueeze(1)
 
+    def call(self, qkv, rotation, tables, positions, k, v, out) -> None:
+        rows = ops.decode_rows(rotation.contiguous(), tables.contiguous(), positions.contiguous())
+        ops.decode_attention(qkv, rows, k, v, BLOCK, out)
+
     def run(self, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k, v = self.k.clone(), self.v.clone()
         qkv = self.qkv[rows].contiguous()
         out = qkv.new_empty((qkv.shape[0], self.heads * self.hd))
-        ops.decode_attention(qkv, self.rotation[rows].contiguous(), self.slots[rows].contiguous(),
-                                 self.positions[rows].contiguous(), k, v, out)
+        self.call(qkv, self.rotation[rows], self.tables[rows], self.positions[rows], k, v, out)
         return out, k, v
 
     def expected(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,13 +113,14 @@ class Case:
         heads, kv_heads, hd = self.heads, self.kv_heads, self.hd
         qkv = self.qkv.double().unflatten(-1, (-1, hd))
         outs = []
-        for r, (slot, pos) in enumerate(zip(self.slots.tolist(), self.positions.tolist())):
+        for r, (table, pos) in enumerate(zip(self.tables.tolist(), self.positions.tolist())):
+            where = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(pos + 1)]
             angles = torch.atan2(*self.rotation[r, 0].double().unbind(-1)[::-1])  # the angles the kernel is given
             q = rotate(qkv[r, :heads], angles)
-            k[slot, :, pos] = rotate(qkv[r, heads : heads + kv_heads], angles)
-            v[slot, :, pos] = qkv[r, heads + kv_heads :]
-            keys = k[slot, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
-            values = v[slot, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
+            k[:, where[pos]] = rotate(qkv[r, heads : heads + kv_heads], angles)
+            v[:, where[pos]] = qkv[r, heads + kv_heads :]
+            keys = k[:, where].repeat_interleave(heads // kv_heads, dim=0)
+            values = v[:, where].repeat_interleave(heads // kv_heads, dim=0)
             weights = torch.softmax(q.unsqueeze(1) @ keys.transpose(1, 2) / math.sqrt(hd), dim=-1)
             outs.append((weights @ values).flatten())
         return torch.stack(outs), k, v
@@ -144,14 +158,21 @@ def test_decode_attention_keeps_nan_in_its_row():
 
 
 def test_decode_attention_rejects_rows_off_the_cache():
-    case = Case(torch.float32, 4, 2, 64, slots=[0, 1], positions=[1, 2])  # 3 slots of 40 positions
+    case = Case(torch.float32, 4, 2, 64, slots=[0, 1], positions=[1, 2])  # tables of 3 blocks in a pool of 9
     before = case.k.clone()
     out = torch.empty(2, 4 * 64)
-    for slots, positions in (([0, 3], [1, 2]), ([0, 1], [1, 40]), ([0, -1], [1, 2])):
-        with pytest.raises(IndexError, match="outside the KV cache"):
-            ops.decode_attention(case.qkv, case.rotation, torch.tensor(slots), torch.tensor(positions),
-                                     case.k, case.v, out)
+    good = case.tables.clone()
+    off_pool = good.clone()
+    off_pool[1, 0] = case.n_blocks
+    negative = good.clone()
+    negative[0, 0] = -1
+    for tables, positions in ((good, [1, 48]), (good, [-1, 2]), (off_pool, [1, 2]), (negative, [1, 2])):
+        with pytest.raises(IndexError, match="outside its block table or the KV cache"):
+            case.call(case.qkv, case.rotation, tables, torch.tensor(positions), case.k, case.v, out)
         assert torch.equal(case.k, before)
+    unused = good.clone()
+    unused[1, 2] = case.n_blocks  # a bad entry past the row's position is never read
+    case.call(case.qkv, case.rotation, unused, torch.tensor([1, 20]), case.k, case.v, out)
 
 
 def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
@@ -164,7 +185,7 @@ def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
                      rope_theta=500000.0, use_scaled_rope=True)
     model = Transformer(args).to(dtype)
     assert backend.optimize(model)[0] in ("amx", "tiles")
-    model.setup_caches(4, max_seq_len, dtype, torch.device("cpu"))
+    setup_slots(model, 4, max_seq_len, dtype, torch.device("cpu"))
     return model
 
 
@@ -172,17 +193,15 @@ def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
 def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
     """With the C kernels every op of a step is per row (or per output over k in a fixed order), so a
     bfloat16 row's logits do not depend on what shares its step."""
-    from tp_llama.model import Batch
-
     together, alone = (served_model(torch.bfloat16, 64) for _ in range(2))  # rows together, each row alone
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (9, 4, 15)]
     rows = [(slot, 0, ids, True) for slot, ids in enumerate(prompts)]
 
     def compare(rows):
-        batched = together(Batch.build(rows, torch.device("cpu")))
+        batched = together(slot_batch(together, rows))
         for row, logits in zip(rows, batched):
-            assert torch.equal(alone(Batch.build([row], torch.device("cpu")))[0], logits)
+            assert torch.equal(alone(slot_batch(alone, [row]))[0], logits)
         return batched.argmax(-1).tolist()
 
     picked = compare(rows)  # three prompts prefilled in one step
@@ -198,8 +217,6 @@ def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
 def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
     """cpu_decode.c runs a decode-only step's layers as two C calls each; logits and cache writes must
     be the bits of the op-by-op path (itself checked against float64 by the parity tests)."""
-    from tp_llama.model import Batch
-
     model = served_model(dtype, 32)
     in_c_layers = model.layers
     assert in_c_layers._structs() is not None and len(in_c_layers._structs()) == 2
@@ -207,10 +224,10 @@ def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(1)
     lengths = {0: 9, 2: 4, 3: 15}  # slot 1 stays empty: a hole among the decode rows
     prefill = [(slot, 0, torch.randint(0, 97, (n,), generator=gen).tolist(), True) for slot, n in lengths.items()]
-    picked = model(Batch.build(prefill, torch.device("cpu"))).argmax(-1).tolist()
+    picked = model(slot_batch(model, prefill)).argmax(-1).tolist()
     for step in range(3):
         rows = [(slot, n + step, [token], True) for (slot, n), token in zip(lengths.items(), picked)]
-        batch = Batch.build(rows, torch.device("cpu"))
+        batch = slot_batch(model, rows)
         before = [t.clone() for t in caches]
         in_c = model(batch)
         written = [t.clone() for t in caches]
@@ -224,6 +241,8 @@ def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
         assert not all(torch.equal(a, b) for a, b in zip(written, before))
         picked = in_c.argmax(-1).tolist()
     before = [t.clone() for t in caches]
-    with pytest.raises(IndexError, match="outside the KV cache"):
-        model(Batch.build([(0, 5, [1], True), (4, 5, [1], True)], torch.device("cpu")))  # 4 slots
+    cache = model.layers[0].attention.cache
+    with pytest.raises(IndexError, match="outside its block table or the KV cache"):  # a block past the pool
+        model(Batch.build([(5, [1], True, [0]), (5, [1], True, [cache.spare + 1])], BLOCK, cache.spare,
+                          torch.device("cpu")))
     assert all(torch.equal(a, b) for a, b in zip(before, caches))

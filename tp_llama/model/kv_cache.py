@@ -91,13 +91,14 @@ def _paged_mask(batch: Batch, pool_blocks: int) -> BlockMask:
     # FlexAttention wants index lists as wide as the pool; entries past a row's count are never read.
     indices = torch.zeros((rows, 1, 1, pool_blocks), dtype=torch.int32, device=tables.device)
     indices[..., :width] = tables.view(rows, 1, 1, width)
-    last = torch.gather(indices, 3, full.unsqueeze(-1).clamp(max=width - 1).long())
+    last = torch.zeros_like(indices)
+    last[..., :1] = torch.gather(indices, 3, full.unsqueeze(-1).clamp(max=width - 1).long())
 
     def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         logical = owner[b, kv_idx // size]
         return (logical >= 0) & (logical * size + kv_idx % size <= seen[b])
 
-    return BlockMask.from_kv_blocks(partial, last.contiguous(), full_kv_num_blocks=full,
+    return BlockMask.from_kv_blocks(partial, last, full_kv_num_blocks=full,
                                     full_kv_indices=indices, BLOCK_SIZE=size, mask_mod=visible,
                                     seq_lengths=(1, pool_blocks * size))
 
