@@ -171,6 +171,10 @@ def test_settings_reject_typos_and_bad_values(tmp_path: Path) -> None:
         ({"ckpt_dir": "c", "top_p": 0}, "handler.top_p"),
         ({"ckpt_dir": "c", "temperature": -1}, "handler.temperature"),
         ({"ckpt_dir": "c", "default_max_new_tokens": 50, "max_new_tokens_limit": 10}, "must not exceed"),
+        ({"ckpt_dir": "c", "kv_block_size": 24}, "handler.kv_block_size must be a multiple of 16"),
+        ({"ckpt_dir": "c", "kv_block_size": 8}, "handler.kv_block_size must be an integer >= 16"),
+        ({"ckpt_dir": "c", "kv_cache_memory_gb": -1}, "handler.kv_cache_memory_gb"),
+        ({"ckpt_dir": "c", "prefix_caching": "yes"}, "handler.prefix_caching must be true or false"),
     ]:
         with pytest.raises(ValueError, match=message):
             settings_from_yaml(block)
@@ -317,7 +321,7 @@ def test_a_call_mixing_good_and_bad_requests(engine) -> None:
     assert lines[-1]["finish_reason"] == "length" and lines[-1]["usage"]["completion_tokens"] == 4
     _, context, idx = replies["c"][-1]
     assert context.content_types[idx] == "application/x-ndjson" and context.headers[idx]["ts_stream_next"] == "false"
-    assert handler.scheduler.busy_slots == 0 and not handler.live
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
 
 def test_a_request_joins_a_running_batch_and_answers_as_if_alone(engine) -> None:
@@ -350,12 +354,12 @@ def test_absent_requests_free_their_slots_and_waiting_ones_get_them(engine) -> N
     handler = new_handler(engine)
     bodies = {f"r{i}": GREEDY % (b"waiting line", 20, b"") for i in range(5)}
     serve(handler, [list(bodies.items())] + [[(rid, None) for rid in bodies]] * 4)  # prompts prefilled in chunks
-    assert handler.scheduler.busy_slots == 3 and len(handler.scheduler.waiting) == 2
+    assert len(handler.scheduler.running) == 3 and len(handler.scheduler.waiting) == 2
     serve(handler, [[("r3", None), ("r4", None)]] * 3)  # r0-r2's clients left
-    assert handler.scheduler.busy_slots == 2 and not handler.scheduler.waiting
+    assert len(handler.scheduler.running) == 2 and not handler.scheduler.waiting
     assert sorted(handler.live) == ["r3", "r4"]
     serve(handler, [[]])
-    assert handler.scheduler.busy_slots == 0 and not handler.live
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
 
 def test_an_unexpected_error_fails_only_its_own_request(engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -509,6 +513,24 @@ def test_stop_watcher_cuts_before_the_first_stop_and_holds_back_partial_matches(
     assert StopWatcher(()).feed("anything") == "anything"
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_and_answers_the_same(engine) -> None:
+    handler = new_handler(engine)
+    prompt = b"the river runs past the old mill"
+    body = GREEDY % (prompt, 6, b"")
+    cold = final_json(run_to_end(handler, {"a": body})["a"])
+    warm = final_json(run_to_end(handler, {"b": body})["b"])
+    other = final_json(run_to_end(handler, {"c": GREEDY % (prompt, 6, b', "cache_salt": "tenant-2"')})["c"])
+    assert all("usage" in reply for reply in (cold, warm, other)), (cold, warm, other)
+    n = cold["usage"]["prompt_tokens"]
+    assert n > 16 and cold["usage"]["cached_prompt_tokens"] == 0
+    assert warm["usage"]["cached_prompt_tokens"] == (n - 1) // 16 * 16  # every full block but the last token's
+    assert other["usage"]["cached_prompt_tokens"] == 0  # another tenant's salt shares nothing
+    assert warm["token_ids"] == cold["token_ids"] == other["token_ids"]
+    assert handler.scheduler.pool.used == 0
+    with pytest.raises(RequestError, match="cache_salt must be a non-empty string"):
+        parse_request({"body": {"prompt": "hi", "cache_salt": ""}}, SETTINGS, ByteTokenizer(), 1001)
+
+
 def _sse(replies: list) -> list:
     text = "".join(reply for reply, _, _ in replies)
     assert text.endswith("data: [DONE]\n\n")
@@ -530,7 +552,8 @@ def test_openai_requests_through_the_handler(engine) -> None:
     assert got["object"] == "text_completion" and got["model"] == "llama"
     assert got["choices"][0]["text"] == native["text"] and got["choices"][0]["finish_reason"] == "length"
     assert got["usage"] == {"prompt_tokens": native["usage"]["prompt_tokens"], "completion_tokens": 12,
-                            "total_tokens": native["usage"]["prompt_tokens"] + 12}
+                            "total_tokens": native["usage"]["prompt_tokens"] + 12,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # another handler: another pool
     chunks = _sse(replies["s"])
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == native["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
@@ -542,7 +565,7 @@ def test_openai_requests_through_the_handler(engine) -> None:
         _, context, idx = replies[rid][0]
         assert context.status[idx] == status and set(final_json(replies[rid])["error"]) == {
             "message", "type", "param", "code"}
-    assert handler.scheduler.busy_slots == 0 and not handler.live
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
 
 def test_a_stop_string_ends_the_generation_there(engine) -> None:
@@ -561,7 +584,7 @@ def test_a_stop_string_ends_the_generation_there(engine) -> None:
     chunks = _sse(replies["s"])
     assert "".join(c["choices"][0]["text"] for c in chunks) == text[:cut]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    assert handler.scheduler.busy_slots == 0 and not handler.live
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
 
 def test_logprobs_in_every_shape_agree_with_the_tokens(engine) -> None:
@@ -663,7 +686,7 @@ def test_metrics_count_tokens_requests_and_first_tokens(engine) -> None:
     assert sum(1 for n, _, _ in cache.updates if n == TPOT) == 4
     assert all(d[0] == "llama" for _, _, d in cache.updates)
     serve(handler, [[("long", GREEDY % (b"long one", 20, b""))], [("long", None)], []])  # its client left
-    assert cache.total(REQUESTS, "cancelled") == 1 and handler.metrics.gauges["llama_kv_cache_slots_used"] == 0
+    assert cache.total(REQUESTS, "cancelled") == 1 and handler.metrics.gauges["llama_kv_cache_blocks_used"] == 0
 
 
 def test_a_request_past_response_timeout_ends_and_frees_its_slot(engine) -> None:
@@ -671,10 +694,10 @@ def test_a_request_past_response_timeout_ends_and_frees_its_slot(engine) -> None
     handler.response_timeout_s = 0.2
     body = GREEDY % (b"a long story", 30, b"")
     first = serve(handler, [[("slow", body)]])["slow"]
-    assert first[0][0] == "" and handler.scheduler.busy_slots == 1
+    assert first[0][0] == "" and len(handler.scheduler.running) == 1
     time.sleep(0.3)
     replies = run_to_end(handler, {"slow": None})["slow"]
     reply = final_json(replies)
     assert "responseTimeout" in reply["error"] and reply["finish_reason"] == "timeout"
     assert reply["usage"]["completion_tokens"] < 30
-    assert handler.scheduler.busy_slots == 0 and not handler.live
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live

@@ -20,7 +20,7 @@ from tests.support.reference import split_dim
 from tp_llama.parallel.distributed import DistInfo
 from tp_llama.parallel.layout import full_shapes
 from tp_llama.checkpoint.loader import load_tp_model
-from tests.support.run_model import dense_logits
+from tests.support.run_model import dense_logits, setup_slots
 from tp_llama import backend
 from tp_llama.backend.cpu import DecodeLayers
 from tp_llama.model.llama import Layers
@@ -64,7 +64,7 @@ def forward_twice(model: Transformer, tokens: torch.Tensor, tp: int, c_layers: b
 
     c_layers=False: the decode step op by op, even where it could run as C half-layers.
     """
-    model.setup_caches(2, 16, torch.float32, torch.device("cpu"), model.args.n_kv_heads // tp)
+    setup_slots(model, 2, 16, torch.float32, torch.device("cpu"), model.args.n_kv_heads // tp)
     layers = model.layers
     if not c_layers:
         model.layers = Layers(layers)
