@@ -118,6 +118,7 @@ def run(a: argparse.Namespace) -> None:
             "finish_reason": seq.finish_reason,
             "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output),
                       "cached_prompt_tokens": seq.cached_tokens or 0},
+            "preemptions": seq.preemptions,
             "timings": timings,
             "peak_rss_mb": rss,
         }
