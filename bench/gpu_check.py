@@ -89,8 +89,11 @@ def served_model(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compi
         dim = shard_dim(key, args.family) if tp > 1 else None
         local[key] = (tensor if dim is None else tensor.chunk(tp, dim)[info.rank]).to(getattr(torch, dtype)).contiguous()
     model = build_local_model(args, local, tp, dist.group.WORLD if tp > 1 else None)
+    # A pool of max_rows sequences of max_seq_len (the default would take most of the GPU).
+    token_bytes = 2 * args.n_layers * args.n_kv_heads // tp * args.head_dim * getattr(torch, dtype).itemsize
     config = EngineConfig("-", "tp", dtype, max_seq_len, max_rows, prefill_budget=max_seq_len,
-                          device=info.device.type, compile=compile_)
+                          device=info.device.type, compile=compile_,
+                          kv_cache_memory_gb=(max_rows + 1) * (max_seq_len + 16) * token_bytes / 2**30)
     return model, config, ready_to_serve(model, config, info, args)
 
 
@@ -106,15 +109,18 @@ def greedy_tokens(engine: Engine) -> list[list[int]]:
 
 
 def step_logits(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of a prefill of ids[:-1] (every position) and of the decode step of ids[-1], in slot 0."""
-    device = engine.device
+    """Logits of a prefill of ids[:-1] (every position) and of the decode step of ids[-1], in the first blocks."""
+    device, cache = engine.device, engine.cache
+    blocks = list(range(-(-len(ids) // cache.block_size)))
     with torch.inference_mode():
-        prefill = engine.model(Batch.build([(0, 0, ids[:-1], True)], device, all_logits=True))
-        row = Row(0, len(ids) - 1, ids[-1:], True)
+        prefill = engine.model(Batch.build([(0, ids[:-1], True, blocks)], cache.block_size, cache.spare, device,
+                                           all_logits=True))
+        row = Row(len(ids) - 1, ids[-1:], True, blocks)
         if engine.decode_step is not None:
             decode = engine.decode_step([row])
         else:
-            decode = engine.model(Batch.build([(row.slot, row.start, row.tokens, True)], device))
+            decode = engine.model(Batch.build([(row.start, row.tokens, True, row.blocks)], cache.block_size,
+                                              cache.spare, device))
     return prefill.float().cpu(), decode.float().cpu()
 
 
@@ -229,15 +235,18 @@ def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> None:
     model, _, _ = served_model(LLAMA3_8B, state, info, "bfloat16", "on", max(sizes), context + 8)
     del state
     started = time.perf_counter()
-    captured = DecodeStep(model, max(sizes), device, compiled=True)  # the same model and cache as the eager steps
+    cache = model.layers[0].attention.cache
+    per_row = -(-(context + 8) // cache.block_size)
+    captured = DecodeStep(model, max(sizes), per_row, device, compiled=True)  # the same model and cache as the eager steps
     captured.warm_up(tuple(sizes))
     compile_s = time.perf_counter() - started
     kv_per_row = context * LLAMA3_8B.n_layers * 2 * LLAMA3_8B.n_kv_heads * LLAMA3_8B.head_dim * 2
     for rows_n in sizes:
-        rows = [Row(slot, context, [100 + slot], True) for slot in range(rows_n)]
+        rows = [Row(context, [100 + r], True, list(range(r * per_row, (r + 1) * per_row))) for r in range(rows_n)]
         floor_ms = (weight_bytes + rows_n * kv_per_row) / bandwidth * 1e3
-        batch_rows = [(r.slot, r.start, r.tokens, True) for r in rows]
-        for name, run in (("eager", lambda spec=batch_rows: model(Batch.build(spec, device))),
+        batch_rows = [(r.start, r.tokens, True, r.blocks) for r in rows]
+        for name, run in (("eager", lambda spec=batch_rows: model(Batch.build(spec, cache.block_size, cache.spare,
+                                                                               device))),
                           ("captured", lambda rows=rows: captured(rows))):
             with torch.inference_mode():
                 for _ in range(3):

@@ -14,6 +14,8 @@ scores, which is only for tests).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -61,12 +63,14 @@ def attend(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba
 
 
 def _decode_by_index(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """One query per row against the blocks of its table, read to its position (FlexAttention,
-    every row a batch entry over the whole pool, its block mask listing only its own blocks)."""
-    rows = q.shape[0]
-    keys = cache.k.unsqueeze(0).expand(rows, -1, -1, -1)
-    values = cache.v.unsqueeze(0).expand(rows, -1, -1, -1)
-    out = flex_attention(q.unsqueeze(2), keys, values, enable_gqa=True,
+    """One query per row against the blocks of its table, read to its position (FlexAttention:
+    every row a batch entry over the whole pool, its block mask listing only its own blocks).
+
+    The query is scaled here (scale=1 there): inductor's lowering wants a query with a 4-d buffer
+    of its own, and a view of the 3-d projection is not one.
+    """
+    queries = q.unsqueeze(2) * (1 / math.sqrt(q.shape[-1]))
+    out = flex_attention(queries, cache.k.unsqueeze(0), cache.v.unsqueeze(0), scale=1.0, enable_gqa=True,
                          block_mask=_paged_mask(batch, cache.k.shape[1] // cache.block_size))
     return out.squeeze(2)
 
