@@ -93,7 +93,7 @@ class VLLMServer:
 
     def __init__(self, hf_dir: Path, port: int, workdir: Path, dtype: str, max_model_len: int,
                  cores: str = "0-1", kv_gib: int = 1, extra_args: list[str] | None = None,
-                 venv: Path = VLLM_VENV) -> None:
+                 venv: Path = VLLM_VENV, prefix_caching: bool = False) -> None:
         self.port = port
         self.workdir = workdir
         self.log_path = workdir / "vllm.log"
@@ -101,7 +101,8 @@ class VLLMServer:
             str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(hf_dir), "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--skip-tokenizer-init", "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
+            "--skip-tokenizer-init", "--max-model-len", str(max_model_len),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             *(extra_args or []),
         ]
         self.env = dict(os.environ, LD_PRELOAD=preloads(venv), VLLM_CPU_OMP_THREADS_BIND=cores,
@@ -173,7 +174,8 @@ def openai_stream(port: int, path: str, prompt_ids: list[int], max_tokens: int, 
     """One streaming OpenAI completions request, greedy, stop tokens ignored; times in seconds from sending.
 
     Returns ttft_s (first chunk carrying a token), latency_s, tokens (usage.completion_tokens),
-    prompt_tokens, and token_ids when the server sends them.
+    prompt_tokens, cached_tokens (usage.prompt_tokens_details, when sent) and token_ids when the
+    server sends them.
     """
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
@@ -204,7 +206,8 @@ def openai_stream(port: int, path: str, prompt_ids: list[int], max_tokens: int, 
         if usage is None:
             raise RuntimeError("no usage in the stream")
         return {"ttft_s": first, "latency_s": latency, "tokens": usage["completion_tokens"],
-                "prompt_tokens": usage["prompt_tokens"], "token_ids": ids}
+                "prompt_tokens": usage["prompt_tokens"], "token_ids": ids,
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
     finally:
         conn.close()
 

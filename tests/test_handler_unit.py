@@ -568,6 +568,17 @@ def test_openai_requests_through_the_handler(engine) -> None:
     assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
 
+def test_token_ids_come_back_when_asked_as_vllm_sends_them(engine) -> None:
+    native = final_json(run_to_end(new_handler(engine), {"n": GREEDY % (b"hello there", 12, b"")})["n"])
+    ask = {"prompt": "hello there", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    paths = {"a": COMPLETIONS, "s": COMPLETIONS}
+    replies = run_to_end(new_handler(engine), {"a": json.dumps(ask).encode(),
+                                               "s": json.dumps({**ask, "stream": True}).encode()}, paths=paths)
+    assert final_json(replies["a"])["choices"][0]["token_ids"] == native["token_ids"]
+    streamed = [i for c in _sse(replies["s"]) for choice in c["choices"] for i in choice["token_ids"]]
+    assert streamed == native["token_ids"]
+
+
 def test_a_stop_string_ends_the_generation_there(engine) -> None:
     native = final_json(run_to_end(new_handler(engine), {"n": GREEDY % (b"once upon", 20, b"")})["n"])
     text = native["text"]

@@ -85,9 +85,11 @@ _HONOURED = {
     COMPLETIONS: {"prompt", "max_tokens", "logprobs"},
     CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
-# ignore_eos, top_k, min_p, repetition_penalty and cache_salt are vLLM's extensions, which its clients send.
+# ignore_eos, top_k, min_p, repetition_penalty, cache_salt and return_token_ids are vLLM's extensions,
+# which its clients send.
 _COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
-           "frequency_penalty", "presence_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "cache_salt"}
+           "frequency_penalty", "presence_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "cache_salt",
+           "return_token_ids"}
 
 
 def error_body(error: RequestError) -> dict[str, Any]:
@@ -113,6 +115,8 @@ class OpenAIRequest:
     started: bool = False
     text: list[str] = field(default_factory=list)
     pending: list[TokenLogprobs] = field(default_factory=list)  # streamed: log-probabilities not sent yet
+    return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
+    pending_ids: list[int] = field(default_factory=list)  # streamed: token ids not sent yet
     offset: int = 0  # completions: where the next token's text starts (text_offset)
 
     @property
@@ -137,6 +141,7 @@ class OpenAIRequest:
             return ""
         new, logprobs = seq.take_new_tokens()
         self.pending += logprobs
+        self.pending_ids += new
         piece = self.decoder.push(new) if new else ""
         if seq.finished:
             piece += self.decoder.finish()
@@ -188,7 +193,7 @@ class OpenAIRequest:
                 "text_offset": offsets}
 
     def _chunk(self, text: str | None, finish_reason: str | None,
-               logprobs: list[TokenLogprobs] = ()) -> dict[str, Any]:
+               logprobs: list[TokenLogprobs] = (), token_ids: list[int] = ()) -> dict[str, Any]:
         lp = self._logprobs(list(logprobs)) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {}
@@ -201,6 +206,8 @@ class OpenAIRequest:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             chunk = {**self._head("text_completion"), "choices": [choice]}
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
         if self.include_usage:
             chunk["usage"] = None
         self.started = True
@@ -209,9 +216,9 @@ class OpenAIRequest:
     def stream_reply(self, shown: str, seq: Sequence) -> str:
         """This call's server-sent events ("" when there is nothing new)."""
         events: list[dict[str, Any]] = []
-        if shown or self.pending or (self.chat and not self.started):
-            events.append(self._chunk(shown, None, self.pending))
-            self.pending = []
+        if shown or self.pending or (self.return_token_ids and self.pending_ids) or (self.chat and not self.started):
+            events.append(self._chunk(shown, None, self.pending, self.pending_ids))
+            self.pending, self.pending_ids = [], []
         if seq.finished:
             if seq.finish_reason == "timeout" and not self.stopped:
                 return _sse(events) + _event({"error": timeout_error()}) + DONE
@@ -235,6 +242,8 @@ class OpenAIRequest:
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
             head = self._head("text_completion")
+        if self.return_token_ids:
+            choice["token_ids"] = seq.output
         return {**head, "choices": [choice], "usage": self.usage(seq)}
 
 
@@ -385,4 +394,5 @@ def parse_openai(
     job = Job(prompt_ids, params, stream, cache_salt_field(body))
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
-                         int(time.time()) if created is None else created)
+                         int(time.time()) if created is None else created,
+                         return_token_ids=boolean_field(body, "return_token_ids"))
