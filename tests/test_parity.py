@@ -190,7 +190,8 @@ def test_cli_greedy_matches_reference(store: Store, mode: str, family: str, mp: 
         context = f"prompt {text!r} ({len(ids)} tokens)"
         assert out["token_ids"] == ref.token_ids, f"{context}: {describe_mismatch(out['token_ids'], ref)}"
         assert out["finish_reason"] == ref.finish_reason, context
-        assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.token_ids)}, context
+        assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.token_ids),
+                                "cached_prompt_tokens": out["usage"]["cached_prompt_tokens"]}, context
     if stop_prompt is None:
         pytest.fail(f"parity held, but no STOP_CANDIDATES prompt stops early under the {family} reference, "
                     "so the stop path went untested: add candidates")

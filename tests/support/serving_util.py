@@ -35,6 +35,11 @@ FINISH_LINE = re.compile(
     r"rank 0: request (\S+) (.+?) after (\d+) tokens; running (\d+)/(\d+), kv blocks used (\d+)/(\d+), waiting (\d+)")
 
 
+def without_cache(reply: dict) -> dict:
+    """A native reply less the prompt tokens the prefix cache supplied (a repeated prompt finds them cached)."""
+    return {**reply, "usage": {k: v for k, v in reply["usage"].items() if k != "cached_prompt_tokens"}}
+
+
 def free_ports(count: int) -> list[int]:
     """Distinct free loopback ports (held open together so they differ)."""
     sockets = [socket.socket() for _ in range(count)]
