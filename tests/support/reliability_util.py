@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 from tests.support.hostile_corpus import Case
-from tests.support.serving_util import TorchServe
+from tests.support.serving_util import TorchServe, without_cache
 
 SOAK_PROMPTS = [f"Soak prompt {i}: tell me about {w}" for i, w in enumerate(
     ["rivers", "Köln", "tea", "日本語", "stars", "cats", "a long road", "émigrés", "bridges", "rain"])]
@@ -115,7 +115,7 @@ def run_corpus(ts: TorchServe, cases: list[Case], tokenizer: Any, default_new: i
             list(pool.map(one, burst))
             report.sent += len(burst)
             reply = ts.predict(probe)
-            if reply.status != 200 or reply.json() != expected:
+            if reply.status != 200 or without_cache(reply.json()) != without_cache(expected):
                 report.problems.append(f"after the {category!r} burst: probe got {reply.status} {reply.body[:200]!r}")
     return report
 
