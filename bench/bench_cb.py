@@ -249,12 +249,7 @@ def measure_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace
     result: dict = {"root": str(root), "overrides": common + overrides,
                     "commit": git_describe(root)}
     with TorchServe(work, folder.parent, NAME) as server:
-        server.start()
-        try:
-            result["ready_s"] = server.wait_ready(timeout=900)
-        except (RuntimeError, TimeoutError) as exc:
-            server.stop()
-            raise RuntimeError(f"the server did not come up: {worker_errors(server) or str(exc)[-600:]}") from exc
+        result["ready_s"] = start_ready(server)
         print(f"[{label}] ready after {result['ready_s']:.0f} s ({root})", flush=True)
         fields = sampling_fields(a.sampling)
         send = lambda p, n: torchserve_stream(server, p, n, a.timeout, fields=fields())  # noqa: E731
@@ -279,6 +274,16 @@ def measure_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace
                     print(f"[{label}] {key} FAILED: {result[key]['error']}", flush=True)
         result["stop"] = server.stop()
     return result
+
+
+def start_ready(server: TorchServe, timeout: float = 900) -> float:
+    """Start the server; seconds until its worker is ready, or the workers' errors if it never is."""
+    server.start()
+    try:
+        return server.wait_ready(timeout=timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        raise RuntimeError(f"the server did not come up: {worker_errors(server) or str(exc)[-600:]}") from exc
 
 
 def worker_errors(server: TorchServe, lines: int = 4) -> str:

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.bench_cb import NAME, archive, git_describe, vllm_version, worker_errors
+from bench.bench_cb import NAME, archive, git_describe, start_ready, vllm_version
 from bench.bench_serve import percentile
 from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import OUT, REPO, machine, table, write_json
@@ -196,12 +196,7 @@ def measure_ours(ckpt: Path, dtype: str, a: argparse.Namespace, ids: Ids, kv_gb:
     folder = archive(REPO, ckpt, work / "model_store", a.tp, overrides)
     result: dict = {"overrides": overrides, "commit": git_describe(REPO)}
     with TorchServe(work, folder.parent, NAME) as server:
-        server.start()
-        try:
-            result["ready_s"] = server.wait_ready(timeout=900)
-        except (RuntimeError, TimeoutError) as exc:
-            server.stop()
-            raise RuntimeError(f"the server did not come up: {worker_errors(server) or str(exc)[-600:]}") from exc
+        result["ready_s"] = start_ready(server)
         auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
         path = f"/predictions/{NAME}/1.0/v1/completions"
 
