@@ -84,16 +84,6 @@ class Batch:
         rows = torch.arange(len(tokens), device=tokens.device)
         return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), None, [], block_owner)
 
-    def context(self, row: int, length: int) -> torch.Tensor:
-        """Cache indices of positions 0 .. length - 1 of row `row` of the tables."""
-        return block_positions(self.tables[row : row + 1], self.block_size)[0, :length]
-
-
-def block_positions(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[rows, blocks] block tables as [rows, blocks * block_size] cache indices, position by position."""
-    offsets = torch.arange(block_size, device=tables.device)
-    return (tables.unsqueeze(-1) * block_size + offsets).flatten(1)
-
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without blocking the host (pinned first, for an asynchronous copy to a GPU)."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from tp_llama.model.batch import Batch, block_positions
+from tp_llama.model.batch import Batch
 
 
 class KVCache:
@@ -40,6 +40,17 @@ class KVCache:
     def n_blocks(self) -> int:
         """Blocks sequences may own (the spare not counted)."""
         return self.spare
+
+    def read(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0 .. length - 1 of each row of block tables [rows, width]:
+        [rows, kv_heads, length, hd], copied a whole block at a time."""
+        blocks = -(-length // self.block_size)
+        heads, _, hd = self.k.shape
+        out = []
+        for cache in (self.k, self.v):
+            paged = cache.view(heads, -1, self.block_size, hd)[:, tables[:, :blocks]]  # [heads, rows, blocks, B, hd]
+            out.append(paged.flatten(2, 3)[:, :, :length].transpose(0, 1))
+        return out[0], out[1]
 
     def write(self, locations: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, kv_heads, hd] of T tokens, at their cache indices."""
@@ -111,10 +122,7 @@ def _decode(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Tensor:
     """One query per decode row against its own blocks, gathered to the longest row and masked."""
     if batch.block_owner is not None:
         return _decode_by_index(cache, q, batch)
-    kv_len = batch.decode_mask.shape[-1]
-    width = -(-kv_len // batch.block_size)
-    at = block_positions(batch.tables[: batch.n_decode, :width], batch.block_size)[:, :kv_len]
-    keys, values = cache.k[:, at].transpose(0, 1), cache.v[:, at].transpose(0, 1)
+    keys, values = cache.read(batch.tables[: batch.n_decode], batch.decode_mask.shape[-1])
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
     return out.squeeze(2)
 
@@ -129,8 +137,7 @@ def _prefill(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
     else:
-        at = batch.context(row, start + length)
-        keys, values = cache.k[:, at].unsqueeze(0), cache.v[:, at].unsqueeze(0)
+        keys, values = cache.read(batch.tables[row : row + 1], start + length)
         mask = torch.arange(start + length, device=q.device) <= (start + torch.arange(length, device=q.device)).unsqueeze(1)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
