@@ -27,7 +27,8 @@ COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # the first this CPU (and compiler) can run is loaded.
 _AVX512 = (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"])
 VARIANTS = {
-    "avx512-amx": ((*_AVX512[0], "amx_tile", "amx_bf16"), [*_AVX512[1], "-mamx-tile", "-mamx-bf16"]),
+    "avx512-amx": ((*_AVX512[0], "avx512_bf16", "amx_tile", "amx_bf16"),
+                   [*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
     "avx512": _AVX512,
 }
 BUILD_TIMEOUT_S = 300

@@ -109,11 +109,19 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
     const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)hd));
     for (int64_t i = 0; i < rep; i++) {
         const int64_t q_at = (g * rep + i) * hd;
-        __m512 q[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];
+        __m512 q[MAX_HEAD_DIM / 16];
         for (int64_t v = 0; v < vecs; v++) {
             __mmask16 m = lanes(hd - 16 * v);
             q[v] = as_stored(rotate16(load16(qkv_row, q_at + 16 * v, bf16, m), rot, 16 * v, m), bf16);
         }
+#ifdef __AVX512BF16__
+        /* bfloat16 keys are scored in pairs (vdpbf16ps: exact products, summed in float32), the
+         * query already rounded to bfloat16 above, so packing it loses nothing. */
+        const int paired = bf16 && hd % 32 == 0;
+        __m512bh q_pairs[MAX_HEAD_DIM / 32];
+        if (paired)
+            for (int64_t u = 0; u < hd / 32; u++) q_pairs[u] = _mm512_cvtne2ps_pbh(q[2 * u + 1], q[2 * u]);
+#endif
         float *s = scores + i * keys;
         __m512 top = _mm512_set1_ps(-INFINITY);
         for (int64_t j0 = 0; j0 < keys; j0 += KEY_RUN) {
@@ -126,6 +134,14 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
             for (int jj = 0; jj < KEY_RUN; jj++) {
                 part[jj] = _mm512_setzero_ps();
                 if (j0 + jj >= keys) continue;
+#ifdef __AVX512BF16__
+                if (paired) {
+                    const uint16_t *key = (const uint16_t *)cache_k + run + jj * hd;
+                    for (int64_t u = 0; u < hd / 32; u++)
+                        part[jj] = _mm512_dpbf16_ps(part[jj], q_pairs[u], (__m512bh)_mm512_loadu_si512(key + 32 * u));
+                    continue;
+                }
+#endif
                 for (int64_t v = 0; v < vecs; v++)
                     part[jj] = _mm512_fmadd_ps(q[v], load16(cache_k, run + jj * hd + 16 * v, bf16, lanes(hd - 16 * v)),
                                                part[jj]);
@@ -141,20 +157,37 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
             _mm512_mask_storeu_ps(s + j, m, e);
             total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
         }
-        for (int64_t v = 0; v < vecs; v++) acc[v] = _mm512_setzero_ps();
-        for (int64_t j0 = 0; j0 < keys; j0 += KEY_RUN) {
-            const int64_t run = key_at(a, table, g, j0, hd), n = keys - j0 < KEY_RUN ? keys - j0 : KEY_RUN;
-            for (int64_t jj = 0; jj < n; jj++) {
-                __m512 p = _mm512_set1_ps(s[j0 + jj]);
-                for (int64_t v = 0; v < vecs; v++)
-                    acc[v] = _mm512_fmadd_ps(p, load16(cache_v, run + jj * hd + 16 * v, bf16, lanes(hd - 16 * v)),
-                                             acc[v]);
-            }
-        }
         __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-        for (int64_t v = 0; v < vecs; v++)
-            store16(out_row, q_at + 16 * v, _mm512_mul_ps(acc[v], inv), bf16, lanes(hd - 16 * v));
+        for (int64_t j = 0; j < keys; j += 16)
+            _mm512_mask_storeu_ps(s + j, lanes(keys - j), _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(keys - j), s + j), inv));
     }
+    /* softmax(qK) V for up to 4 query heads at once: each value vector is loaded (and widened) once
+     * for the heads that share it, not once per head. */
+    for (int64_t i0 = 0; i0 < rep; i0 += 4)
+        for (int64_t v0 = 0; v0 < vecs; v0 += 4) {
+            __m512 acc[4][4];
+            for (int h = 0; h < 4; h++)
+                for (int w = 0; w < 4; w++) acc[h][w] = _mm512_setzero_ps();
+            for (int64_t j0 = 0; j0 < keys; j0 += KEY_RUN) {
+                const int64_t run = key_at(a, table, g, j0, hd), n = keys - j0 < KEY_RUN ? keys - j0 : KEY_RUN;
+                for (int64_t jj = 0; jj < n; jj++) {
+                    __m512 value[4];
+                    for (int w = 0; w < 4; w++)
+                        if (v0 + w < vecs)
+                            value[w] = load16(cache_v, run + jj * hd + 16 * (v0 + w), bf16, lanes(hd - 16 * (v0 + w)));
+                    for (int h = 0; h < 4; h++) {
+                        if (i0 + h >= rep) break;
+                        __m512 p = _mm512_set1_ps(scores[(i0 + h) * keys + j0 + jj]);
+                        for (int w = 0; w < 4; w++)
+                            if (v0 + w < vecs) acc[h][w] = _mm512_fmadd_ps(p, value[w], acc[h][w]);
+                    }
+                }
+            }
+            for (int h = 0; h < 4 && i0 + h < rep; h++)
+                for (int w = 0; w < 4 && v0 + w < vecs; w++)
+                    store16(out_row, ((g * rep + i0 + h) * hd) + 16 * (v0 + w), acc[h][w], bf16,
+                            lanes(hd - 16 * (v0 + w)));
+        }
 }
 
 int check_rows(const struct DecodeRows *R, int64_t n_blocks, int64_t block_size, int64_t n_heads,
