@@ -44,12 +44,13 @@ class KVCache:
     def read(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0 .. length - 1 of each row of block tables [rows, width]:
         [rows, kv_heads, length, hd], copied a whole block at a time."""
-        blocks = -(-length // self.block_size)
+        rows, blocks = tables.shape[0], -(-length // self.block_size)
         heads, _, hd = self.k.shape
+        wanted = tables[:, :blocks].reshape(-1)
         out = []
-        for cache in (self.k, self.v):
-            paged = cache.view(heads, -1, self.block_size, hd)[:, tables[:, :blocks]]  # [heads, rows, blocks, B, hd]
-            out.append(paged.flatten(2, 3)[:, :, :length].transpose(0, 1))
+        for cache in (self.k, self.v):  # index_select copies whole blocks; advanced indexing is ~10x slower here
+            picked = cache.view(heads, -1, self.block_size * hd).index_select(1, wanted)
+            out.append(picked.view(heads, rows, blocks * self.block_size, hd)[:, :, :length].transpose(0, 1))
         return out[0], out[1]
 
     def write(self, locations: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
