@@ -119,3 +119,22 @@ def test_hits_give_the_cold_tokens_in_every_mode(ckpt, world: int, mode: str):
     cached = [r["usage"]["cached_prompt_tokens"] for r in warm]
     assert cached[0] == 0 and cached[1] >= 16 and cached[2] >= cached[1]
     assert [r["token_ids"] for r in warm] == [r["token_ids"] for r in cold]
+
+
+def test_preemption_at_tp2_gives_the_tokens_of_a_roomy_pool(ckpt, engine: Engine):
+    """Both ranks follow rank 0's preemptions (the plan carries every row's table)."""
+    cache = engine.cache
+    per_rank = 2 * len(engine.model.layers) * cache.k[:, : cache.block_size].numel() * cache.k.element_size() // 2
+    words = PROMPT.split()
+    outputs = []
+    for pool in (["--kv-cache-memory-gb", str(10 * per_rank / 2**30)], []):  # 10 blocks: one sequence and two
+        args = ["--ckpt-dir", str(ckpt), "--dtype", "float32", "--max-new-tokens", "40", "--ignore-eos",
+                "--max-seq-len", "128", "--slots", "4", *pool]
+        for i in range(8, 12):
+            args += ["--prompt", " ".join(words[i:])]
+        run = launch_cli(args, 2, timeout=240)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outputs.append([json.loads(line) for line in run.stdout.splitlines() if line.strip()])
+    tight, roomy = outputs
+    assert sum(r["preemptions"] for r in tight) > 0 and sum(r["preemptions"] for r in roomy) == 0
+    assert [r["token_ids"] for r in tight] == [r["token_ids"] for r in roomy]
