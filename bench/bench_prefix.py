@@ -140,7 +140,7 @@ def chat_text(server: TorchServe, message: list[dict], a: argparse.Namespace, id
     messages = list(message)
     prompt_total = cached_total = diverged = 0
     previous = None  # (prompt tokens, completion tokens) of the turn before
-    for turn in range(a.turns):
+    for _ in range(a.turns):
         body = {"messages": messages, "max_tokens": a.new_tokens, "temperature": 0, "ignore_eos": True}
         conn = http.client.HTTPConnection("127.0.0.1", server.inference_port, timeout=600)
         conn.request("POST", f"/predictions/{NAME}/1.0/v1/chat/completions", body=json.dumps(body).encode(),

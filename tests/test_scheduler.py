@@ -151,3 +151,15 @@ def test_a_kv_cache_too_big_for_memory_fails_the_load_naming_the_keys(tmp_path):
         Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=2**16, kv_cache_memory_gb=2**20))
     with pytest.raises(MemoryError, match="cannot hold one sequence of max_seq_len 65536"):
         Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=2**16, kv_cache_memory_gb=0.001))
+
+
+def test_the_plan_comes_back_whole_from_its_wire():
+    from tp_llama.engine.plan import PlanWire, Row, StepPlan
+
+    wire = PlanWire(max_rows=4, max_tokens=16, max_blocks=12)
+    plan = StepPlan([Row(7, [5], True, [3, 9]), Row(0, [1, 2, 3], False, [4]), Row(32, [8, 9], True, [0, 1, 2])],
+                    end=False)
+    assert wire.decode(wire.encode(plan)) == plan
+    assert wire.decode(wire.encode(StepPlan([]))) == StepPlan([])
+    with pytest.raises(ValueError, match="exceeds the wire's capacity"):
+        wire.encode(StepPlan([Row(0, [1], True, list(range(13)))]))

@@ -71,6 +71,11 @@ class EngineConfig:
         if self.kv_block_size % 16:
             raise ValueError(f"kv_block_size must be a multiple of 16, got {self.kv_block_size}")
 
+    @property
+    def blocks_per_sequence(self) -> int:
+        """KV-cache blocks one sequence of max_seq_len takes."""
+        return -(-self.max_seq_len // self.kv_block_size)
+
 
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: a CPU built for bfloat16, where serving it halves the weight bytes per step."""

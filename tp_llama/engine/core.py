@@ -121,7 +121,7 @@ def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args:
     try:
         n_blocks = smallest_across_ranks(kv_pool_bytes(config, info, block_bytes // config.kv_block_size) // block_bytes,
                                         info.device)
-        needed = -(-config.max_seq_len // config.kv_block_size)
+        needed = config.blocks_per_sequence
         if n_blocks < needed:
             raise MemoryError(f"a KV-cache pool of {n_blocks} blocks of {config.kv_block_size} positions cannot hold "
                               f"one sequence of max_seq_len {config.max_seq_len} ({needed} blocks, "
@@ -156,16 +156,12 @@ class Engine:
     def __post_init__(self) -> None:
         c = self.config
         self.runner = ModelRunner(self.model, self.info, c.max_batch_size, c.prefill_budget + c.max_batch_size,
-                                  c.max_batch_size * self.blocks_per_sequence, self.decode_step)
+                                  c.max_batch_size * c.blocks_per_sequence, self.decode_step)
         self._last_step_s = 0.0
 
     @property
     def cache(self) -> KVCache:
         return self.model.layers[0].attention.cache
-
-    @property
-    def blocks_per_sequence(self) -> int:
-        return -(-self.config.max_seq_len // self.config.kv_block_size)
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -183,8 +179,8 @@ class Engine:
         """The engine of a model made ready by `ready_to_serve` (its decode steps compiled now, if so)."""
         decode_step = None
         if compiled:
-            decode_step = DecodeStep(model, config.max_batch_size, -(-config.max_seq_len // config.kv_block_size),
-                                     info.device, compiled=True)
+            decode_step = DecodeStep(model, config.max_batch_size, config.blocks_per_sequence, info.device,
+                                     compiled=True)
             warm_started = time.perf_counter()
             decode_step.warm_up()
             log(f"compiled {len(decode_step.sizes)} decode-step sizes {decode_step.sizes} in "

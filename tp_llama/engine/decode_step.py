@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tp_llama.engine.plan import Row
-from tp_llama.model.batch import Batch, to_device
+from tp_llama.model.batch import Batch, cache_index, padded_table, to_device
 from tp_llama.model.kv_cache import block_owner
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -33,7 +33,7 @@ class DecodeStep:
         self.model, self.device, self.width = model, device, width
         self.sizes = bucket_sizes(max_rows)
         cache = model.layers[0].attention.cache
-        self.block_size, self.spare, self.pool_blocks = cache.block_size, cache.spare, cache.spare + 1
+        self.block_size, self.spare, self.pool_blocks = cache.block_size, cache.spare, cache.pool_blocks
         forward = self._forward
         if compiled:
             for module in model.modules():  # the caches are written in place: keep their addresses
@@ -54,11 +54,11 @@ class DecodeStep:
         """Logits [len(rows), V] (rank 0; [len(rows), 0] elsewhere under TP)."""
         size = next(b for b in self.sizes if b >= len(rows))
         pad, b = size - len(rows), self.block_size
-        tables = [row.blocks + [self.spare] * (self.width - len(row.blocks)) for row in rows]
-        tables += [[self.spare] * self.width] * pad
+        tables = [padded_table(row.blocks, self.width, self.spare) for row in rows]
+        tables += [padded_table([], self.width, self.spare)] * pad
         host = torch.tensor([row.tokens[0] for row in rows] + [0] * pad
                             + [row.start for row in rows] + [0] * pad
-                            + [row.blocks[row.start // b] * b + row.start % b for row in rows] + [self.spare * b] * pad
+                            + [cache_index(row.blocks, row.start, b) for row in rows] + [self.spare * b] * pad
                             + [v for table in tables for v in table], dtype=torch.long)
         tokens, positions, locations, flat = to_device(host, self.device).split([size, size, size, size * self.width])
         tables_t = flat.view(size, self.width)

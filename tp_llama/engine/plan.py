@@ -50,13 +50,15 @@ class PlanWire:
         return wire
 
     def decode(self, wire: torch.Tensor) -> StepPlan:
-        values = wire.tolist()
-        end, n_rows = values[:2]
-        tokens = iter(values[2 + 4 * self.max_rows :])
-        blocks = iter(values[2 + 4 * self.max_rows + self.max_tokens :])
-        rows = []
-        for r in range(n_rows):
-            start, length, sample, n_blocks = values[2 + 4 * r : 6 + 4 * r]
-            rows.append(Row(start, [next(tokens) for _ in range(length)], bool(sample),
-                            [next(blocks) for _ in range(n_blocks)]))
+        """The plan back, reading only the parts of the wire it fills (the block region is large)."""
+        end, n_rows = wire[:2].tolist()
+        fields = wire[2 : 2 + 4 * n_rows].view(n_rows, 4).tolist()
+        at = 2 + 4 * self.max_rows
+        tokens = wire[at : at + sum(f[1] for f in fields)].tolist()
+        at += self.max_tokens
+        blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
+        rows, t, b = [], 0, 0
+        for start, length, sample, n_blocks in fields:
+            rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks]))
+            t, b = t + length, b + n_blocks
         return StepPlan(rows, end=bool(end))

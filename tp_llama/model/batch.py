@@ -49,8 +49,8 @@ class Batch:
                 prefill.append((len(tokens), r, start, len(ids)))
             tokens += ids
             positions += range(start, start + len(ids))
-            locations += (blocks[p // block_size] * block_size + p % block_size for p in range(start, start + len(ids)))
-            tables += blocks + [spare] * (width - len(blocks))
+            locations += (cache_index(blocks, p, block_size) for p in range(start, start + len(ids)))
+            tables += padded_table(blocks, width, spare)
         # Logits in the caller's row order, whatever order the tokens run in.
         logits_at = []
         for i, (_, ids, want, _) in enumerate(rows):
@@ -83,6 +83,16 @@ class Batch:
         """
         rows = torch.arange(len(tokens), device=tokens.device)
         return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), None, [], block_owner)
+
+
+def cache_index(blocks: list[int], position: int, block_size: int) -> int:
+    """Where `position` of a sequence with block table `blocks` lives in the cache."""
+    return blocks[position // block_size] * block_size + position % block_size
+
+
+def padded_table(blocks: list[int], width: int, spare: int) -> list[int]:
+    """A block table `width` long, the entries past its own blocks naming the spare block."""
+    return blocks + [spare] * (width - len(blocks))
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -41,6 +41,11 @@ class KVCache:
         """Blocks sequences may own (the spare not counted)."""
         return self.spare
 
+    @property
+    def pool_blocks(self) -> int:
+        """Every block, the spare included."""
+        return self.spare + 1
+
     def read(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0 .. length - 1 of each row of block tables [rows, width]:
         [rows, kv_heads, length, hd], copied a whole block at a time."""
@@ -83,7 +88,7 @@ def _decode_by_index(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Ten
     """
     queries = q.unsqueeze(2) * (1 / math.sqrt(q.shape[-1]))
     out = flex_attention(queries, cache.k.unsqueeze(0), cache.v.unsqueeze(0), scale=1.0, enable_gqa=True,
-                         block_mask=_paged_mask(batch, cache.k.shape[1] // cache.block_size))
+                         block_mask=_paged_mask(batch, cache.pool_blocks))
     return out.squeeze(2)
 
 
