@@ -141,7 +141,8 @@ class OpenAIRequest:
             return ""
         new, logprobs = seq.take_new_tokens()
         self.pending += logprobs
-        self.pending_ids += new
+        if self.return_token_ids:
+            self.pending_ids += new
         piece = self.decoder.push(new) if new else ""
         if seq.finished:
             piece += self.decoder.finish()
