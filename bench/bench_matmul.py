@@ -4,9 +4,10 @@
 
 For each dtype and row count: the time of one pass of x [rows, in] over every matmul weight of the
 preset's layers (what a forward with that many tokens multiplies), for PyTorch's default
-F.linear (MKL / oneDNN on plain weights), oneDNN's packed weights and our tiles
-(tp_llama/cpu_matmul.c); the kinds take turns within each repeat and the table keeps the best
-of the repeats. GB/s = weight bytes / time: at few rows a pass can stream no faster than memory.
+F.linear (MKL / oneDNN on plain weights), oneDNN's packed weights, our tiles
+(tp_llama/kernels/cpu/matmul.c) and, on CPUs with AMX, the same tiles with bfloat16 calls of many
+rows on AMX (kernels/cpu/amx.c); the kinds take turns within each repeat and the table keeps the
+best of the repeats. GB/s = weight bytes / time: at few rows a pass can stream no faster than memory.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from bench.common import copy_bandwidth_gbs, table
 from tp_llama.kernels import linear, choose, prepare
 from tp_llama.checkpoint.params import read_params
 
-KINDS = ("plain", "onednn", "tiles")
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -38,35 +38,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quarter")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 1024])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     a = parser.parse_args(argv)
-    if choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"):
-        raise SystemExit(f"no tiled kernel here: {choose(torch.device('cpu'), torch.float32)[1]}")
+    best_kind, why = choose(torch.device("cpu"), torch.float32)
+    if best_kind not in ("amx", "tiles"):
+        raise SystemExit(f"no tiled kernel here: {why}")
+    kinds = ("plain", "onednn", "tiles", "amx") if best_kind == "amx" else ("plain", "onednn", "tiles")
     shapes = weight_shapes(a.preset)
     print(f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s; {torch.get_num_threads()} threads; "
           f"{len(shapes)} weights of {a.preset}", flush=True)
     rows_out = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in a.dtypes):
         gen = torch.Generator().manual_seed(0)
         plain = [torch.randn(shape, generator=gen).mul_(0.02).to(dtype) for shape in shapes]
-        weights = {kind: [prepare(w, kind) for w in plain] for kind in KINDS}
+        weights = {kind: [prepare(w, kind) for w in plain] for kind in kinds}
         nbytes = sum(w.numel() * w.element_size() for w in plain)
         for rows in a.rows:
             xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
-            best = dict.fromkeys(KINDS, float("inf"))
+            best = dict.fromkeys(kinds, float("inf"))
             repeats = a.repeats if rows <= 32 else max(2, a.repeats // 4)
             for _ in range(repeats):
-                for kind in KINDS:  # taking turns, so a change in the machine's load hits all of them
+                for kind in kinds:  # taking turns, so a change in the machine's load hits all of them
                     started = time.perf_counter()
                     for w in weights[kind]:
                         linear(xs[w.shape[1]], w)
                     best[kind] = min(best[kind], time.perf_counter() - started)
+            ours = min(best["tiles"], best.get("amx", float("inf")))
             rows_out.append([
-                str(dtype).removeprefix("torch."), rows, *(1e3 * best[k] for k in KINDS),
-                *(nbytes / best[k] / 1e9 for k in KINDS), best["tiles"] / best["onednn"], best["tiles"] / best["plain"],
+                str(dtype).removeprefix("torch."), rows, *(1e3 * best[k] for k in kinds),
+                *(nbytes / best[k] / 1e9 for k in kinds), ours / best["onednn"], ours / best["plain"],
             ])
-            print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in KINDS), flush=True)
-    print(table(["dtype", "rows", "F.linear ms", "oneDNN ms", "tiles ms", "F.linear GB/s", "oneDNN GB/s", "tiles GB/s",
-                 "tiles / oneDNN", "tiles / F.linear"], rows_out))
+            print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in kinds), flush=True)
+    names = {"plain": "F.linear", "onednn": "oneDNN", "tiles": "tiles", "amx": "AMX tiles"}
+    print(table(["dtype", "rows", *(f"{names[k]} ms" for k in kinds), *(f"{names[k]} GB/s" for k in kinds),
+                 "ours / oneDNN", "ours / F.linear"], rows_out))
 
 
 if __name__ == "__main__":

@@ -55,19 +55,22 @@ def test_each_cpu_gets_the_best_variant_it_can_run():
 
 
 @pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")
-@pytest.mark.parametrize(("gated", "in_features"), [(False, 96), (True, 128), (False, 640), (True, 640)],
-                         ids=["plain", "gated", "plain-slabs", "gated-slabs"])
-def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_features: int):
+@pytest.mark.parametrize(("gated", "in_features", "rows", "out_features"),
+                         [(False, 96, 75, 130), (True, 128, 75, 96), (False, 640, 75, 130), (True, 640, 75, 96),
+                          (False, 2048, 300, 330), (True, 2048, 300, 544)],
+                         ids=["plain", "gated", "plain-slabs", "gated-slabs", "plain-panels", "gated-panels"])
+def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_features: int, rows: int,
+                                                          out_features: int):
     """bfloat16 calls of 12 rows or more run on AMX from the same tiles: against float64 (to bfloat16's
-    rounding), a ragged last tile, every row count around the 32-row blocks, and k in slabs of 256
-    whose sums wait between slabs (640: two and a short one); a row gets the same bits in any
-    batch that also runs on AMX."""
+    rounding), a ragged last tile, every row count around the 32-row blocks, k in slabs of 256
+    whose sums wait between slabs (640: two and a short one), and x past L2's share (300 x 2048)
+    meeting panels of 8 tiles (the last one short); a row gets the same bits in any batch that
+    also runs on AMX."""
     gen = torch.Generator().manual_seed(9)
-    out_features = 96 if gated else 130
     w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
     weight = prepare_swiglu(*w.chunk(2), "amx") if gated else prepare(w, "amx")
     assert weight.amx
-    x = torch.randn(75, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
     product = x.double() @ w.double().T
     if gated:
         gate, up = product.chunk(2, dim=-1)

@@ -3,7 +3,8 @@
  * A bfloat16 weight in tiles ([tiles][K / 2][TILE_COLS][2], matmul.c) is already what an AMX B
  * operand wants: for 16 pairs of k, 16 columns of 2 values, 64 bytes a row; the tile's other 16
  * columns are the next 64 bytes, so both halves load with a row stride of 128 bytes. Each thread
- * takes whole weight tiles, keeps one in L2 and multiplies every 32-row block of x by it:
+ * takes whole weight tiles (a panel of them when x outgrows L2), in k slabs, and multiplies every
+ * 32-row block of x by each, so every weight byte comes from memory once a call:
  * C[32][32] in four float32 tiles, A (two 16-row blocks of x) and B (the tile's two halves) in
  * the other four, TDPBF16PS over k 32 at a time. The epilogue is the decode kernel's: rounded to
  * bfloat16, or SwiGLU of a gated tile. So prefill needs no second copy of the weights.
@@ -26,7 +27,8 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component */
 #define XFEATURE_XTILEDATA 18      /* the tile registers' data */
-#define X_CHUNK_BYTES (1 << 20)    /* rows of x that share one pass over the weights */
+#define X_L2_BYTES (1 << 20)       /* x up to this size stays in L2 while the weights pass over it */
+#define PANEL_TILES 8              /* weight tiles that share each slab of a larger x */
 #define K_SLAB 256                 /* k of the weight tile kept in L1 (16 KiB) */
 #define PREFETCH_RUNS 4            /* runs of the next tile asked for side by side (as matmul.c's) */
 
@@ -54,12 +56,13 @@ static void configure(void) {
 
 /* The product of a 32-row block of x, packed (pack_rows), and weight tile wt, over k in [k0, k1):
  * added to the sums in acc (float32 [32][32]) unless `first`, left there unless `last`, in which
- * case the epilogue writes y's rows (up to `rows` of them). next: the thread's next tile, asked for
- * a k step at a time in PREFETCH_RUNS interleaved runs that the L2's streamer follows (NULL once
- * it is in L2): AMX's tile loads hold few misses in flight, and a decode step of 16 rows on the
- * 1B shape went from 126 to 115 ms with it (one run front to back gave nothing, two tiles ahead
- * or another prefetch 8 k steps ahead in the current tile were no better). */
-static void block(const uint16_t *packed, const char *wt, const char *next, int64_t k0, int64_t k1, int first,
+ * case the epilogue writes y's rows (up to `rows` of them). ahead: as many bytes of weight as this
+ * call reads (NULL: none), the part the thread needs next, asked for a k step at a time in
+ * PREFETCH_RUNS interleaved runs that the L2's streamer follows: AMX's tile loads hold few misses
+ * in flight, and a decode step of 16 rows on the 1B shape went from 126 to 115 ms with the next
+ * tile asked for so (one run front to back gave nothing, two tiles ahead or another prefetch 8 k
+ * steps ahead in the current tile were no better). */
+static void block(const uint16_t *packed, const char *wt, const char *ahead, int64_t k0, int64_t k1, int first,
                   int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
     const int64_t run = (k1 - k0) / 2 * 128 / 64 / PREFETCH_RUNS; /* lines of the next tile in each run */
     if (first) {
@@ -75,9 +78,9 @@ static void block(const uint16_t *packed, const char *wt, const char *next, int6
     }
     for (int64_t k = k0; k < k1; k += 32) {
         const uint16_t *a = packed + k * 32; /* 32 rows x 32 k, 2 KiB */
-        if (next != NULL) /* the step's 32 lines of the next tile, spread over PREFETCH_RUNS runs */
+        if (ahead != NULL) /* the step's 32 lines of what comes next, spread over PREFETCH_RUNS runs */
             for (int64_t i = (k - k0) / 32 * 32; i < (k - k0) / 32 * 32 + 32; i++)
-                _mm_prefetch(next + k0 / 2 * 128 + (i % PREFETCH_RUNS * run + i / PREFETCH_RUNS) * 64, _MM_HINT_T1);
+                _mm_prefetch(ahead + (i % PREFETCH_RUNS * run + i / PREFETCH_RUNS) * 64, _MM_HINT_T1);
         _tile_loadd(4, a, 64);
         _tile_loadd(5, a + 16 * 32, 64);
         _tile_loadd(6, wt + k / 2 * 128, 128);
@@ -103,50 +106,58 @@ static void block(const uint16_t *packed, const char *wt, const char *next, int6
     }
 }
 
-/* Rows r0 .. r1 of x [M][K] as 32-row blocks of [K / 32][32 rows][32 k] (zeros past row M), so an A
- * tile is 1 KiB in one piece rather than 16 rows K apart. The threads split the blocks' k. */
-static void pack_rows(const uint16_t *x, int64_t M, int64_t K, int64_t r0, int64_t r1, uint16_t *packed) {
-    int64_t blocks = (r1 - r0 + 31) / 32, kb = K / 32;
+/* x [M][K] as 32-row blocks of [K / 32][32 rows][32 k] (zeros past row M), so an A tile is 1 KiB
+ * in one piece rather than 16 rows K apart. The threads split the blocks' k. */
+static void pack_rows(const uint16_t *x, int64_t M, int64_t K, uint16_t *packed) {
+    int64_t blocks = (M + 31) / 32, kb = K / 32;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t k = 0; k < kb; k++)
             for (int64_t r = 0; r < 32; r++) {
-                int64_t row = r0 + b * 32 + r;
+                int64_t row = b * 32 + r;
                 __m512i v = row < M ? _mm512_loadu_si512(x + row * K + k * 32) : _mm512_setzero_si512();
                 _mm512_storeu_si512(packed + ((b * kb + k) * 32 + r) * 32, v);
             }
 }
 
+/* What a thread reads after tile t's k0 .. k1 (see block): the tile's next slab, else the first
+ * slab of the tile a panel on (one-block decode calls: the whole next tile). A slab ahead took
+ * the 1B shape's matmuls at 48-64 rows from 149 to 129 ms and at 512 rows from 824 to 578 ms
+ * (oneDNN 140 and 600); a tile or a panel ahead of the same k was evicted from L2 before its use.
+ * NULL past the last tile. */
+static const char *ahead(const void *w, int64_t K, int64_t tiles, int64_t panel, int64_t t, int64_t k0, int64_t k1) {
+    const char *tile = (const char *)w + t * K * TILE_COLS * 2;
+    if (k1 < K) return tile + k1 / 2 * 128;
+    return t + panel < tiles ? tile + panel * K * TILE_COLS * 2 : NULL;
+}
+
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
-    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N;
-    /* Rows go in chunks whose x stays in L2 while every tile of a thread passes over it: x from L3
-     * for each tile was the bound at 512 rows. */
-    int64_t chunk = X_CHUNK_BYTES / (K * 2) / 32 * 32;
-    chunk = chunk < 32 ? 32 : chunk;
-    const int64_t blocks = ((M < chunk ? M : chunk) + 31) / 32;
-    /* With several row blocks, k goes in slabs whose part of the weight tile (K_SLAB / 2 rows of 128
-     * bytes) stays in L1 while every row block passes over it; each block's sums wait in acc. */
+    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
+    /* x that fits L2 meets one weight tile at a time. More rows meet a panel of tiles, so each slab of
+     * x fetched from L3 serves all of them while the weights stream from memory once a call (rows
+     * in L2-sized chunks read the weights once per chunk instead: 9 times for w2 at 544 rows; panels
+     * of 4 or 16 tiles, slabs of 512, and panels for x in L2 were slower). */
+    const int64_t panel = M * K * 2 > X_L2_BYTES ? PANEL_TILES : 1;
+    /* With several row blocks, k goes in slabs whose part of the panel's tiles (K_SLAB / 2 rows of
+     * 128 bytes a tile) stays in L1/L2 while every row block passes over it; the sums wait in acc. */
     uint16_t *packed = scratch;
     float one[32 * 32] __attribute__((aligned(64)));
-    float *acc = blocks > 1 ? aligned_alloc(64, (size_t)blocks * 32 * 32 * sizeof(float)) : NULL;
+    float *acc = blocks > 1 ? aligned_alloc(64, (size_t)(blocks * panel) * 32 * 32 * sizeof(float)) : NULL;
     const int64_t slab = acc != NULL ? K_SLAB : K; /* no memory for the sums: whole k, one block at a time */
-    float *sums = acc != NULL ? acc : one;
-    const int64_t stride = acc != NULL ? 32 : 0;
     configure();
-    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-        int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
-        pack_rows(x, M, K, c0, c1, packed); /* ends in a barrier: the chunk is whole before use */
+    pack_rows(x, M, K, packed); /* ends in a barrier: x is whole before use */
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const char *wt = (const char *)w + t * K * TILE_COLS * 2;
-            uint16_t *yt = (uint16_t *)y + t * (gated ? TILE_COLS / 2 : TILE_COLS);
-            for (int64_t k0 = 0; k0 < K; k0 += slab) {
-                int64_t k1 = k0 + slab < K ? k0 + slab : K;
-                for (int64_t r0 = c0; r0 < c1; r0 += 32)
-                    block(packed + (r0 - c0) * K, wt, r0 == c0 && t + 1 < tiles ? wt + K * TILE_COLS * 2 : NULL,
-                          k0, k1, k0 == 0, k1 == K, sums + (r0 - c0) * stride,
-                          yt + r0 * ldy, ldy, c1 - r0 < 32 ? c1 - r0 : 32, N - t * TILE_COLS, gated);
-            }
+    for (int64_t p0 = 0; p0 < tiles; p0 += panel) {
+        const int64_t p1 = p0 + panel < tiles ? p0 + panel : tiles;
+        for (int64_t k0 = 0; k0 < K; k0 += slab) {
+            const int64_t k1 = k0 + slab < K ? k0 + slab : K;
+            for (int64_t b = 0; b < blocks; b++)
+                for (int64_t t = p0; t < p1; t++) {
+                    const char *wt = (const char *)w + t * K * TILE_COLS * 2;
+                    float *sums = acc != NULL ? acc + (b * panel + t - p0) * 32 * 32 : one;
+                    block(packed + b * 32 * K, wt, b == 0 ? ahead(w, K, tiles, panel, t, k0, k1) : NULL, k0, k1, k0 == 0, k1 == K, sums, (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS),
+                          ldy, M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS, gated);
+                }
         }
     }
     _tile_release();
