@@ -18,7 +18,9 @@ Servers, one at a time (only one is up while another is measured, the machine ha
 
 The prompt is a fixed list of --prompt-len token ids (BOS + corpus text, as the handler encodes it):
 vLLM gets the ids, our servers the text; each server's usage.prompt_tokens is checked against the
-list's length, and the first greedy tokens of ours are compared with vLLM's.
+list's length, and the first greedy tokens of ours are compared with vLLM's. Every request sends that
+one prompt, so both servers run with prefix caching off (ours: handler.prefix_caching=false before
+the --yaml overrides; `bench.bench_prefix` measures the cache against vLLM's).
 
 Per concurrency level, each of C clients sends --requests streaming requests back to back (stop
 tokens ignored, --new-tokens each): greedy, or with --sampling default the yaml's default
@@ -517,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in servers:
         try:
             if name == "ours":
-                data["servers"][name] = measure_torchserve("ours", REPO, ckpt, a, a.yaml, ids, text)
+                data["servers"][name] = measure_torchserve("ours", REPO, ckpt, a, ["handler.prefix_caching=false", *a.yaml],
+                                                           ids, text)
             elif name == "before":
                 data["servers"][name] = measure_torchserve("before", before, ckpt, a, a.yaml_before, ids, text)
             else:
