@@ -30,6 +30,7 @@
 #define X_L2_BYTES (1 << 20)       /* x up to this size stays in L2 while the weights pass over it */
 #define PANEL_TILES 8              /* weight tiles that share each slab of a larger x */
 #define K_SLAB 256                 /* k of the weight tile kept in L1 (16 KiB) */
+#define NEAR_K 128
 #define PREFETCH_RUNS 4            /* runs of the next tile asked for side by side (as matmul.c's) */
 
 struct TileConfig {
@@ -62,9 +63,10 @@ static void configure(void) {
  * in flight, and a decode step of 16 rows on the 1B shape went from 126 to 115 ms with the next
  * tile asked for so (one run front to back gave nothing, two tiles ahead or another prefetch 8 k
  * steps ahead in the current tile were no better). */
-static void block(const uint16_t *packed, const char *wt, const char *ahead, int64_t k0, int64_t k1, int first,
-                  int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
+static void block(const uint16_t *packed, const char *wt, const char *ahead, int streams, int64_t k0, int64_t k1,
+                  int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
     const int64_t run = (k1 - k0) / 2 * 128 / 64 / PREFETCH_RUNS; /* lines of the next tile in each run */
+    const int full = rows > 16; /* else the block's second 16 rows are padding: half the work */
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -73,27 +75,35 @@ static void block(const uint16_t *packed, const char *wt, const char *ahead, int
     } else {
         _tile_loadd(0, acc, 128);
         _tile_loadd(1, acc + 16, 128);
-        _tile_loadd(2, acc + 16 * 32, 128);
-        _tile_loadd(3, acc + 16 * 32 + 16, 128);
+        if (full) {
+            _tile_loadd(2, acc + 16 * 32, 128);
+            _tile_loadd(3, acc + 16 * 32 + 16, 128);
+        }
     }
     for (int64_t k = k0; k < k1; k += 32) {
         const uint16_t *a = packed + k * 32; /* 32 rows x 32 k, 2 KiB */
         if (ahead != NULL) /* the step's 32 lines of what comes next, spread over PREFETCH_RUNS runs */
             for (int64_t i = (k - k0) / 32 * 32; i < (k - k0) / 32 * 32 + 32; i++)
                 _mm_prefetch(ahead + (i % PREFETCH_RUNS * run + i / PREFETCH_RUNS) * 64, _MM_HINT_T1);
+        if (streams) /* the tile's lines NEAR_K ahead into L1 */
+            for (int i = 0; i < 32; i++) _mm_prefetch(wt + (k + NEAR_K) / 2 * 128 + i * 64, _MM_HINT_T0);
         _tile_loadd(4, a, 64);
-        _tile_loadd(5, a + 16 * 32, 64);
         _tile_loadd(6, wt + k / 2 * 128, 128);
         _tile_loadd(7, wt + k / 2 * 128 + 64, 128);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if (full) {
+            _tile_loadd(5, a + 16 * 32, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
     _tile_stored(0, acc, 128);
     _tile_stored(1, acc + 16, 128);
-    _tile_stored(2, acc + 16 * 32, 128);
-    _tile_stored(3, acc + 16 * 32 + 16, 128);
+    if (full) {
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    }
     if (!last) return;
     for (int64_t m = 0; m < rows; m++) {
         __m512 lo = _mm512_loadu_ps(acc + m * 32), hi = _mm512_loadu_ps(acc + m * 32 + 16);
@@ -155,7 +165,7 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
                 for (int64_t t = p0; t < p1; t++) {
                     const char *wt = (const char *)w + t * K * TILE_COLS * 2;
                     float *sums = acc != NULL ? acc + (b * panel + t - p0) * 32 * 32 : one;
-                    block(packed + b * 32 * K, wt, b == 0 ? ahead(w, K, tiles, panel, t, k0, k1) : NULL, k0, k1, k0 == 0, k1 == K, sums, (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS),
+                    block(packed + b * 32 * K, wt, b == 0 ? ahead(w, K, tiles, panel, t, k0, k1) : NULL, blocks == 1, k0, k1, k0 == 0, k1 == K, sums, (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS),
                           ldy, M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS, gated);
                 }
         }

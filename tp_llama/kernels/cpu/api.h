@@ -20,7 +20,7 @@
 #define TILE_COLS 32             /* output columns per weight tile (matmul.c) */
 #define GATE_RUN (TILE_COLS / 2) /* a gated tile: this many w1 rows, then as many w3 rows */
 #define MAX_HEAD_DIM 256         /* a query and its sums in registers (Llama's heads are 64 or 128) */
-#define AMX_ROWS 12              /* bfloat16 matmuls of this many rows run on AMX where asked (amx.c) */
+#define AMX_ROWS 6              /* bfloat16 matmuls of this many rows run on AMX where asked (amx.c) */
 #define WIDE_MIN_ROWS 16         /* `wide` scratch holds at least this many rows: AMX packs 32 there */
 #define KEY_RUN 16               /* keys scored at once; KV-cache blocks are a multiple of it */
 
