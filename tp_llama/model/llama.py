@@ -59,8 +59,15 @@ def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> torch
 
 
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2, 2]."""
-    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2, 2].
+
+    Eager, as one complex multiply (3.4x faster than the real pairs' six ops on CPU: a 512-token
+    prompt chunk spent 12% of its step here); traced, as real pairs, which inductor fuses.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))
+    if not torch.compiler.is_compiling():
+        return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rotation)).flatten(-2).to(x.dtype)
+    real, imag = pairs.unbind(-1)
     cos, sin = rotation.unbind(-1)
     return torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).to(x.dtype)
 
