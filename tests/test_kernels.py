@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -230,3 +232,35 @@ def test_prefill_rows_through_mkl_in_slices_of_the_weight(monkeypatch, gated: bo
     else:
         expected, got = product, linear(x, prepare(w, "tiles"))
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+AVX2_ONLY_ONEDNN = """
+import sys, torch
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.kernels import choose
+from tp_llama.testing.synthetic import write_checkpoint
+
+print(choose(torch.device("cpu"), torch.bfloat16))
+print(choose(torch.device("cpu"), torch.float32))
+engine = Engine.load(EngineConfig(str(write_checkpoint(sys.argv[1])), "tp", "bfloat16", max_seq_len=64))
+seq = Sequence("a", [1, 5, 9, 13], SamplingParams(4, ignore_eos=True))
+engine.generate([seq])
+print(len(seq.output))
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+def test_bfloat16_loads_where_onednn_cannot_pack_it(tmp_path):
+    """On AVX2-only CPUs (AMD Zen 2/3) PyTorch refuses to pack bfloat16 weights for oneDNN; such a
+    process must load and serve with plain matmuls, saying why, not die at load. oneDNN capped at
+    AVX2 (ONEDNN_MAX_CPU_ISA) stands in for such a CPU, with the C kernels forced off."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "TP_LLAMA_MATMUL": "onednn"}
+    done = subprocess.run([sys.executable, "-c", AVX2_ONLY_ONEDNN, str(tmp_path / "ckpt")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    bf16, f32, tokens = done.stdout.strip().splitlines()[-3:]
+    assert bf16.startswith("('plain',") and "oneDNN packs no bfloat16 weights" in bf16
+    assert f32.startswith("('onednn',")
+    assert tokens == "4"

@@ -53,11 +53,12 @@ def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tu
         library, why = ffi.load()
         if library is not None:
             return ("amx" if forced != "tiles" and ffi.amx_ready() else "tiles"), ""
-    if onednn.available() and traced:
+    if not onednn.available(dtype):
+        reason = f"oneDNN packs no {str(dtype).removeprefix('torch.')} weights on this CPU"
+        return "plain", f"{why}; {reason}" if why else reason
+    if traced:
         return "plain", "torch.compile cannot trace oneDNN's packed weights"
-    if onednn.available():
-        return "onednn", why
-    return "plain", why
+    return "onednn", why
 
 
 def prepare(weight: torch.Tensor, kind: str, own: bool = False) -> torch.Tensor | Tiled:

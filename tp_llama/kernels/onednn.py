@@ -14,8 +14,12 @@ import torch.nn.functional as F
 EXACT_ROWS = 32
 
 
-def available() -> bool:
-    return torch.backends.mkldnn.is_available()
+def available(dtype: torch.dtype) -> bool:
+    """Packed weights of this dtype can be had: bfloat16 ones need avx512bw/vl/dq or avx_ne_convert
+    (on AVX2-only CPUs such as AMD's Zen 2/3 PyTorch refuses to pack them)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def prepare(weight: torch.Tensor) -> torch.Tensor:
