@@ -2,11 +2,11 @@
 
 Four kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comparisons):
 
-- "amx", CPUs with AMX (Sapphire Rapids and later): the tiles below, with bfloat16 matmuls of
-  AMX_ROWS (6) rows or more on AMX, reading the same tiles (kernels/cpu/amx.c), in decode steps
-  and prefill alike, with no second copy of the weights. On the Llama 3.2 1B shape: a decode step
-  of 8 rows 1.07x faster than the FMA tiles, of 16 rows 1.5x, prefill about oneDNN's speed; below
-  6 rows the FMA tiles stream as fast.
+- "amx", CPUs with AMX (Sapphire Rapids and later): the tiles below, with every bfloat16 matmul
+  on AMX, reading the same tiles (kernels/cpu/amx.c), in decode steps and prefill alike, with no
+  second copy of the weights. On the Llama 3.2 1B shape: a decode step of 8 rows 1.07x faster
+  than the FMA tiles, of 16 rows 1.5x, prefill about oneDNN's speed; at 1-4 rows 2-3% slower,
+  which buys a row the same bits in any batch.
 - "tiles", CPUs with AVX-512: tp_llama's C kernels (kernels/cpu), built on first use. The weight
   is repacked into column tiles that stream once per call. On a bench model's weights
   (bench/bench_matmul.py) it takes 0.71-0.85x oneDNN's time at 1-32 rows in float32 and

@@ -20,7 +20,6 @@
 #define TILE_COLS 32             /* output columns per weight tile (matmul.c) */
 #define GATE_RUN (TILE_COLS / 2) /* a gated tile: this many w1 rows, then as many w3 rows */
 #define MAX_HEAD_DIM 256         /* a query and its sums in registers (Llama's heads are 64 or 128) */
-#define AMX_ROWS 6              /* bfloat16 matmuls of this many rows run on AMX where asked (amx.c) */
 #define WIDE_MIN_ROWS 16         /* `wide` scratch holds at least this many rows: AMX packs 32 there */
 #define KEY_RUN 16               /* keys scored at once; KV-cache blocks are a multiple of it */
 
@@ -35,7 +34,7 @@
 struct DecodeLayer {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_blocks, block_size; /* n_blocks: the spare too */
     float eps;
-    int32_t bf16, amx; /* amx: bfloat16 matmuls of AMX_ROWS rows or more on AMX */
+    int32_t bf16, amx; /* amx: bfloat16 matmuls on AMX */
     const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
     void *cache_k, *cache_v;
 };
@@ -66,7 +65,7 @@ void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out)
 void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated);
 
 /* y [M][N] = x [M][K] @ w^T (gated: y [M][N / 2] = silu(x w1^T) * (x w3^T)); 0 or TPL_NO_MEMORY.
- * amx: bfloat16 calls of AMX_ROWS rows or more may run on AMX (after amx_enable). */
+ * amx: bfloat16 calls run on AMX (after amx_enable) where K is a multiple of 32. */
 int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                  int amx);
 

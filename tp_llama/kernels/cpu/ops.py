@@ -22,8 +22,8 @@ class Tiled:
     """A weight [out, in] (`shape`) in matmul.c's tile layout (`data`).
 
     gated: the rows are a SwiGLU's w1 and w3 interleaved in runs of GATE_RUN, and `tiled_linear`
-    returns silu(x w1^T) * (x w3^T), out / 2 columns. amx: bfloat16 calls of AMX_ROWS rows or
-    more (api.h) run on AMX, reading the same tiles.
+    returns silu(x w1^T) * (x w3^T), out / 2 columns. amx: bfloat16 calls run on AMX,
+    reading the same tiles, at every row count (a row's bits then do not depend on its batch).
     """
 
     data: torch.Tensor
