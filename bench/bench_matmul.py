@@ -23,7 +23,6 @@ from tp_llama.kernels import linear, choose, prepare
 from tp_llama.checkpoint.params import read_params
 
 
-
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
     """[out, in] of every matmul one forward runs: fused q/k/v, wo, fused w1/w3, w2 per layer, and the output."""
     args = read_params(ensure_checkpoint(PRESETS[preset], mp=1))

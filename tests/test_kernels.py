@@ -64,8 +64,8 @@ def test_each_cpu_gets_the_best_variant_it_can_run():
 def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_features: int, rows: int,
                                                           out_features: int):
     """Every bfloat16 call runs on AMX from the same tiles: against float64 (to bfloat16's
-    rounding), a ragged last tile, every row count around the 32-row blocks and the 16-row half, k in slabs of 256
-    whose sums wait between slabs (640: two and a short one), and x past L2's share (300 x 2048)
+    rounding), a ragged last tile, every row count around the 32-row blocks and the 16-row half,
+    k in slabs of 256 whose sums wait between slabs (640: two and a short one), and x past L2's share (300 x 2048)
     meeting panels of 8 tiles (the last one short); a row gets the same bits in any batch, one
     row alone included (what lets a seeded request draw the same tokens alone and batched)."""
     gen = torch.Generator().manual_seed(9)
@@ -79,8 +79,8 @@ def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_featu
         product = gate / (1 + torch.exp(-gate)) * up
     full = linear(x, weight)
     torch.testing.assert_close(full.double(), product, rtol=2**-7, atol=2**-7 * product.abs().max().item())
-    for rows in (slice(0, 1), slice(7, 8), slice(2, 6), slice(3, 15), slice(0, 32), slice(5, 38), slice(40, 75)):
-        assert torch.equal(linear(x[rows], weight), full[rows]), rows
+    for part in (slice(0, 1), slice(7, 8), slice(2, 6), slice(3, 15), slice(0, 32), slice(5, 38), slice(40, 75)):
+        assert torch.equal(linear(x[part], weight), full[part]), part
 
 
 @pytest.mark.parametrize("kind", available_kinds())
@@ -258,7 +258,7 @@ def test_bfloat16_loads_where_onednn_cannot_pack_it(tmp_path):
     AVX2 (ONEDNN_MAX_CPU_ISA) stands in for such a CPU, with the C kernels forced off."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "TP_LLAMA_MATMUL": "onednn"}
     done = subprocess.run([sys.executable, "-c", AVX2_ONLY_ONEDNN, str(tmp_path / "ckpt")], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     bf16, f32, tokens = done.stdout.strip().splitlines()[-3:]
     assert bf16.startswith("('plain',") and "oneDNN packs no bfloat16 weights" in bf16

@@ -66,7 +66,8 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """
     pairs = x.float().unflatten(-1, (-1, 2))
     if not torch.compiler.is_compiling():
-        return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rotation)).flatten(-2).to(x.dtype)
+        rotated = torch.view_as_complex(pairs) * torch.view_as_complex(rotation)
+        return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
     real, imag = pairs.unbind(-1)
     cos, sin = rotation.unbind(-1)
     return torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).to(x.dtype)

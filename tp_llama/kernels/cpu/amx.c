@@ -69,7 +69,7 @@ static void configure(void) {
  * L2 8 k steps ahead had given nothing; 64 and 256 ahead were the same, 512 slower). */
 static void block(const uint16_t *packed, const char *wt, const char *ahead, int streams, int64_t k0, int64_t k1,
                   int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
-    const int64_t run = (k1 - k0) / 2 * 128 / 64 / PREFETCH_RUNS; /* lines of the next tile in each run */
+    const int64_t run = (k1 - k0) / 2 * 128 / 64 / PREFETCH_RUNS; /* lines of `ahead` in each run */
     const int full = rows > 16; /* else the block's second 16 rows are padding: half the work */
     if (first) {
         _tile_zero(0);
@@ -134,15 +134,14 @@ static void pack_rows(const uint16_t *x, int64_t M, int64_t K, uint16_t *packed)
             }
 }
 
-/* What a thread reads after tile t's k0 .. k1 (see block): the tile's next slab, else the first
- * slab of the tile a panel on (one-block decode calls: the whole next tile). A slab ahead took
+/* What a thread reads after tile t (at wt) up to k1 (see block): the tile's next slab, else the
+ * first slab of the tile a panel on (one-block decode calls: the whole next tile). A slab ahead took
  * the 1B shape's matmuls at 48-64 rows from 149 to 129 ms and at 512 rows from 824 to 578 ms
  * (oneDNN 140 and 600); a tile or a panel ahead of the same k was evicted from L2 before its use.
  * NULL past the last tile. */
-static const char *ahead(const void *w, int64_t K, int64_t tiles, int64_t panel, int64_t t, int64_t k0, int64_t k1) {
-    const char *tile = (const char *)w + t * K * TILE_COLS * 2;
-    if (k1 < K) return tile + k1 / 2 * 128;
-    return t + panel < tiles ? tile + panel * K * TILE_COLS * 2 : NULL;
+static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel, int64_t t, int64_t k1) {
+    if (k1 < K) return wt + k1 / 2 * 128;
+    return t + panel < tiles ? wt + panel * K * TILE_COLS * 2 : NULL;
 }
 
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
@@ -170,7 +169,7 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
                     const char *wt = (const char *)w + t * K * TILE_COLS * 2;
                     float *sums = acc != NULL ? acc + (b * panel + t - p0) * 32 * 32 : one;
                     uint16_t *yb = (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);
-                    block(packed + b * 32 * K, wt, b == 0 ? ahead(w, K, tiles, panel, t, k0, k1) : NULL, blocks == 1,
+                    block(packed + b * 32 * K, wt, b == 0 ? ahead(wt, K, tiles, panel, t, k1) : NULL, blocks == 1,
                           k0, k1, k0 == 0, k1 == K, sums, yb, ldy, M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS,
                           gated);
                 }
