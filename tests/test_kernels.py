@@ -15,13 +15,16 @@ from tp_llama.kernels import Tiled, choose, cpu_flags, linear, prepare, prepare_
 from tp_llama.kernels.cpu import build as cpu_build
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.build import COMMON_FLAGS, HERE, VARIANTS, build, runnable
-from tp_llama.kernels.cpu.ffi import amx_ready
+from tp_llama.kernels.cpu.ffi import amx_ready, library
 
 CPU = torch.device("cpu")
-AVX512 = {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags()
-AMX = AVX512 and {"amx_tile", "amx_bf16"} <= cpu_flags()
 COMPILER = shutil.which("gcc") or shutil.which("cc")
 HAS_COMPILER = COMPILER is not None
+VARIANT = os.environ.get("TP_LLAMA_KERNELS") or next(iter(runnable()), None)  # the build these tests load
+TILES = HAS_COMPILER and VARIANT is not None
+AMX = TILES and VARIANT == "avx512-amx"
+NEEDS_TILES = pytest.mark.skipif(not TILES, reason="needs a build of the C kernels: AVX2 or AVX-512, and a C compiler")
+REPO = HERE.parents[2]
 
 
 def available_kinds() -> list[str]:
@@ -36,24 +39,39 @@ def available_kinds() -> list[str]:
     return kinds
 
 
-def test_avx512_cpus_get_the_tiled_kernel():
+def test_avx2_and_avx512_cpus_get_the_tiled_kernel():
     """Where it can run it must: a build that broke would otherwise fall back unnoticed."""
-    if not (AVX512 and HAS_COMPILER):
-        pytest.skip("no AVX-512 or no C compiler here: the fallback is what runs")
+    if not TILES:
+        pytest.skip("no AVX2 or no C compiler here: the fallback is what runs")
     for dtype in (torch.float32, torch.bfloat16):
         assert choose(CPU, dtype) == ("amx" if AMX else "tiles", "")
     assert amx_ready() == AMX
+    assert library().variant == VARIANT
+
+
+@pytest.mark.skipif(not HAS_COMPILER or "avx2" not in runnable() or VARIANT == "avx2",
+                    reason="needs a C compiler and a CPU beyond AVX2 (on an AVX2-only CPU the run above is the AVX2 build's)")
+def test_the_avx2_build_passes_the_kernel_tests():
+    """AVX2 code runs on AVX-512 CPUs, so the AVX2 build (AMD's Zen 2/3) is tested here too: these
+    modules again, in a process that loads it (TP_LLAMA_KERNELS=avx2)."""
+    modules = ["tests/test_kernels.py", "tests/test_layer_ops.py", "tests/test_sampling.py", "tests/test_decode_step.py"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=REPO,
+                            env={**os.environ, "TP_LLAMA_KERNELS": "avx2"}, capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert int(re.search(r"(\d+) passed", result.stdout).group(1)) >= 60, result.stdout[-1000:]
 
 
 def test_each_cpu_gets_the_best_variant_it_can_run():
     """The choice from CPU flags alone (faked here, so it is checked on any machine)."""
     avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}
     amx = {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}  # every AMX CPU so far has avx512_bf16 too
-    assert runnable(avx512 | amx) == ["avx512-amx", "avx512"]
-    assert runnable(avx512) == ["avx512"]
-    assert runnable(avx512 | {"amx_tile"}) == ["avx512"]  # AMX without its bfloat16 unit
-    assert runnable(avx512 | amx - {"avx512_bf16"}) == ["avx512"]  # the AMX build's attention pairs bf16 keys
-    assert runnable({"avx2", "fma"}) == []
+    assert runnable(avx512 | amx) == ["avx512-amx", "avx512", "avx2"]
+    assert runnable(avx512) == ["avx512", "avx2"]
+    assert runnable(avx512 | {"amx_tile"}) == ["avx512", "avx2"]  # AMX without its bfloat16 unit
+    assert runnable(avx512 | amx - {"avx512_bf16"}) == ["avx512", "avx2"]  # the AMX build's attention pairs bf16 keys
+    assert runnable({"avx2", "fma"}) == ["avx2"]  # AMD's Zen 2/3
+    assert runnable({"avx2"}) == runnable({"sse4_2", "fma"}) == []
 
 
 @pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")
@@ -103,7 +121,7 @@ def test_linear_matches_float64(kind: str, dtype: torch.dtype):
                                            msg=f"{kind} rows={rows} out={out_features} in={in_features}")
 
 
-@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+@NEEDS_TILES
 def test_tiled_layout_and_its_edges():
     weight = torch.randn(130, 96)
     tiled = prepare(weight, "tiles")
@@ -120,7 +138,7 @@ def test_tiled_layout_and_its_edges():
         linear(torch.randn(1, 96, dtype=torch.bfloat16), tiled)
 
 
-@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+@NEEDS_TILES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_tiles_packed_in_the_weights_own_memory(dtype: torch.dtype):
     """out[t][k][c] = w[t * 32 + c][k], written out here by index; a width of 16 + 5 units
@@ -140,7 +158,7 @@ def test_tiles_packed_in_the_weights_own_memory(dtype: torch.dtype):
     assert ragged.data.view(torch.int32).shape == (2, units.shape[1], 32) and ragged.data.data_ptr() != rows.data_ptr()
 
 
-@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+@NEEDS_TILES
 def test_threads_split_columns_without_changing_results():
     weight = prepare(torch.randn(1000, 256), "tiles")
     x = torch.randn(9, 256)
@@ -157,7 +175,7 @@ def test_threads_split_columns_without_changing_results():
 def test_forced_kind_and_bad_values(monkeypatch):
     monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
     assert choose(CPU, torch.float32) == ("plain", "")
-    if AVX512 and HAS_COMPILER:
+    if TILES:
         monkeypatch.setenv("TP_LLAMA_MATMUL", "tiles")  # the FMA tiles even where AMX runs
         assert choose(CPU, torch.bfloat16) == ("tiles", "")
     monkeypatch.setenv("TP_LLAMA_MATMUL", "onednn")
@@ -188,20 +206,21 @@ def test_the_build_is_cached(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
 @pytest.mark.parametrize(("source", "hint"), [
     ("layer.c", "prefetcht0"),  # attention's keys and values ahead of use
     ("matmul.c", "prefetcht1"),  # the next weight tile
 ])
-def test_the_prefetches_survive_compilation(source: str, hint: str):
+def test_the_prefetches_survive_compilation(source: str, hint: str, variant: str):
     """gcc 12 deleted attention's prefetches (ipa-modref) without a word: the kernel ran 1.5x slower."""
-    flags = [flag for flag in [*COMMON_FLAGS, *VARIANTS["avx512"][1]] if flag not in ("-shared", "-fPIC")]
+    flags = [flag for flag in [*COMMON_FLAGS, *VARIANTS[variant][1]] if flag not in ("-shared", "-fPIC")]
     path = HERE / source
     listing = subprocess.run([COMPILER, *flags, "-S", "-o", "-", str(path)], check=True, capture_output=True,
                              text=True, timeout=120).stdout
     assert re.search(rf"^\s*{hint}\s", listing, re.M)
 
 
-@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+@NEEDS_TILES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_a_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
     """Each output sums its products in k order whatever rows share the call: batching is exact."""
@@ -213,7 +232,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
         assert torch.equal(linear(x[rows], weight), full[rows])
 
 
-@pytest.mark.skipif(not (AVX512 and HAS_COMPILER), reason="needs the tiled kernel")
+@NEEDS_TILES
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_prefill_rows_through_mkl_in_slices_of_the_weight(monkeypatch, gated: bool):
     """float32 calls of MKL_ROWS or more lay the tiles out plainly a slice at a time (here two tiles,

@@ -16,7 +16,7 @@ from tp_llama.model.llama import Layers
 from tests.support.run_model import setup_slots, slot_batch
 
 pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"),
-                                reason="the C kernels need AVX-512 and a compiler (test_kernels checks they load here)")
+                                reason="the C kernels need AVX2 or AVX-512 and a compiler (test_kernels checks they load here)")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 
 

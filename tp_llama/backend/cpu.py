@@ -1,4 +1,4 @@
-"""The C kernels' modules (AVX-512 CPUs, tp_llama.kernels.cpu), swapped in after fusion.
+"""The C kernels' modules (AVX-512 and AVX2 CPUs, tp_llama.kernels.cpu), swapped in after fusion.
 
 - RMSNorm in one C call.
 - SwiGLU in the w1/w3 matmul's tiles: a gated weight whose matmul ends in silu(gate) * up.

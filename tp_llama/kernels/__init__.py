@@ -7,13 +7,17 @@ Four kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comp
   second copy of the weights. On the Llama 3.2 1B shape: a decode step of 8 rows 1.07x faster
   than the FMA tiles, of 16 rows 1.5x, prefill about oneDNN's speed; at 1-4 rows 2-3% slower,
   which buys a row the same bits in any batch.
-- "tiles", CPUs with AVX-512: tp_llama's C kernels (kernels/cpu), built on first use. The weight
+- "tiles", CPUs with AVX-512 or AVX2: tp_llama's C kernels (kernels/cpu), built on first use for the
+  best instruction set the CPU has (build.py's variants; AVX2 for AMD's Zen 2/3). The weight
   is repacked into column tiles that stream once per call. On a bench model's weights
   (bench/bench_matmul.py) it takes 0.71-0.85x oneDNN's time at 1-32 rows in float32 and
   0.52-0.80x at every row count in bfloat16. A SwiGLU's w1 and w3 go in one weight whose tiles
   end in silu(gate) * up (`prepare_swiglu`). The same library runs RMSNorm, decode attention and
   a decode step's layers (tp_llama.backend.cpu uses them with this kind only).
-- "onednn", other CPUs: oneDNN's blocked layout (kernels/onednn.py).
+  With AVX2 only (bench_matmul on the 1B shape, oneDNN and MKL capped at AVX2): float32 passes
+  at 1-8 rows take 0.82-0.84x oneDNN's time, 1.07-1.23x from 32 rows; bfloat16, which oneDNN
+  cannot pack there, 0.25-0.70x PyTorch's time at every row count.
+- "onednn", CPUs without the C kernels (no compiler): oneDNN's blocked layout (kernels/onednn.py).
 - "plain", CUDA and anything else: F.linear.
 
 A prepared weight replaces the plain one, so it costs no memory of its own.

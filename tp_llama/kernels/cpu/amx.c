@@ -110,13 +110,13 @@ static void block(const uint16_t *packed, const char *wt, const char *ahead, int
     }
     if (!last) return;
     for (int64_t m = 0; m < rows; m++) {
-        __m512 lo = _mm512_loadu_ps(acc + m * 32), hi = _mm512_loadu_ps(acc + m * 32 + 16);
+        vec lo = vload(acc + m * 32), hi = vload(acc + m * 32 + 16);
         if (gated) {
-            _mm256_storeu_si256((__m256i *)(y + m * ldy), to_bf16(swiglu16(lo, hi, 1)));
+            store16(y + m * ldy, 0, swiglu16(lo, hi, 1), 1, 0xFFFF);
             continue;
         }
-        _mm256_mask_storeu_epi16(y + m * ldy, lanes(cols), to_bf16(lo));
-        _mm256_mask_storeu_epi16(y + m * ldy + 16, lanes(cols - 16), to_bf16(hi));
+        store16(y + m * ldy, 0, lo, 1, lanes(cols));
+        store16(y + m * ldy + 16, 0, hi, 1, lanes(cols - 16));
     }
 }
 

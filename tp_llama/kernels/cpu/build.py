@@ -30,6 +30,7 @@ VARIANTS = {
     "avx512-amx": ((*_AVX512[0], "avx512_bf16", "amx_tile", "amx_bf16"),
                    [*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
     "avx512": _AVX512,
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),  # AMD's Zen 2/3, Intel before Skylake-SP
 }
 BUILD_TIMEOUT_S = 300
 

@@ -20,8 +20,8 @@ static void add_rows(void *h, const void *delta, int64_t rows, int64_t dim, int 
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < dim; d += 16) {
-            __mmask16 m = lanes(dim - d);
-            store16(h, r * dim + d, _mm512_add_ps(load16(h, r * dim + d, bf16, m), load16(delta, r * dim + d, bf16, m)),
+            mask16 m = lanes(dim - d);
+            store16(h, r * dim + d, vadd(load16(h, r * dim + d, bf16, m), load16(delta, r * dim + d, bf16, m)),
                     bf16, m);
         }
 }

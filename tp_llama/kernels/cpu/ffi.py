@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
 import subprocess
 from pathlib import Path
 
-from tp_llama.kernels.cpu.build import build, compiler, runnable, unsupported
+from tp_llama.kernels.cpu.build import VARIANTS, build, compiler, runnable, unsupported
 
 HEADER = Path(__file__).with_name("api.h")
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
@@ -114,11 +115,21 @@ class Library:
 
 @functools.cache
 def load() -> tuple[Library | None, str]:
-    """(the kernels of the first variant this CPU runs and this compiler builds, "") or (None, why not)."""
+    """(the kernels of the first variant this CPU runs and this compiler builds, "") or (None, why not).
+
+    TP_LLAMA_KERNELS names the variant to load instead (e.g. avx2 on an AVX-512 CPU, to compare).
+    """
     cc = compiler()
     variants = runnable()
+    forced = os.environ.get("TP_LLAMA_KERNELS")
+    if forced is not None:
+        if forced not in VARIANTS:
+            raise ValueError(f"TP_LLAMA_KERNELS={forced!r}: choose one of {', '.join(VARIANTS)}")
+        if forced not in variants:
+            return None, f"TP_LLAMA_KERNELS={forced}: {unsupported(forced)}"
+        variants = [forced]
     if not variants:
-        return None, unsupported("avx512")
+        return None, unsupported("avx2")
     reasons = []
     for variant in variants:
         if cc is None:

@@ -1,4 +1,4 @@
-/* The small operations of a layer on AVX-512 CPUs, float32 or bfloat16 activations.
+/* The small operations of a layer on AVX-512 or AVX2 CPUs, float32 or bfloat16 activations.
  *
  * Between its four matmuls a decode layer runs about 25 eager PyTorch ops (RMSNorm alone is
  * six, RoPE five, the cache write two index_puts, attention a flash kernel built for long
@@ -26,16 +26,16 @@
 void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        __m512 squares = _mm512_setzero_ps();
+        vec squares = vzero();
         for (int64_t d = 0; d < dim; d += 16) {
-            __m512 v = load16(x, r * dim + d, bf16, lanes(dim - d));
-            squares = _mm512_fmadd_ps(v, v, squares);
+            vec v = load16(x, r * dim + d, bf16, lanes(dim - d));
+            squares = vfmadd(v, v, squares);
         }
-        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
+        vec inv = vset1(1.0f / sqrtf(vsum(squares) / (float)dim + eps));
         for (int64_t d = 0; d < dim; d += 16) {
-            __mmask16 m = lanes(dim - d);
-            __m512 normed = as_stored(_mm512_mul_ps(load16(x, r * dim + d, bf16, m), inv), bf16);
-            store16(y, r * dim + d, _mm512_mul_ps(normed, load16(weight, d, bf16, m)), bf16, m);
+            mask16 m = lanes(dim - d);
+            vec normed = as_stored(vmul(load16(x, r * dim + d, bf16, m), inv), bf16);
+            store16(y, r * dim + d, vmul(normed, load16(weight, d, bf16, m)), bf16, m);
         }
     }
 }
@@ -47,11 +47,7 @@ void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t 
 
 /* 16 lanes of a head rotated by Meta's RoPE: lanes (2i, 2i+1) are one complex number, times
  * rot[2i] + rot[2i+1] j (cos, sin of its position). */
-static inline __m512 rotate16(__m512 x, const float *rot, int64_t d, __mmask16 m) {
-    __m512 cos_sin = _mm512_maskz_loadu_ps(m, rot + d);
-    __m512 swapped = _mm512_permute_ps(x, 0xB1);
-    return _mm512_fmaddsub_ps(x, _mm512_moveldup_ps(cos_sin), _mm512_mul_ps(swapped, _mm512_movehdup_ps(cos_sin)));
-}
+static inline vec rotate16(vec x, const float *rot, int64_t d, mask16 m) { return vrotate_pairs(x, vloadz(m, rot + d)); }
 
 /* A layer's heads and its paged cache: cache_k/v [n_kv_heads][n_blocks * block_size][head_dim]. */
 struct Attention {
@@ -62,22 +58,6 @@ struct Attention {
  * A run of KEY_RUN keys from a multiple of KEY_RUN lies in one block. */
 static inline int64_t key_at(const struct Attention *a, const int64_t *table, int64_t g, int64_t j, int64_t hd) {
     return (g * a->n_blocks * a->block_size + table[j / a->block_size] * a->block_size + j % a->block_size) * hd;
-}
-
-/* r[i] = the sum of v[i]'s lanes: 16 keys' dot products from their lane-wise partial sums, in
- * 45 shuffles and adds where 16 separate reductions take about 130. */
-static inline __m512 sum_lanes16(const __m512 v[16]) {
-    __m512 w[8], x[4];
-    for (int i = 0; i < 8; i++) /* 128-bit lane l of w[i]: v[2i] at 0, 2 and v[2i+1] at 1, 3 */
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* lane l of x[i]: its 128-bit lane's sums of v[4i .. 4i+3] */
-        __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    /* then the four 128-bit lanes of each x[i] are added into lane i of the result */
-    __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-    __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
 /* Asks for the run of keys from j0 (those that exist) of head g. */
@@ -101,17 +81,17 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
     const int64_t own = key_at(a, table, g, pos, hd);
     const int64_t k_at = (a->n_heads + g) * hd, v_at = (a->n_heads + a->n_kv_heads + g) * hd;
     for (int64_t d = 0; d < hd; d += 16) {
-        __mmask16 m = lanes(hd - d);
+        mask16 m = lanes(hd - d);
         store16(cache_k, own + d, rotate16(load16(qkv_row, k_at + d, bf16, m), rot, d, m), bf16, m);
         store16(cache_v, own + d, load16(qkv_row, v_at + d, bf16, m), bf16, m);
     }
     for (int64_t j0 = 0; j0 < PREFETCH_KEYS; j0 += KEY_RUN) prefetch_run(a, cache_k, table, g, j0, keys, hd, bf16);
-    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)hd));
+    const vec scale = vset1(1.0f / sqrtf((float)hd));
     for (int64_t i = 0; i < rep; i++) {
         const int64_t q_at = (g * rep + i) * hd;
-        __m512 q[MAX_HEAD_DIM / 16];
+        vec q[MAX_HEAD_DIM / 16];
         for (int64_t v = 0; v < vecs; v++) {
-            __mmask16 m = lanes(hd - 16 * v);
+            mask16 m = lanes(hd - 16 * v);
             q[v] = as_stored(rotate16(load16(qkv_row, q_at + 16 * v, bf16, m), rot, 16 * v, m), bf16);
         }
 #ifdef __AVX512BF16__
@@ -123,16 +103,16 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
             for (int64_t u = 0; u < hd / 32; u++) q_pairs[u] = _mm512_cvtne2ps_pbh(q[2 * u + 1], q[2 * u]);
 #endif
         float *s = scores + i * keys;
-        __m512 top = _mm512_set1_ps(-INFINITY);
+        vec top = vset1(-INFINITY);
         for (int64_t j0 = 0; j0 < keys; j0 += KEY_RUN) {
             if (i == 0) { /* the first query pulls this head's keys and values in ahead of use */
                 prefetch_run(a, cache_k, table, g, j0 + PREFETCH_KEYS, keys, hd, bf16);
                 prefetch_run(a, cache_v, table, g, j0, keys, hd, bf16);
             }
             const int64_t run = key_at(a, table, g, j0, hd);
-            __m512 part[KEY_RUN];
+            vec part[KEY_RUN];
             for (int jj = 0; jj < KEY_RUN; jj++) {
-                part[jj] = _mm512_setzero_ps();
+                part[jj] = vzero();
                 if (j0 + jj >= keys) continue;
 #ifdef __AVX512BF16__
                 if (paired) {
@@ -143,43 +123,43 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
                 }
 #endif
                 for (int64_t v = 0; v < vecs; v++)
-                    part[jj] = _mm512_fmadd_ps(q[v], load16(cache_k, run + jj * hd + 16 * v, bf16, lanes(hd - 16 * v)),
+                    part[jj] = vfmadd(q[v], load16(cache_k, run + jj * hd + 16 * v, bf16, lanes(hd - 16 * v)),
                                                part[jj]);
             }
-            __m512 dots = _mm512_mul_ps(sum_lanes16(part), scale);
-            _mm512_mask_storeu_ps(s + j0, lanes(keys - j0), dots);
-            top = _mm512_mask_max_ps(top, lanes(keys - j0), top, dots);
+            vec dots = vmul(vsum_each(part), scale);
+            vstorem(s + j0, lanes(keys - j0), dots);
+            top = vmax_in(top, lanes(keys - j0), top, dots);
         }
-        __m512 high = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
+        vec high = vset1(vhighest(top)), total = vzero();
         for (int64_t j = 0; j < keys; j += 16) {
-            __mmask16 m = lanes(keys - j);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), high));
-            _mm512_mask_storeu_ps(s + j, m, e);
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+            mask16 m = lanes(keys - j);
+            vec e = exp16(vsub(vloadz(m, s + j), high));
+            vstorem(s + j, m, e);
+            total = vadd(total, vkeep(m, e));
         }
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+        vec inv = vset1(1.0f / vsum(total));
         for (int64_t j = 0; j < keys; j += 16)
-            _mm512_mask_storeu_ps(s + j, lanes(keys - j), _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(keys - j), s + j), inv));
+            vstorem(s + j, lanes(keys - j), vmul(vloadz(lanes(keys - j), s + j), inv));
     }
     /* softmax(qK) V for up to 4 query heads at once: each value vector is loaded (and widened) once
      * for the heads that share it, not once per head. */
     for (int64_t i0 = 0; i0 < rep; i0 += 4)
         for (int64_t v0 = 0; v0 < vecs; v0 += 4) {
-            __m512 acc[4][4];
+            vec acc[4][4];
             for (int h = 0; h < 4; h++)
-                for (int w = 0; w < 4; w++) acc[h][w] = _mm512_setzero_ps();
+                for (int w = 0; w < 4; w++) acc[h][w] = vzero();
             for (int64_t j0 = 0; j0 < keys; j0 += KEY_RUN) {
                 const int64_t run = key_at(a, table, g, j0, hd), n = keys - j0 < KEY_RUN ? keys - j0 : KEY_RUN;
                 for (int64_t jj = 0; jj < n; jj++) {
-                    __m512 value[4];
+                    vec value[4];
                     for (int w = 0; w < 4; w++)
                         if (v0 + w < vecs)
                             value[w] = load16(cache_v, run + jj * hd + 16 * (v0 + w), bf16, lanes(hd - 16 * (v0 + w)));
                     for (int h = 0; h < 4; h++) {
                         if (i0 + h >= rep) break;
-                        __m512 p = _mm512_set1_ps(scores[(i0 + h) * keys + j0 + jj]);
+                        vec p = vset1(scores[(i0 + h) * keys + j0 + jj]);
                         for (int w = 0; w < 4; w++)
-                            if (v0 + w < vecs) acc[h][w] = _mm512_fmadd_ps(p, value[w], acc[h][w]);
+                            if (v0 + w < vecs) acc[h][w] = vfmadd(p, value[w], acc[h][w]);
                     }
                 }
             }

@@ -1,4 +1,4 @@
-/* y[M, N] = x[M, K] @ w[N, K]^T on AVX-512 CPUs, float32 or bfloat16, for a served model's weights.
+/* y[M, N] = x[M, K] @ w[N, K]^T on AVX-512 or AVX2 CPUs, float32 or bfloat16, for a served model's weights.
  *
  * A decode step multiplies a few rows by every weight, so it is bound by how fast the weights
  * stream from memory. oneDNN and MKL tile for many rows and lose 15-50% of that stream at 1 to
@@ -22,7 +22,11 @@
 #include "simd.h"
 
 #define VECS (TILE_COLS / 16)
+#ifdef __AVX512F__
 #define MAX_TILE_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows beat 4 x 6 by 15-25% at 8-16 rows */
+#else
+#define MAX_TILE_ROWS 3 /* AVX2 has 16 registers: 3 rows x 4 halves of sums, 2-4 for the weights */
+#endif
 #define NEAR_ROWS 16    /* how far ahead in its own tile a thread asks for the next lines */
 #define STREAMS 4       /* runs of the next tile asked for side by side */
 #define X_BLOCK_BYTES (1 << 20) /* the rows of x that share one pass over the weights, kept in L2 */
@@ -65,13 +69,13 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
 
 /* One row of a float32 tile's sums (its two vectors, `cols` of them real) into y, or, gated,
  * silu(gate) * up: 16 columns. */
-static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int gated) {
+static inline void put_f32_row(float *y, vec lo, vec hi, int64_t cols, int gated) {
     if (gated) {
-        _mm512_storeu_ps(y, swiglu16(lo, hi, 0));
+        vstore(y, swiglu16(lo, hi, 0));
         return;
     }
-    _mm512_mask_storeu_ps(y, lanes(cols), lo);
-    _mm512_mask_storeu_ps(y + 16, lanes(cols - 16), hi);
+    vstorem(y, lanes(cols), lo);
+    vstorem(y + 16, lanes(cols - 16), hi);
 }
 
 /* One tile of MT rows into y (row stride ldy), asking for its share of the next tile (`ahead`).
@@ -81,17 +85,17 @@ static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int
     static inline __attribute__((always_inline)) void f32_steps_##MT(                              \
         const float *x, int64_t K, const float *wt, float *y, int64_t ldy, int64_t cols, int gated, \
         struct Ahead ahead, const int per_step) {                                                  \
-        __m512 acc[MT][VECS];                                                                      \
+        vec acc[MT][VECS];                                                                         \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = vzero();            \
         for (int64_t k = 0; k < K; k++) {                                                          \
             const float *wk = wt + k * TILE_COLS;                                                  \
             prefetch(ahead, k, per_step);                                                          \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
                 _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 16 * j), _MM_HINT_T0);    \
-                __m512 w = _mm512_loadu_ps(wk + 16 * j);                                           \
+                vec w = vload(wk + 16 * j);                                                        \
                 _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                               \
-                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m][j]);       \
+                    acc[m][j] = vfmadd(vset1(x[m * K + k]), w, acc[m][j]);                         \
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
@@ -104,36 +108,41 @@ static inline void put_f32_row(float *y, __m512 lo, __m512 hi, int64_t cols, int
     static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
         const float *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,     \
         int gated, struct Ahead ahead, const int per_step) {                                       \
-        __m512 acc[MT][VECS];                                                                      \
-        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);                                   \
+        vec acc[MT][VECS];                                                                         \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = _mm512_setzero_ps(); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = vzero();            \
         for (int64_t k = 0; k < K; k += 2) {                                                       \
             const uint16_t *wk = wt + k * TILE_COLS;                                               \
             prefetch(ahead, k / 2, per_step);                                                      \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
                 _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 32 * j), _MM_HINT_T0);    \
-                __m512i pairs = _mm512_loadu_si512((const void *)(wk + 32 * j));                   \
-                __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));                   \
-                __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));                   \
+                vec even, odd;                                                                     \
+                bf16_pairs(wk + 32 * j, &even, &odd);                                              \
                 _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                             \
-                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), even, acc[m][j]);    \
-                    acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + 1]), odd, acc[m][j]); \
+                    acc[m][j] = vfmadd(vset1(x[m * K + k]), even, acc[m][j]);                      \
+                    acc[m][j] = vfmadd(vset1(x[m * K + k + 1]), odd, acc[m][j]);                   \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
             if (gated) {                                                                           \
-                _mm256_storeu_si256((__m256i *)(y + m * ldy), to_bf16(swiglu16(acc[m][0], acc[m][1], 1))); \
+                store16(y + m * ldy, 0, swiglu16(acc[m][0], acc[m][1], 1), 1, 0xFFFF);             \
                 continue;                                                                          \
             }                                                                                      \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
-                _mm256_mask_storeu_epi16(y + m * ldy + 16 * j, lanes(cols - 16 * j), to_bf16(acc[m][j])); \
+                store16(y + m * ldy + 16 * j, 0, acc[m][j], 1, lanes(cols - 16 * j));              \
         }                                                                                          \
     }                                                                                              \
     BY_PREFETCH(bf16, uint16_t, MT)
 
+/* A tile function for every chunk size up to MAX_TILE_ROWS, and their table by rows - 1. */
+#if MAX_TILE_ROWS == 8
 #define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
+#define BY_ROWS(P) {P##_tile_1, P##_tile_2, P##_tile_3, P##_tile_4, P##_tile_5, P##_tile_6, P##_tile_7, P##_tile_8}
+#else
+#define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3)
+#define BY_ROWS(P) {P##_tile_1, P##_tile_2, P##_tile_3}
+#endif
 TILES(F32_TILE)
 TILES(BF16_TILE)
 
@@ -143,6 +152,8 @@ TILES(BF16_TILE)
  * all), so memory keeps streaming while the later chunks compute from cache. The threads of
  * the enclosing parallel region split the tiles. */
 #define TILED(TYPE, PREFIX)                                                                        \
+    static void (*const PREFIX##_by_rows[MAX_TILE_ROWS])(const float *, int64_t, const TYPE *, TYPE *, int64_t, \
+                                                         int64_t, int, struct Ahead) = BY_ROWS(PREFIX);  \
     static void PREFIX##_tiled(const float *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
                                TYPE *y, int gated) {                                               \
         int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
@@ -160,16 +171,7 @@ TILES(BF16_TILE)
                 TYPE *ym = y + m0 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);                 \
                 struct Ahead ahead = {(const char *)wt + tile_bytes, c * per_step * steps, run,            \
                                       c * per_step < VECS ? per_step : 0}; /* later: it is whole */          \
-                switch (m1 - m0) {                                                                 \
-                case 1: PREFIX##_tile_1(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
-                case 2: PREFIX##_tile_2(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
-                case 3: PREFIX##_tile_3(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
-                case 4: PREFIX##_tile_4(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
-                case 5: PREFIX##_tile_5(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
-                case 6: PREFIX##_tile_6(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
-                case 7: PREFIX##_tile_7(xm, K, wt, ym, ldy, cols, gated, ahead); break;               \
-                default: PREFIX##_tile_8(xm, K, wt, ym, ldy, cols, gated, ahead); break;              \
-                }                                                                                  \
+                PREFIX##_by_rows[m1 - m0 - 1](xm, K, wt, ym, ldy, cols, gated, ahead);               \
                 m0 = m1;                                                                           \
             }                                                                                      \
         }                                                                                          \
@@ -240,7 +242,7 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             for (int64_t k = 0; k < K; k += 16)
-                _mm512_mask_storeu_ps(wide + r * K + k, lanes(K - k), load16(x, r * K + k, 1, lanes(K - k)));
+                store16(wide, r * K + k, load16(x, r * K + k, 1, lanes(K - k)), 0, lanes(K - k));
         rows = wide;
     }
     int64_t block = rows_per_block(K), ldy = gated ? N / 2 : N;
@@ -274,8 +276,8 @@ void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out)
     _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < K; k++) {
         for (int64_t t = 0; t < n; t++) {
             const float *src = w + ((t0 + t) * K + k) * TILE_COLS;
-            _mm512_storeu_ps(out + (k * n + t) * TILE_COLS, _mm512_loadu_ps(src));
-            _mm512_storeu_ps(out + (k * n + t) * TILE_COLS + 16, _mm512_loadu_ps(src + 16));
+            vstore(out + (k * n + t) * TILE_COLS, vload(src));
+            vstore(out + (k * n + t) * TILE_COLS + 16, vload(src + 16));
         }
     }
 }
@@ -288,7 +290,7 @@ void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64
         for (int64_t t = 0; t < n; t++) {
             const float *src = product + (m * n + t) * TILE_COLS;
             int64_t col = (t0 + t) * TILE_COLS;
-            put_f32_row(y + m * ldy + (gated ? col / 2 : col), _mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), N - col,
+            put_f32_row(y + m * ldy + (gated ? col / 2 : col), vload(src), vload(src + 16), N - col,
                         gated);
         }
     }

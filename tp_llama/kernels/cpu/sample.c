@@ -80,26 +80,19 @@ static void cut(struct Row *r, float floor) {
         }
 }
 
-static inline __m256 high_half(__m512 v) { /* AVX-512F alone: no DQ needed */
-    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
 /* The first kept token (w > 0, l >= floor) at which the running sum of weights passes target; the
  * last kept one when rounding leaves the target at the very end. Chunks of 16 are summed as
  * vectors, and only the chunk where the sum passes is walked token by token. */
 static int64_t draw(const struct Row *r, float floor, double target) {
-    const __m512 least = _mm512_set1_ps(floor), zero = _mm512_setzero_ps();
+    const vec least = vset1(floor), zero = vzero();
     double sum = 0.0;
     int64_t last = 0;
     for (int64_t i = 0; i < r->vocab; i += 16) {
-        __mmask16 k = lanes(r->vocab - i);
-        __m512 w = _mm512_maskz_loadu_ps(k, r->w + i);
-        __mmask16 kept = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, r->l + i), least, _CMP_GE_OQ) &
-                         _mm512_cmp_ps_mask(w, zero, _CMP_GT_OQ);
+        mask16 k = lanes(r->vocab - i);
+        vec w = vloadz(k, r->w + i);
+        mask16 kept = vge(k, vloadz(k, r->l + i), least) & vgt(w, zero);
         if (!kept) continue;
-        __m512 v = _mm512_maskz_mov_ps(kept, w);
-        double chunk = _mm512_reduce_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v))) +
-                       _mm512_reduce_add_pd(_mm512_cvtps_pd(high_half(v)));
+        double chunk = vsum_double(vkeep(kept, w));
         if (sum + chunk <= target) {
             sum += chunk;
             last = i + 15 - __builtin_clz((unsigned)kept << 16);
@@ -118,37 +111,36 @@ static int64_t draw(const struct Row *r, float floor, double target) {
 static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
     const float *l = r->l;
     const int64_t V = r->vocab;
-    __m512 highest = _mm512_set1_ps(-INFINITY);
+    vec highest = vset1(-INFINITY);
     for (int64_t i = 0; i < V; i += 16) /* NaN never wins: max_ps returns its second operand then */
-        highest = _mm512_mask_max_ps(highest, lanes(V - i), _mm512_maskz_loadu_ps(lanes(V - i), l + i), highest);
-    const float m = _mm512_reduce_max_ps(highest);
+        highest = vmax_in(highest, lanes(V - i), vloadz(lanes(V - i), l + i), highest);
+    const float m = vhighest(highest);
     if (!(m > -INFINITY)) return 0;
     r->floor = -INFINITY;
     memset(r->count, 0, sizeof(r->count));
     memset(r->mass, 0, sizeof(r->mass));
     /* Weights (kept: at least min_p of the best token's weight, 1, and not NaN), bins, and the kept
      * tokens' count and mass (in double, as every sum here: the draw must land where float64 does). */
-    const __m512 top = _mm512_set1_ps(m), inv_t = _mm512_set1_ps(1.0f / p->temperature);
-    const __m512 min_p = _mm512_set1_ps(p->min_p), scale = _mm512_set1_ps(-BIN_SCALE);
-    const __m512 last_bin = _mm512_set1_ps((float)(BINS - 1));
-    __m512d total = _mm512_setzero_pd();
+    const vec top = vset1(m), inv_t = vset1(1.0f / p->temperature);
+    const vec min_p = vset1(p->min_p), scale = vset1(-BIN_SCALE);
+    const vec last_bin = vset1((float)(BINS - 1));
+    dvec total = dzero();
     int64_t kept_count = 0;
     for (int64_t i = 0; i < V; i += 16) {
-        __mmask16 k = lanes(V - i);
-        __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, l + i), top), inv_t);
-        __m512 w = exp16(z);
-        __mmask16 kept = _mm512_mask_cmp_ps_mask(k, w, min_p, _CMP_GE_OQ);
-        w = _mm512_maskz_mov_ps(kept, w);
-        _mm512_mask_storeu_ps(r->w + i, k, w);
-        __m512 bin = _mm512_min_ps(_mm512_mul_ps(z, scale), last_bin); /* NaN z: weight 0, never read */
-        _mm512_mask_storeu_epi32(r->bins + i, k, _mm512_cvttps_epi32(bin));
-        total = _mm512_add_pd(total, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
-        total = _mm512_add_pd(total, _mm512_cvtps_pd(high_half(w)));
+        mask16 k = lanes(V - i);
+        vec z = vmul(vsub(vloadz(k, l + i), top), inv_t);
+        vec w = exp16(z);
+        mask16 kept = vge(k, w, min_p);
+        w = vkeep(kept, w);
+        vstorem(r->w + i, k, w);
+        vec bin = vmin(vmul(z, scale), last_bin); /* NaN z: weight 0, never read */
+        vstore_int(r->bins + i, k, bin);
+        total = dadd(total, w);
         kept_count += __builtin_popcount(kept);
     }
     /* The bins above the last, token by token; the last (everything below e^-32 of the best token,
      * most of a peaked row) holds what is left of the totals. */
-    double kept = _mm512_reduce_add_pd(total), above_last = 0.0, counted = 0.0;
+    double kept = dsum(total), above_last = 0.0, counted = 0.0;
     for (int64_t i = 0; i < V; i++) {
         int b = r->bins[i];
         if (b < BINS - 1 && r->w[i] > 0.0f) {
