@@ -19,8 +19,8 @@ import torch
 
 from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import copy_bandwidth_gbs, table
-from tp_llama.kernels import choose, linear, onednn, prepare
 from tp_llama.checkpoint.params import read_params
+from tp_llama.kernels import choose, linear, onednn, prepare
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:

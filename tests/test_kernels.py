@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tp_llama.kernels import Tiled, choose, cpu_flags, linear, prepare, prepare_swiglu
+from tp_llama.kernels import Tiled, choose, linear, prepare, prepare_swiglu
 from tp_llama.kernels.cpu import build as cpu_build
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.build import COMMON_FLAGS, HERE, VARIANTS, build, runnable
@@ -50,11 +50,11 @@ def test_avx2_and_avx512_cpus_get_the_tiled_kernel():
 
 
 @pytest.mark.skipif(not HAS_COMPILER or "avx2" not in runnable() or VARIANT == "avx2",
-                    reason="needs a C compiler and a CPU beyond AVX2 (on an AVX2-only CPU the run above is the AVX2 build's)")
+                    reason="needs a compiler and a CPU beyond AVX2 (on AVX2-only CPUs the main run tests that build)")
 def test_the_avx2_build_passes_the_kernel_tests():
     """AVX2 code runs on AVX-512 CPUs, so the AVX2 build (AMD's Zen 2/3) is tested here too: these
     modules again, in a process that loads it (TP_LLAMA_KERNELS=avx2)."""
-    modules = ["tests/test_kernels.py", "tests/test_layer_ops.py", "tests/test_sampling.py", "tests/test_decode_step.py"]
+    modules = [f"tests/test_{name}.py" for name in ("kernels", "layer_ops", "sampling", "decode_step")]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=REPO,
                             env={**os.environ, "TP_LLAMA_KERNELS": "avx2"}, capture_output=True, text=True,
                             timeout=600, check=False)
