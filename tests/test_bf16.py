@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from tests.support.reference import ReferenceModel, greedy
+from tp_llama import config
 from tp_llama.config import EngineConfig, resolve_dtype
 from tp_llama.engine.core import Engine
+from tp_llama.kernels.cpu import ffi
 from tests.support.run_model import dense_logits
 from tp_llama.engine.scheduler import SamplingParams, Sequence
 from tp_llama.testing.synthetic import write_checkpoint
@@ -30,9 +32,15 @@ def cpu_flags() -> set[str]:
         return set(next(line for line in info if line.startswith("flags")).split(":", 1)[1].split())
 
 
-def test_default_dtype_follows_the_device_and_cpu_and_names_win():
+def test_default_dtype_follows_the_device_and_cpu_and_names_win(monkeypatch):
     native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    assert resolve_dtype(None, torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    kernels = ffi.load()[0] is not None  # the C kernels widen bfloat16 weights in registers
+    assert resolve_dtype(None, torch.device("cpu")) == (torch.bfloat16 if native or kernels else torch.float32)
+    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx2", "fma"})  # AMD's Zen 3: no bfloat16 instructions
+    assert resolve_dtype(None, torch.device("cpu")) == (torch.bfloat16 if kernels else torch.float32)
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")  # without the C kernels bfloat16 takes PyTorch's slow paths
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    monkeypatch.undo()
     assert resolve_dtype(None, torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from tp_llama.kernels import cpu_flags
+from tp_llama.kernels import choose, cpu_flags
 
 MODES = ("tp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where this process sees a GPU
@@ -77,16 +77,19 @@ class EngineConfig:
         return -(-self.max_seq_len // self.kv_block_size)
 
 
-def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: a CPU built for bfloat16, where serving it halves the weight bytes per step."""
+def cpu_streams_bf16(device: torch.device) -> bool:
+    """A CPU where bfloat16 weights halve the bytes of a decode step at float32's arithmetic speed:
+    one built for bfloat16 (avx512_bf16, AMX), or one that runs tp_llama's C kernels, which widen
+    bfloat16 in registers (AVX2 and AVX-512: 1.9-2.1x float32's decode tokens/s on the 1B shape,
+    prefill 0.8-1.1x, BENCHMARKS.md). Elsewhere bfloat16 goes through PyTorch's slow paths."""
     flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "avx512_bf16" in flags or "amx_bf16" in flags or choose(device, torch.bfloat16)[0] in ("amx", "tiles")
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA and on CPUs with native bfloat16, float32 on other CPUs, unless asked otherwise."""
+    """bfloat16 on CUDA and on CPUs that stream it (cpu_streams_bf16), float32 on other CPUs, unless asked otherwise."""
     if name is None:
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_streams_bf16(device) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]

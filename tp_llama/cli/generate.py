@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", choices=COMPILE, default="auto",
                         help="decode steps through torch.compile (CUDA graphs on CUDA); auto: on for CUDA")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32")
+                        help="default: bfloat16 on CUDA, on CPUs with native bfloat16 and where the C kernels run, else float32")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help=f"the longest sequence (default: what the prompts and --max-new-tokens can need, "
                              f"at most {SERVER.max_seq_len})")
