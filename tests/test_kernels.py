@@ -13,7 +13,7 @@ import torch
 
 from tp_llama.kernels import Tiled, choose, linear, prepare, prepare_swiglu
 from tp_llama.kernels.cpu import build as cpu_build
-from tp_llama.kernels.cpu import ops
+from tp_llama.kernels.cpu import ffi, ops
 from tp_llama.kernels.cpu.build import COMMON_FLAGS, HERE, VARIANTS, build, runnable
 from tp_llama.kernels.cpu.ffi import amx_ready, library
 
@@ -184,8 +184,24 @@ def test_forced_kind_and_bad_values(monkeypatch):
     monkeypatch.setenv("TP_LLAMA_MATMUL", "fast")
     with pytest.raises(ValueError, match="TP_LLAMA_MATMUL"):
         choose(CPU, torch.float32)
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "")  # set but empty: as if unset
+    assert choose(CPU, torch.float32)[0] == ("amx" if AMX else "tiles" if TILES else "onednn")
     monkeypatch.delenv("TP_LLAMA_MATMUL")
     assert choose(CPU, torch.float16) == ("plain", "")
+
+
+def test_a_forced_build_and_bad_values(monkeypatch):
+    ffi.load.cache_clear()
+    try:
+        monkeypatch.setenv("TP_LLAMA_KERNELS", "sse4")
+        with pytest.raises(ValueError, match="TP_LLAMA_KERNELS='sse4': choose one of avx512-amx, avx512, avx2"):
+            ffi.load()
+        monkeypatch.setenv("TP_LLAMA_KERNELS", "")  # set but empty: as if unset, the best build this CPU runs
+        lib, why = ffi.load()
+        assert (lib.variant if lib else why) == (runnable()[0] if TILES else why)
+    finally:
+        monkeypatch.undo()
+        ffi.load.cache_clear()
 
 
 def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):

@@ -47,7 +47,7 @@ def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tu
     traced: the forward goes through torch.compile, which cannot trace oneDNN's packed weights
     ("plain" instead: inductor packs them itself); the C kernels stay, their steps untraced.
     """
-    forced = os.environ.get("TP_LLAMA_MATMUL")
+    forced = os.environ.get("TP_LLAMA_MATMUL") or None  # set but empty: as if unset
     if forced is not None and forced not in KINDS:
         raise ValueError(f"TP_LLAMA_MATMUL={forced!r}: choose one of {', '.join(KINDS)}")
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or forced == "plain":

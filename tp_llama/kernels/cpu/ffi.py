@@ -121,7 +121,7 @@ def load() -> tuple[Library | None, str]:
     """
     cc = compiler()
     variants = runnable()
-    forced = os.environ.get("TP_LLAMA_KERNELS")
+    forced = os.environ.get("TP_LLAMA_KERNELS") or None  # set but empty: as if unset
     if forced is not None:
         if forced not in VARIANTS:
             raise ValueError(f"TP_LLAMA_KERNELS={forced!r}: choose one of {', '.join(VARIANTS)}")
