@@ -30,6 +30,7 @@ from tp_llama.engine.runner import ModelRunner
 from tp_llama.engine.sampling import sample_rows
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.kernels import warm_up
+from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model import KVCache, ModelArgs
 from tp_llama.parallel.distributed import (DistInfo, init_distributed, log, raise_if_any_rank_failed,
                                           smallest_across_ranks)
@@ -107,7 +108,8 @@ def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args:
         error = None
         try:
             kind, why = backend.optimize(model, info.device, traced=wants_compile(config, info.device))
-            log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
+            detail = why or (f"{library().variant} build of the C kernels" if kind in ("amx", "tiles") else "")
+            log(f"matmuls: {kind}" + (f" ({detail})" if detail else ""), info.rank)
             model.to(info.device)
         except Exception as exc:  # a rank that fails here must not leave the others in a collective
             error = exc
