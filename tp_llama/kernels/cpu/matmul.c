@@ -10,7 +10,7 @@
  *   float32:  [tiles][K][TILE_COLS]          a vector of 16 columns per k
  *   bfloat16: [tiles][K / 2][TILE_COLS][2]   pairs of k per column, widened to float32 in
  *                                            registers (a shift and a mask) and multiplied by FMA
- * A tile is read once per call while up to MAX_TILE_ROWS rows of x accumulate against it in
+ * A tile is read once per call while up to F32_ROWS or BF16_ROWS rows of x accumulate against it in
  * registers, with no horizontal sums. Threads split the tiles (OpenMP, the runtime PyTorch
  * itself loaded), and each thread prefetches its next tile while it computes, in several runs
  * at once.
@@ -23,9 +23,11 @@
 
 #define VECS (TILE_COLS / 16)
 #ifdef __AVX512F__
-#define MAX_TILE_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows beat 4 x 6 by 15-25% at 8-16 rows */
+#define F32_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows beat 4 x 6 by 15-25% at 8-16 rows */
+#define BF16_ROWS 8
 #else
-#define MAX_TILE_ROWS 3 /* AVX2 has 16 registers: 3 rows x 4 halves of sums, 2-4 for the weights */
+#define F32_ROWS 3  /* AVX2 has 16 registers: 3 rows x 4 halves of sums, 2 for the weight */
+#define BF16_ROWS 4 /* widening pairs costs more than spilling: 4 rows beat 3 by 16% at 8 rows, 3% at 32 */
 #endif
 #define NEAR_ROWS 16    /* how far ahead in its own tile a thread asks for the next lines */
 #define STREAMS 4       /* runs of the next tile asked for side by side */
@@ -135,29 +137,30 @@ static inline void put_f32_row(float *y, vec lo, vec hi, int64_t cols, int gated
     }                                                                                              \
     BY_PREFETCH(bf16, uint16_t, MT)
 
-/* A tile function for every chunk size up to MAX_TILE_ROWS, and their table by rows - 1. */
-#if MAX_TILE_ROWS == 8
-#define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
-#define BY_ROWS(P) {P##_tile_1, P##_tile_2, P##_tile_3, P##_tile_4, P##_tile_5, P##_tile_6, P##_tile_7, P##_tile_8}
-#else
-#define TILES(DEFINE) DEFINE(1) DEFINE(2) DEFINE(3)
-#define BY_ROWS(P) {P##_tile_1, P##_tile_2, P##_tile_3}
-#endif
-TILES(F32_TILE)
-TILES(BF16_TILE)
+/* A tile function for every chunk size up to each dtype's rows, and their tables by rows - 1. */
+#define TILES_3(D) D(1) D(2) D(3)
+#define TILES_4(D) TILES_3(D) D(4)
+#define TILES_8(D) TILES_4(D) D(5) D(6) D(7) D(8)
+#define BY_ROWS_3(P) P##_tile_1, P##_tile_2, P##_tile_3
+#define BY_ROWS_4(P) BY_ROWS_3(P), P##_tile_4
+#define BY_ROWS_8(P) BY_ROWS_4(P), P##_tile_5, P##_tile_6, P##_tile_7, P##_tile_8
+#define PASTE(A, B) A##B
+#define WITH_ROWS(MACRO, ROWS) PASTE(MACRO, ROWS) /* ROWS expanded first: TILES_8, not TILES_F32_ROWS */
+WITH_ROWS(TILES_, F32_ROWS)(F32_TILE)
+WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
 
-/* Rows go in near-equal chunks of at most MAX_TILE_ROWS (10 rows: 5 + 5, not 8 + 2), so every
+/* Rows go in near-equal chunks of at most ROWS (10 rows: 5 + 5, not 8 + 2), so every
  * chunk has enough independent sums; the tile stays in cache between chunks. Each chunk
  * prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
  * all), so memory keeps streaming while the later chunks compute from cache. The threads of
  * the enclosing parallel region split the tiles. */
-#define TILED(TYPE, PREFIX)                                                                        \
-    static void (*const PREFIX##_by_rows[MAX_TILE_ROWS])(const float *, int64_t, const TYPE *, TYPE *, int64_t, \
-                                                         int64_t, int, struct Ahead) = BY_ROWS(PREFIX);  \
+#define TILED(TYPE, PREFIX, ROWS)                                                                  \
+    static void (*const PREFIX##_by_rows[ROWS])(const float *, int64_t, const TYPE *, TYPE *, int64_t, int64_t, \
+                                                int, struct Ahead) = {WITH_ROWS(BY_ROWS_, ROWS)(PREFIX)};  \
     static void PREFIX##_tiled(const float *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
                                TYPE *y, int gated) {                                               \
         int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
-        int64_t chunks = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;                                  \
+        int64_t chunks = (M + ROWS - 1) / ROWS;                                                    \
         int per_step = (int)((VECS + chunks - 1) / chunks);                                        \
         int64_t tile_bytes = K * TILE_COLS * (int64_t)sizeof(TYPE), steps = tile_bytes / (VECS * 64); \
         int64_t run = (tile_bytes / 64 + STREAMS - 1) / STREAMS; /* a short last run asks past the tile */ \
@@ -177,8 +180,8 @@ TILES(BF16_TILE)
         }                                                                                          \
     }
 
-TILED(float, f32)
-TILED(uint16_t, bf16)
+TILED(float, f32, F32_ROWS)
+TILED(uint16_t, bf16, BF16_ROWS)
 
 /* One tile from `real` plain rows [real][K] of 4-byte units (a float32, or a pair of bfloat16
  * along k): out[k][c] = rows[c][k], zeros past row `real`. Blocks of 16 units per row keep reads a
@@ -228,9 +231,9 @@ int pack_tiles_in_place(uint32_t *w, int64_t N, int64_t K) {
 /* Prefill rows come in blocks whose float32 copy fits X_BLOCK_BYTES: every tile of the weight
  * meets a block from cache instead of all M rows from memory (8x faster at 1024 rows), for one
  * more pass over the weights per block. */
-static int64_t rows_per_block(int64_t K) {
+static int64_t rows_per_block(int64_t K, int64_t chunk) {
     int64_t rows = X_BLOCK_BYTES / (K * (int64_t)sizeof(float));
-    rows -= rows % MAX_TILE_ROWS;
+    rows -= rows % chunk;
     return rows < MIN_BLOCK_ROWS ? MIN_BLOCK_ROWS : rows;
 }
 
@@ -245,7 +248,7 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
                 store16(wide, r * K + k, load16(x, r * K + k, 1, lanes(K - k)), 0, lanes(K - k));
         rows = wide;
     }
-    int64_t block = rows_per_block(K), ldy = gated ? N / 2 : N;
+    int64_t block = rows_per_block(K, bf16 ? BF16_ROWS : F32_ROWS), ldy = gated ? N / 2 : N;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         int64_t m = M - m0 < block ? M - m0 : block;
         if (bf16)
