@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ VARIANT = os.environ.get("TP_LLAMA_KERNELS") or next(iter(runnable()), None)  # 
 TILES = HAS_COMPILER and VARIANT is not None
 AMX = TILES and VARIANT == "avx512-amx"
 NEEDS_TILES = pytest.mark.skipif(not TILES, reason="needs a build of the C kernels: AVX2 or AVX-512, and a C compiler")
-REPO = HERE.parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def available_kinds() -> list[str]:

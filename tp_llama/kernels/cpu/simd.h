@@ -52,11 +52,6 @@ static inline dvec dadd(dvec acc, vec v) {
     return _mm512_add_pd(acc, _mm512_cvtps_pd(high_half(v)));
 }
 static inline double dsum(dvec acc) { return _mm512_reduce_add_pd(acc); }
-/* The lanes' sum in float64: each half's, then both. */
-static inline double vsum_double(vec v) {
-    return _mm512_reduce_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v))) +
-           _mm512_reduce_add_pd(_mm512_cvtps_pd(high_half(v)));
-}
 
 /* Round to nearest even, as PyTorch does; NaN stays NaN. */
 static inline __m256i to_bf16(vec v) {
@@ -199,7 +194,6 @@ static inline double dsum(dvec acc) {
     __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
     return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
 }
-static inline double vsum_double(vec v) { return dsum(dadd(dzero(), v)); }
 
 /* Round to nearest even, as PyTorch does; NaN stays NaN. */
 static inline __m256i round_bf16(__m256 v) {
@@ -278,6 +272,9 @@ static inline vec vsum_each(const vec v[16]) {
 #else
 #error "tp_llama's C kernels need AVX-512 (avx512f, avx512bw, avx512vl) or AVX2 with FMA"
 #endif
+
+/* The lanes' sum in float64. */
+static inline double vsum_double(vec v) { return dsum(dadd(dzero(), v)); }
 
 /* The lanes of a 16-wide vector that hold one of the `left` elements still to go. */
 static inline mask16 lanes(int64_t left) {
