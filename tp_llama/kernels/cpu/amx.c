@@ -3,8 +3,8 @@
  * A bfloat16 weight in tiles ([tiles][K / 2][TILE_COLS][2], matmul.c) is already what an AMX B
  * operand wants: for 16 pairs of k, 16 columns of 2 values, 64 bytes a row; the tile's other 16
  * columns are the next 64 bytes, so both halves load with a row stride of 128 bytes. Each thread
- * takes whole weight tiles (a panel of them when x outgrows L2), in k slabs, and multiplies every
- * 32-row block of x by each, so every weight byte comes from memory once a call:
+ * takes whole weight tiles and multiplies every 32-row block of x by each (by_chunks, or
+ * by_panels where x's rows are too wide for chunks):
  * C[32][32] in four float32 tiles, A (two 16-row blocks of x) and B (the tile's two halves) in
  * the other four, TDPBF16PS over k 32 at a time. The epilogue is the decode kernel's: rounded to
  * bfloat16, or SwiGLU of a gated tile. So prefill needs no second copy of the weights.
@@ -30,6 +30,7 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component */
 #define XFEATURE_XTILEDATA 18      /* the tile registers' data */
 #define X_L2_BYTES (1 << 20)       /* x up to this size stays in L2 while the weights pass over it */
+#define CHUNK_MIN_BLOCKS 4         /* the fewest row blocks a chunk of x (by_chunks) may have */
 #define PANEL_TILES 8              /* weight tiles that share each slab of a larger x */
 #define K_SLAB 256                 /* k of the weight tile kept in L1 (16 KiB) */
 #define NEAR_K 128                 /* how far ahead a one-block call asks for its own tile's lines */
@@ -59,17 +60,19 @@ static void configure(void) {
 
 /* The product of a 32-row block of x, packed (pack_rows), and weight tile wt, over k in [k0, k1):
  * added to the sums in acc (float32 [32][32]) unless `first`, left there unless `last`, in which
- * case the epilogue writes y's rows (up to `rows` of them). ahead: as many bytes of weight as this
- * call reads (NULL: none), the part the thread needs next, asked for a k step at a time in
+ * case the epilogue writes y's rows (up to `rows` of them). ahead: weight the thread needs next
+ * (NULL: none), asked for per_step lines a k step (a constant where it can be: a decode step's
+ * loop unrolled is 2-3% faster), in
  * PREFETCH_RUNS interleaved runs that the L2's streamer follows: AMX's tile loads hold few misses
  * in flight, and a decode step of 16 rows on the 1B shape went from 126 to 115 ms with the next
  * tile asked for so (one run front to back gave nothing, two tiles ahead was no better). streams:
- * the call reads its tile straight from memory (one row block), so it also asks for the tile's
+ * the call reads its tile straight from memory or L2, so it also asks for the tile's
  * lines NEAR_K ahead into L1: a pass over the 1B weights at 16 rows 96 -> 89 ms (a prefetch into
  * L2 8 k steps ahead had given nothing; 64 and 256 ahead were the same, 512 slower). */
-static void block(const uint16_t *packed, const char *wt, const char *ahead, int streams, int64_t k0, int64_t k1,
-                  int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
-    const int64_t run = (k1 - k0) / 2 * 128 / 64 / PREFETCH_RUNS; /* lines of `ahead` in each run */
+static inline __attribute__((always_inline)) void
+block(const uint16_t *packed, const char *wt, const char *ahead, int64_t per_step, int streams, int64_t k0, int64_t k1,
+      int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
+    const int64_t run = per_step * ((k1 - k0) / 32) / PREFETCH_RUNS; /* lines of `ahead` in each run */
     const int full = rows > 16; /* else the block's second 16 rows are padding: half the work */
     if (first) {
         _tile_zero(0);
@@ -86,8 +89,8 @@ static void block(const uint16_t *packed, const char *wt, const char *ahead, int
     }
     for (int64_t k = k0; k < k1; k += 32) {
         const uint16_t *a = packed + k * 32; /* 32 rows x 32 k, 2 KiB */
-        if (ahead != NULL) /* the step's 32 lines of what comes next, spread over PREFETCH_RUNS runs */
-            for (int64_t i = (k - k0) / 32 * 32; i < (k - k0) / 32 * 32 + 32; i++)
+        if (ahead != NULL) /* the step's lines of what comes next, spread over PREFETCH_RUNS runs */
+            for (int64_t i = (k - k0) / 32 * per_step; i < (k - k0) / 32 * per_step + per_step; i++)
                 _mm_prefetch(ahead + (i % PREFETCH_RUNS * run + i / PREFETCH_RUNS) * 64, _MM_HINT_T1);
         if (streams) /* the tile's lines NEAR_K ahead into L1 */
             for (int i = 0; i < 32; i++) _mm_prefetch(wt + (k + NEAR_K) / 2 * 128 + i * 64, _MM_HINT_T0);
@@ -144,7 +147,33 @@ static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel
     return t + panel < tiles ? wt + panel * K * TILE_COLS * 2 : NULL;
 }
 
-int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
+/* Rows in chunks of `chunk` blocks whose packed x stays in L2: every row block of a chunk meets
+ * each tile over all of k, the sums held in the tile registers from the first k to the last (a
+ * store and reload of the sums between k slabs cost a quarter of AMX's rate), while the tile
+ * comes from L2 after its first block. The next tile is asked for in shares, one per row block.
+ * Each chunk after the first is one more pass over the weights (from L3 while they fit). A pass
+ * over the 1B shape's weights (bench_matmul): 64 rows 134 -> 114 ms, 512 rows 0.95x -> 0.88x
+ * oneDNN's time; rows of w2 (8,192 wide) would make chunks of 64 rows and stay on by_panels. */
+static void by_chunks(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
+                      int64_t chunk) {
+    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
+    const int64_t tile_bytes = K * TILE_COLS * 2;
+    float sums[32 * 32] __attribute__((aligned(64)));
+    for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < blocks ? c0 + chunk : blocks, share = tile_bytes / (c1 - c0);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const char *wt = (const char *)w + t * tile_bytes, *next = t + 1 < tiles ? wt + tile_bytes : NULL;
+            for (int64_t b = c0; b < c1; b++)
+                block(packed + b * 32 * K, wt, next != NULL ? next + (b - c0) * share : NULL, 32 / (c1 - c0), 1, 0, K,
+                      1, 1, sums, (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS), ldy,
+                      M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS, gated);
+        }
+    }
+}
+
+/* Rows too wide for chunks of CHUNK_MIN_BLOCKS (w2's 8,192), and one-block decode calls. */
+static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
     /* x that fits L2 meets one weight tile at a time. More rows meet a panel of tiles, so each slab of
      * x fetched from L3 serves all of them while the weights stream from memory once a call (rows
@@ -153,12 +182,9 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
     const int64_t panel = M * K * 2 > X_L2_BYTES ? PANEL_TILES : 1;
     /* With several row blocks, k goes in slabs whose part of the panel's tiles (K_SLAB / 2 rows of
      * 128 bytes a tile) stays in L1/L2 while every row block passes over it; the sums wait in acc. */
-    uint16_t *packed = scratch;
     float one[32 * 32] __attribute__((aligned(64)));
     float *acc = blocks > 1 ? aligned_alloc(64, (size_t)(blocks * panel) * 32 * 32 * sizeof(float)) : NULL;
     const int64_t slab = acc != NULL ? K_SLAB : K; /* no memory for the sums: whole k, one block at a time */
-    configure();
-    pack_rows(x, M, K, packed); /* ends in a barrier: x is whole before use */
 #pragma omp for schedule(static)
     for (int64_t p0 = 0; p0 < tiles; p0 += panel) {
         const int64_t p1 = p0 + panel < tiles ? p0 + panel : tiles;
@@ -169,14 +195,25 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
                     const char *wt = (const char *)w + t * K * TILE_COLS * 2;
                     float *sums = acc != NULL ? acc + (b * panel + t - p0) * 32 * 32 : one;
                     uint16_t *yb = (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);
-                    block(packed + b * 32 * K, wt, b == 0 ? ahead(wt, K, tiles, panel, t, k1) : NULL, blocks == 1,
-                          k0, k1, k0 == 0, k1 == K, sums, yb, ldy, M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS,
-                          gated);
+                    block(packed + b * 32 * K, wt, b == 0 ? ahead(wt, K, tiles, panel, t, k1) : NULL, 32,
+                          blocks == 1, k0, k1, k0 == 0, k1 == K, sums, yb, ldy, M - b * 32 < 32 ? M - b * 32 : 32,
+                          N - t * TILE_COLS, gated);
                 }
         }
     }
-    _tile_release();
     free(acc);
+}
+
+int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
+    const int64_t blocks = (M + 31) / 32, chunk = X_L2_BYTES / (K * 2) / 32; /* row blocks of x in L2 */
+    uint16_t *packed = scratch;
+    configure();
+    pack_rows(x, M, K, packed); /* ends in a barrier: x is whole before use */
+    if (blocks > 1 && chunk >= CHUNK_MIN_BLOCKS)
+        by_chunks(packed, M, K, w, N, y, gated, chunk);
+    else
+        by_panels(packed, M, K, w, N, y, gated);
+    _tile_release();
     return TPL_OK;
 }
 
