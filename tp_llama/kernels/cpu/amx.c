@@ -152,8 +152,9 @@ static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel
  * store and reload of the sums between k slabs cost a quarter of AMX's rate), while the tile
  * comes from L2 after its first block. The next tile is asked for in shares, one per row block.
  * Each chunk after the first is one more pass over the weights (from L3 while they fit). A pass
- * over the 1B shape's weights (bench_matmul): 64 rows 134 -> 114 ms, 512 rows 0.95x -> 0.88x
- * oneDNN's time; rows of w2 (8,192 wide) would make chunks of 64 rows and stay on by_panels. */
+ * over the 1B shape's weights (bench_matmul) against oneDNN's time: 64 rows 0.83x -> 0.79x, 512
+ * rows 0.95x -> 0.88x. Rows of w2 (8,192 wide) would make chunks of 64 rows (slower: 1.07 against
+ * 1.18 TFLOPS) and stay on by_panels. */
 static void by_chunks(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
                       int64_t chunk) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
