@@ -23,16 +23,17 @@ from bench.checkpoint import PRESETS, ensure_checkpoint
 from bench.common import table
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
-from tp_llama.engine.plan import Row
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.scheduler import SamplingParams, Scheduled, Sequence
 
 KINDS = ("prompt-only", "mixed", "decode")
 
 
-def kind(rows: list[Row], prompt_tokens: int) -> str:
-    if not prompt_tokens:
+def kind(step: Scheduled) -> str:
+    """Told before the step commits, while a prompt's sequence still counts as prefilling (a prompt's
+    one-token last chunk looks like a decode row)."""
+    if not step.prompt_tokens:
         return "decode"
-    return "mixed" if any(len(row.tokens) == 1 and row.sample for row in rows) else "prompt-only"
+    return "mixed" if any(not seq.prefilling for seq in step.sequences) else "prompt-only"
 
 
 def run(engine: Engine, clients: int, requests: int, prompt_len: int, new_tokens: int) -> list[object]:
@@ -42,12 +43,13 @@ def run(engine: Engine, clients: int, requests: int, prompt_len: int, new_tokens
     steps: dict[str, list[float]] = {k: [] for k in KINDS}
     lead = engine._lead
 
-    def timed(scheduled, end):
+    def timed(scheduled: Scheduled, end: bool):
+        times = steps[kind(scheduled)]
         started = time.perf_counter()
         try:
             return lead(scheduled, end)
         finally:
-            steps[kind(scheduled.rows, scheduled.prompt_tokens)].append(time.perf_counter() - started)
+            times.append(time.perf_counter() - started)
 
     engine._lead = timed
     scheduler = engine.new_scheduler()
