@@ -45,13 +45,27 @@ def test_prompts_are_prefilled_in_chunks_within_the_budget_while_others_decode()
     plan = step(scheduler)
     assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 3, True), (0, 5, False)]
     plan = step(scheduler)
-    # a decodes its first token while b's prompt goes on, 8 tokens at a time
-    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(3, 1, True), (5, 8, False)]
+    # a decodes its first token while b's prompt goes on: 8 rows a step, a's decode row included
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(3, 1, True), (5, 7, False)]
+    assert plan.prompt_tokens == 7
     plan = step(scheduler)
-    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(4, 1, True), (13, 7, True)]
-    assert b.output == [7] and a.output == [7, 7, 7]
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(4, 1, True), (12, 7, False)]
+    plan = step(scheduler)
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(5, 1, True), (19, 1, True)]
+    assert b.output == [7] and a.output == [7, 7, 7, 7]
     # each row carries its table as far as its last position (blocks of 4)
     assert [len(r.blocks) for r in plan.rows] == [2, 5] and plan.rows[1].blocks == b.blocks[:5]
+
+
+def test_prompts_keep_half_the_budget_however_many_sequences_decode():
+    scheduler = scheduler_of(8, max_seq_len=64, prefill_budget=8)
+    decoding = [seq(str(i), 1, max_new=10) for i in range(6)]
+    for s in decoding:
+        scheduler.add(s)
+    step(scheduler)
+    scheduler.add(seq("long", 20))
+    plan = step(scheduler)
+    assert [len(r.tokens) for r in plan.rows] == [1] * 6 + [4]
 
 
 def test_running_is_capped_blocks_are_freed_on_finish_and_cancel_and_waiting_ones_get_them():

@@ -59,7 +59,7 @@ class EngineConfig:
     dtype: str | None = one_of(None, tuple(DTYPES))  # None: see resolve_dtype
     max_seq_len: int = bounded(2048, 2)  # the longest sequence: prompt + new tokens
     max_batch_size: int = bounded(64, 1)  # the most sequences running at once (the KV pool decides how many fit)
-    prefill_budget: int = bounded(512, 1)  # prompt tokens per step
+    prefill_budget: int = bounded(512, 1)  # rows per step, decode rows included
     device: str = one_of("auto", DEVICES)  # TorchServe's deviceType or the CLI's --device
     compile: str = one_of("auto", COMPILE)  # decode steps through torch.compile (CUDA graphs on CUDA)
     kv_cache_memory_gb: float = bounded(0.0, 0)  # the KV-cache pool per rank; 0: see kv_pool_bytes

@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-block-size", type=int, default=SERVER.kv_block_size, help="positions per KV-cache block")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt from its first token")
     parser.add_argument("--prefill-budget", type=int, default=SERVER.prefill_budget,
-                        help="prompt tokens per step (longer prompts are prefilled in chunks)")
+                        help="rows per step, decode rows included (longer prompts are prefilled in chunks)")
     return parser.parse_args(argv)
 
 
