@@ -619,7 +619,13 @@ def test_logprobs_in_every_shape_agree_with_the_tokens(engine) -> None:
         assert [t["logprob"] for t in entry["top_logprobs"]] == sorted((t["logprob"] for t in entry["top_logprobs"]),
                                                                       reverse=True)
     lines = [json.loads(reply) for reply, _, _ in replies["ns"] if reply]
-    assert [e for line in lines for e in line["logprobs"]] == native["logprobs"]
+    streamed = [e for line in lines for e in line["logprobs"]]
+    # The same tokens and numbers within rounding: the two prompts may be prefilled in different chunks
+    # (the budget of 8 rows shares each step with the other requests).
+    assert [[t["token_id"] for t in e["top_logprobs"]] for e in streamed] == \
+        [[t["token_id"] for t in e["top_logprobs"]] for e in native["logprobs"]]
+    assert [t["logprob"] for e in streamed for t in e["top_logprobs"]] == \
+        pytest.approx([t["logprob"] for e in native["logprobs"] for t in e["top_logprobs"]], abs=1e-5)
     values = [e["logprob"] for e in native["logprobs"]]
     completion = final_json(replies["c"])["choices"][0]["logprobs"]
     assert completion["token_logprobs"] == pytest.approx(values, abs=1e-5) and len(completion["top_logprobs"][0]) <= 3
