@@ -59,13 +59,11 @@ def test_prompts_are_prefilled_in_chunks_within_the_budget_while_others_decode()
 
 def test_prompts_keep_half_the_budget_however_many_sequences_decode():
     scheduler = scheduler_of(8, max_seq_len=64, prefill_budget=8)
-    decoding = [seq(str(i), 1, max_new=10) for i in range(6)]
-    for s in decoding:
-        scheduler.add(s)
-    step(scheduler)
+    for name in "abcdef":
+        scheduler.add(seq(name, 1, max_new=10))
+    step(scheduler)  # six one-token prompts: six sequences decoding from here on
     scheduler.add(seq("long", 20))
-    plan = step(scheduler)
-    assert [len(r.tokens) for r in plan.rows] == [1] * 6 + [4]
+    assert [len(r.tokens) for r in step(scheduler).rows] == [1] * 6 + [4]
 
 
 def test_running_is_capped_blocks_are_freed_on_finish_and_cancel_and_waiting_ones_get_them():
