@@ -398,7 +398,8 @@ def report(data: dict) -> str:
         parts.append("### latency scenarios\n\n" + table(["server", "scenario", "alone s", "with others s",
                                                          "ratio"], rows))
     notes = [f"- {data['preset']} preset, {data['dtype']}, prompt {data['prompt_len']} token ids, "
-             f"{data['new_tokens']} new tokens per request, greedy, stop tokens ignored; {data['requests']} "
+             f"{data['new_tokens']} new tokens per request, sampling {data.get('sampling', 'greedy')} "
+             f"({SAMPLING[data.get('sampling', 'greedy')]}), stop tokens ignored; {data['requests']} "
              f"request(s) per client back to back; our servers TP {data['tp']} x {data['omp_threads']} OpenMP "
              f"thread(s); vLLM cores {data['vllm_cores']}."]
     for name, res in servers.items():
