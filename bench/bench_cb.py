@@ -397,9 +397,10 @@ def report(data: dict) -> str:
                              d["alone"]["latency_s"], d["after_latency_s"], d["ratio"]])
         parts.append("### latency scenarios\n\n" + table(["server", "scenario", "alone s", "with others s",
                                                          "ratio"], rows))
+    sampling = data.get("sampling", "greedy")  # JSON of runs from before the option: greedy
     notes = [f"- {data['preset']} preset, {data['dtype']}, prompt {data['prompt_len']} token ids, "
-             f"{data['new_tokens']} new tokens per request, sampling {data.get('sampling', 'greedy')} "
-             f"({SAMPLING[data.get('sampling', 'greedy')]}), stop tokens ignored; {data['requests']} "
+             f"{data['new_tokens']} new tokens per request, sampling {sampling} ({SAMPLING[sampling]}), "
+             f"stop tokens ignored; {data['requests']} "
              f"request(s) per client back to back; our servers TP {data['tp']} x {data['omp_threads']} OpenMP "
              f"thread(s); vLLM cores {data['vllm_cores']}."]
     for name, res in servers.items():
