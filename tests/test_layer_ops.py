@@ -175,6 +175,36 @@ def test_decode_attention_rejects_rows_off_the_cache():
     case.call(case.qkv, case.rotation, unused, torch.tensor([1, 20]), case.k, case.v, out)
 
 
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-hd{}".format(*s))
+def test_prompt_rows_rope_and_cache_write_match_float64(dtype: torch.dtype, shape: tuple[int, int, int]):
+    heads, kv_heads, hd = shape
+    case = Case(dtype, heads, kv_heads, hd, slots=[0, 1, 2, 3], positions=[0, 1, 2, 3])
+    locations = torch.tensor([5, 0, 63, 17])
+    qkv, k, v = case.qkv.clone(), case.k.clone(), case.v.clone()
+    ops.rope_prompt_rows(qkv, case.rotation, locations, heads, k, v)
+    angles = torch.atan2(*case.rotation[:, 0].double().unbind(-1)[::-1])  # [rows, hd / 2]
+    heads_in = case.qkv.double().unflatten(-1, (-1, hd))
+    want_qk = torch.stack([rotate(heads_in[r, : heads + kv_heads], angles[r]) for r in range(4)])
+    want_k, want_v = case.k.double(), case.v.double()
+    want_k[:, locations] = want_qk[:, heads:].transpose(0, 1)
+    want_v[:, locations] = heads_in[:, heads + kv_heads :].transpose(0, 1)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(qkv.double().unflatten(-1, (-1, hd))[:, : heads + kv_heads], want_qk, rtol=tol, atol=tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * hd :], case.qkv[:, (heads + kv_heads) * hd :])
+    torch.testing.assert_close(k.double(), want_k, rtol=tol, atol=tol)
+    assert torch.equal(v.double(), want_v)
+
+
+def test_prompt_rows_off_the_cache_are_refused_before_any_write():
+    case = Case(torch.float32, 4, 2, 64, slots=[0, 1], positions=[0, 1])
+    for bad in ([3, case.k.shape[1]], [-1, 3]):
+        qkv, k = case.qkv.clone(), case.k.clone()
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            ops.rope_prompt_rows(qkv, case.rotation, torch.tensor(bad), 4, k, case.v.clone())
+        assert torch.equal(qkv, case.qkv) and torch.equal(k, case.k)
+
+
 def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
     """A small GQA Llama 3.1 model (the same weights every call) with 4 cache slots, prepared for serving."""
     from tp_llama.model import Transformer

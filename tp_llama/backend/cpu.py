@@ -23,7 +23,7 @@ from tp_llama.kernels import Tiled, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model.batch import Batch
-from tp_llama.model.kv_cache import KVCache
+from tp_llama.model.kv_cache import KVCache, attend_written
 from tp_llama.model.llama import FeedForward, Layers, RMSNorm, Transformer
 from tp_llama.parallel.layout import ALL_REDUCE, NONE
 
@@ -63,8 +63,15 @@ class CAttention(FusedAttention):
             rows = ops.decode_rows(rotation[:done], batch.tables[:done], batch.positions[:done])
             ops.decode_attention(qkv[:done], rows, self.cache.k, self.cache.v, self.cache.block_size, out[:done])
         if done < qkv.shape[0]:
-            out[done:] = self.attend(qkv[done:], rotation[done:], batch, done)
+            out[done:] = self._attend_prompts(qkv[done:], rotation[done:], batch, done)
         return self.wo(out)
+
+    def _attend_prompts(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int) -> torch.Tensor:
+        """Prompt rows: RoPE and the cache write in C, then PyTorch's flash attention per chunk."""
+        n_q, n_kv = self.widths
+        ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, self.cache.k, self.cache.v)
+        q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv.split([n_q, n_kv, n_kv], dim=1))
+        return attend_written(self.cache, q, k, v, batch, done).flatten(1)
 
 
 class DecodeLayers(Layers):

@@ -68,6 +68,12 @@ def attend(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba
     """Attention [T, heads, hd] of the batch's tokens from index `done` on (q, k rotated), after
     writing their keys and values to the cache; tokens before `done` were attended elsewhere."""
     cache.write(batch.locations[done:], k, v)
+    return attend_written(cache, q, k, v, batch, done)
+
+
+def attend_written(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
+                   done: int = 0) -> torch.Tensor:
+    """`attend`, for tokens whose keys and values are in the cache already."""
     if not batch.prefill:
         return _decode(cache, q, batch)
     out = torch.empty_like(q)

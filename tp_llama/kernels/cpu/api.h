@@ -77,6 +77,10 @@ void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t 
 int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads,
                      int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks,
                      int64_t block_size, void *out, int bf16);
+/* Prompt rows' q and k rotated in place in qkv, their keys and values written to the cache at
+ * locations[r] < cache_len (cache_k/v [n_kv_heads][cache_len][head_dim]). TPL_OK or TPL_OFF_CACHE. */
+int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64_t *locations, int64_t n_heads,
+                     int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t cache_len, int bf16);
 
 /* A decode step's layers (decode.c). */
 int64_t decode_scratch_bytes(const struct DecodeLayer *layer, int64_t rows);

@@ -8,6 +8,7 @@
  *   decode_attention  one new token per row: RoPE on its query and key, the key and value
  *                     written to the row's place in its cache blocks, then softmax attention
  *                     over the blocks of its table
+ *   rope_prompt_rows  a prompt chunk's RoPE and cache write, before its attention
  * (SwiGLU's silu(gate) * up runs in the w1/w3 matmul's tiles, matmul.c.) Every output
  * element is computed from its own row alone, in a fixed order, so a row gets
  * the same bits whatever else shares the batch. bf16 = 1 means bfloat16 arrays, 0 float32;
@@ -168,6 +169,37 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
                     store16(out_row, ((g * rep + i0 + h) * hd) + 16 * (v0 + w), acc[h][w], bf16,
                             lanes(hd - 16 * (v0 + w)));
         }
+}
+
+/* Prompt rows before PyTorch's flash kernel attends them: each row's query and key heads rotated
+ * in place in qkv ([rows][(n_heads + 2 n_kv_heads) head_dim]) and its key and value written to
+ * cache index locations[r] of cache_k/v [n_kv_heads][cache_len][head_dim], as attend does for a
+ * decode row. rotation [rows][head_dim]: cos, sin pairs at the row's position. Eager, RoPE and
+ * the cache write were 12 ops a layer and 5% of a 512-row prompt step on the 1B shape.
+ * TPL_OK, or TPL_OFF_CACHE before anything is written. */
+int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64_t *locations, int64_t n_heads,
+                     int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t cache_len, int bf16) {
+    for (int64_t r = 0; r < rows; r++)
+        if (locations[r] < 0 || locations[r] >= cache_len) return TPL_OFF_CACHE;
+    const int64_t width = (n_heads + 2 * n_kv_heads) * head_dim;
+#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *rot = rotation + r * head_dim;
+        for (int64_t h = 0; h < n_heads + n_kv_heads; h++)
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                mask16 m = lanes(head_dim - d);
+                int64_t at = r * width + h * head_dim + d;
+                store16(qkv, at, rotate16(load16(qkv, at, bf16, m), rot, d, m), bf16, m);
+            }
+        for (int64_t g = 0; g < n_kv_heads; g++)
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                mask16 m = lanes(head_dim - d);
+                int64_t own = (g * cache_len + locations[r]) * head_dim + d, at = r * width + (n_heads + g) * head_dim + d;
+                store16(cache_k, own, load16(qkv, at, bf16, m), bf16, m);
+                store16(cache_v, own, load16(qkv, at + n_kv_heads * head_dim, bf16, m), bf16, m);
+            }
+    }
+    return TPL_OK;
 }
 
 int check_rows(const struct DecodeRows *R, int64_t n_blocks, int64_t block_size, int64_t n_heads,

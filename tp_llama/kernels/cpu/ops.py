@@ -156,6 +156,23 @@ def decode_attention(qkv: torch.Tensor, rows: ctypes.Structure, cache_k: torch.T
     _raise_for(status, cache_k)
 
 
+def rope_prompt_rows(qkv: torch.Tensor, rotation: torch.Tensor, locations: torch.Tensor, n_heads: int,
+                     cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    """Prompt rows' RoPE and cache write in one C call: q and k heads rotated in place in qkv
+    [rows, (heads + 2 kv_heads) * head_dim], each row's key and value written to cache index
+    locations[row] of cache_k / cache_v [kv_heads, cache_len, head_dim]. rotation [rows, ..., head_dim / 2, 2]."""
+    n_kv_heads, cache_len, head_dim = cache_k.shape
+    if not all(t.is_contiguous() for t in (qkv, rotation, locations, cache_k, cache_v)) or locations.dtype != torch.long:
+        raise ValueError("rope_prompt_rows needs contiguous tensors and int64 locations")
+    if qkv.dtype != cache_k.dtype or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * head_dim:
+        raise ValueError(f"qkv {tuple(qkv.shape)} {qkv.dtype} does not fit a cache {tuple(cache_k.shape)} {cache_k.dtype}")
+    status = library().rope_prompt_rows(qkv.data_ptr(), qkv.shape[0], rotation.data_ptr(), locations.data_ptr(),
+                                        n_heads, n_kv_heads, head_dim, cache_k.data_ptr(), cache_v.data_ptr(),
+                                        cache_len, qkv.dtype == torch.bfloat16)
+    if status:
+        raise IndexError(f"a prompt row's cache index lies outside the KV cache {tuple(cache_k.shape)}")
+
+
 def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],
                  cache_k: torch.Tensor, cache_v: torch.Tensor, block_size: int, eps: float) -> ctypes.Structure | None:
     """A layer as decode_stack, attention_block and ffn_block run it (struct DecodeLayer), or None where they cannot.
