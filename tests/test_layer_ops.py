@@ -203,6 +203,8 @@ def test_prompt_rows_off_the_cache_are_refused_before_any_write():
         with pytest.raises(IndexError, match="outside the KV cache"):
             ops.rope_prompt_rows(qkv, case.rotation, torch.tensor(bad), 4, k, case.v.clone())
         assert torch.equal(qkv, case.qkv) and torch.equal(k, case.k)
+    with pytest.raises(ValueError, match="2 rows need 2 locations"):
+        ops.rope_prompt_rows(case.qkv.clone(), case.rotation[:1], torch.tensor([0, 1]), 4, case.k.clone(), case.v.clone())
 
 
 def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:

@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
  * in place in qkv ([rows][(n_heads + 2 n_kv_heads) head_dim]) and its key and value written to
  * cache index locations[r] of cache_k/v [n_kv_heads][cache_len][head_dim], as attend does for a
  * decode row. rotation [rows][head_dim]: cos, sin pairs at the row's position. Eager, RoPE and
- * the cache write were 12 ops a layer and 5% of a 512-row prompt step on the 1B shape.
+ * the cache write were 12 ops a layer and 4% of a 512-row prompt step on the 1B shape.
  * TPL_OK, or TPL_OFF_CACHE before anything is written. */
 int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64_t *locations, int64_t n_heads,
                      int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t cache_len, int bf16) {

@@ -164,9 +164,12 @@ def rope_prompt_rows(qkv: torch.Tensor, rotation: torch.Tensor, locations: torch
     n_kv_heads, cache_len, head_dim = cache_k.shape
     if not all(t.is_contiguous() for t in (qkv, rotation, locations, cache_k, cache_v)) or locations.dtype != torch.long:
         raise ValueError("rope_prompt_rows needs contiguous tensors and int64 locations")
+    rows = qkv.shape[0]
+    if locations.shape != (rows,) or rotation.numel() != rows * head_dim:
+        raise ValueError(f"{rows} rows need {rows} locations and {rows} x {head_dim} rotation values")
     if qkv.dtype != cache_k.dtype or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * head_dim:
         raise ValueError(f"qkv {tuple(qkv.shape)} {qkv.dtype} does not fit a cache {tuple(cache_k.shape)} {cache_k.dtype}")
-    status = library().rope_prompt_rows(qkv.data_ptr(), qkv.shape[0], rotation.data_ptr(), locations.data_ptr(),
+    status = library().rope_prompt_rows(qkv.data_ptr(), rows, rotation.data_ptr(), locations.data_ptr(),
                                         n_heads, n_kv_heads, head_dim, cache_k.data_ptr(), cache_v.data_ptr(),
                                         cache_len, qkv.dtype == torch.bfloat16)
     if status:
