@@ -53,7 +53,8 @@ def feed_forward(ffn: FeedForward, kind: str) -> nn.Module:
 
 
 class CAttention(FusedAttention):
-    """Decode rows' attention in one C call; the rest as FusedAttention."""
+    """Decode rows' attention in one C call; prompt rows' RoPE and cache write in another, then
+    PyTorch's flash attention per chunk."""
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         qkv = linear(x, self.wqkv)
