@@ -17,6 +17,7 @@ from tp_llama.kernels.cpu import build as cpu_build
 from tp_llama.kernels.cpu import ffi, ops
 from tp_llama.kernels.cpu.build import COMMON_FLAGS, HERE, VARIANTS, build, runnable
 from tp_llama.kernels.cpu.ffi import amx_ready, library
+from tp_llama.pages import HUGE_PAGE
 
 CPU = torch.device("cpu")
 COMPILER = shutil.which("gcc") or shutil.which("cc")
@@ -144,22 +145,24 @@ def test_tiled_layout_and_its_edges():
 
 @NEEDS_TILES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_tiles_packed_in_the_weights_own_memory(dtype: torch.dtype):
+@pytest.mark.parametrize("out_features", [96, 8192], ids=["small", "huge-pages"])
+def test_tiles_layout(dtype: torch.dtype, out_features: int):
     """out[t][k][c] = w[t * 32 + c][k], written out here by index; a width of 16 + 5 units
-    crosses the packer's blocks of 16 and ends inside one."""
-    weight = torch.randn(96, 42).to(dtype)
+    crosses the packer's blocks of 16 and ends inside one. Tiles of 2 MiB or more start on a
+    2 MiB boundary (tp_llama.pages) and multiply as the plain weight does."""
+    weight = torch.randn(out_features, 42).to(dtype)
     units = weight.view(torch.int32)
-    expected = torch.stack([units[t * 32:(t + 1) * 32].T for t in range(3)])
-    tiled = prepare(weight.clone(), "tiles", own=True)
+    expected = torch.stack([units[t * 32:(t + 1) * 32].T for t in range(out_features // 32)])
+    tiled = prepare(weight, "tiles")
     assert torch.equal(tiled.data.view(torch.int32), expected)
-    owned = weight.clone()
-    assert prepare(owned, "tiles", own=True).data.data_ptr() == owned.data_ptr()
-    assert prepare(weight, "tiles").data.data_ptr() != weight.data_ptr()
+    assert (tiled.data.data_ptr() % HUGE_PAGE == 0) == (tiled.data.nbytes >= HUGE_PAGE)
     x = torch.randn(3, 42).to(dtype)
-    assert torch.equal(linear(x, tiled), linear(x, prepare(weight, "tiles")))
-    rows = torch.randn(40, 42).to(dtype)  # not whole tiles: packed into a padded copy
-    ragged = prepare(rows, "tiles", own=True)
-    assert ragged.data.view(torch.int32).shape == (2, units.shape[1], 32) and ragged.data.data_ptr() != rows.data_ptr()
+    product = x.double() @ weight.double().T
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(linear(x, tiled).double(), product, rtol=tol, atol=tol * product.abs().max().item())
+    rows = torch.randn(40, 42).to(dtype)  # not whole tiles: zeros past the last row
+    ragged = prepare(rows, "tiles").data.view(torch.int32)
+    assert ragged.shape == (2, units.shape[1], 32) and not ragged[1, :, 8:].any()
 
 
 @NEEDS_TILES

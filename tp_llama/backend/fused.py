@@ -43,7 +43,7 @@ class FusedAttention(nn.Module):
         self.head_dim = attention.head_dim
         self.widths = (attention.wq.weight.shape[0], attention.wk.weight.shape[0])  # this rank's q and k features
         fused = torch.cat([w.weight.detach() for w in (attention.wq, attention.wk, attention.wv)])
-        self.wqkv: torch.Tensor | Tiled = held(prepare(fused, kind, own=True))
+        self.wqkv: torch.Tensor | Tiled = held(prepare(fused, kind))
         self.wo = serving_linear(attention.wo, kind)
         self.cache = attention.cache
 
@@ -65,7 +65,7 @@ class FusedFeedForward(nn.Module):
     def __init__(self, ffn: FeedForward, kind: str):
         super().__init__()
         w13 = torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()])
-        self.w13: torch.Tensor | Tiled = held(prepare(w13, kind, own=True))
+        self.w13: torch.Tensor | Tiled = held(prepare(w13, kind))
         self.w2 = serving_linear(ffn.w2, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.kernels import warm_up
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model import KVCache, ModelArgs
+from tp_llama.pages import huge_page_bytes
 from tp_llama.parallel.distributed import (DistInfo, init_distributed, log, raise_if_any_rank_failed,
                                           smallest_across_ranks)
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
@@ -138,6 +139,9 @@ def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args:
     log(f"KV cache: {n_blocks} blocks of {config.kv_block_size} positions ({n_blocks * config.kv_block_size} "
         f"tokens, {n_blocks * block_bytes / 2**30:.2f} GiB per rank), prefix caching "
         f"{'on' if config.prefix_caching else 'off'}", info.rank)
+    huge = huge_page_bytes() if info.device.type == "cpu" else None
+    if huge is not None:
+        log(f"memory on 2 MiB pages: {huge / 2**30:.2f} GiB (the tiled weights ask for them)", info.rank)
     model.eval()
     if config.mode == "tp":
         warm_up(backend.matmul_weights(model), config.max_batch_size, dtype)

@@ -65,14 +65,11 @@ def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tu
     return "onednn", why
 
 
-def prepare(weight: torch.Tensor, kind: str, own: bool = False) -> torch.Tensor | Tiled:
-    """weight [out, in] in the form `linear` runs fastest for `kind` (see choose).
-
-    own: nothing else holds `weight` (a fused copy), so the tiles may take over its memory.
-    """
+def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
+    """weight [out, in] in the form `linear` runs fastest for `kind` (see choose)."""
     weight = weight.detach()
     if kind in ("amx", "tiles") and tileable(weight):
-        return _with_amx(prepare_tiles(weight, own), kind)
+        return _with_amx(prepare_tiles(weight), kind)
     if kind in ("amx", "tiles", "onednn"):
         return onednn.prepare(weight)
     return weight

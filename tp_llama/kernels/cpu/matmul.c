@@ -201,33 +201,6 @@ void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out) {
         pack_tile(w + t * TILE_COLS * K, N - t * TILE_COLS, K, out + t * K * TILE_COLS);
 }
 
-/* pack_tiles on the weight's own memory, for N a multiple of TILE_COLS: each tile is the
- * transpose of TILE_COLS whole rows, so it goes through a per-thread copy and back. A buffer the
- * caller no longer needs then costs no fresh pages, which a load paid for at 1-7 us each here.
- * 0 on success, -1 when the copies' memory cannot be had. */
-int pack_tiles_in_place(uint32_t *w, int64_t N, int64_t K) {
-    int failed = 0;
-#pragma omp parallel
-    {
-        uint32_t *block = malloc((size_t)(K * TILE_COLS) * sizeof(uint32_t));
-        if (block == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < N / TILE_COLS; t++) {
-                uint32_t *rows = w + t * TILE_COLS * K;
-                pack_tile(rows, TILE_COLS, K, block);
-                memcpy(rows, block, (size_t)(K * TILE_COLS) * sizeof(uint32_t));
-            }
-        }
-        free(block);
-    }
-    return failed ? TPL_NO_MEMORY : TPL_OK;
-}
-
 /* Prefill rows come in blocks whose float32 copy fits X_BLOCK_BYTES: every tile of the weight
  * meets a block from cache instead of all M rows from memory (8x faster at 1024 rows), for one
  * more pass over the weights per block. */

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tp_llama.kernels.cpu.ffi import amx_ready, library
+from tp_llama.pages import huge_empty
 
 MKL_ROWS = 256  # float32 calls with this many rows are compute-bound, where MKL's sgemm is ~20% faster
 PLAIN_FLOATS = 1 << 22  # the most of a weight laid out plainly at once for MKL (16 MB)
@@ -41,18 +42,14 @@ def tileable(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.float32, torch.bfloat16) and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2)
 
 
-def prepare_tiles(weight: torch.Tensor, own: bool = False) -> Tiled:
-    """weight [out, in] in tiles; own: nothing else holds `weight` (a fused copy), so the tiles may take its memory."""
+def prepare_tiles(weight: torch.Tensor) -> Tiled:
+    """weight [out, in] in tiles, on 2 MiB pages where Linux gives them (tp_llama.pages)."""
     lib = library()
     cols = lib.constants["TILE_COLS"]
     out = weight.shape[0]
     units = weight.detach().contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
     shape = (-(-out // cols), units.shape[1], cols)
-    if own and out % cols == 0:
-        if lib.pack_tiles_in_place(units.data_ptr(), out, units.shape[1]):
-            raise MemoryError(f"no memory to pack a {tuple(weight.shape)} weight")
-        return Tiled(units.view(shape).view(weight.dtype), weight.shape)
-    data = torch.empty(shape, dtype=torch.int32)
+    data = huge_empty(shape, torch.int32)
     lib.pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr())
     return Tiled(data.view(weight.dtype), weight.shape)
 
@@ -64,7 +61,7 @@ def prepare_swiglu_tiles(w1: torch.Tensor, w3: torch.Tensor) -> Tiled | None:
     if ffn % run or not tileable(w1):
         return None
     runs = [w.detach().reshape(ffn // run, run, cols) for w in (w1, w3)]
-    return dataclasses.replace(prepare_tiles(torch.stack(runs, dim=1).reshape(2 * ffn, cols), own=True), gated=True)
+    return dataclasses.replace(prepare_tiles(torch.stack(runs, dim=1).reshape(2 * ffn, cols)), gated=True)
 
 
 def tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:

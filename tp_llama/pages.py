@@ -1,0 +1,54 @@
+"""Memory for the tiled weights on 2 MiB pages, where Linux gives them.
+
+A decode step streams every weight from memory once. On 4 KiB pages that stream crosses a page,
+and misses the TLB, every 64 cache lines; on this project's 2-core AMX Xeon a 2 GiB read by both
+cores ran at 28 GB/s on 4 KiB pages and 32 GB/s on 2 MiB ones. Linux gives an anonymous mapping
+2 MiB pages when transparent huge pages are `always`, or `madvise` and the mapping asks
+(MADV_HUGEPAGE, as here); with `never`, or where the request fails, the memory is ordinary.
+
+The cost is at load: on this VM a fresh 2 MiB page took ~1.3 s a GiB to touch first (against
+~0.2 s for 4 KiB pages, which reuse the memory the checkpoint was just read into), so the 1B
+shape loads in ~5.5 s instead of ~2.9 s, for decode steps ~3% faster (bench_step).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+SMAPS = Path("/proc/self/smaps_rollup")
+
+
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory starts on a 2 MiB boundary and asks for 2 MiB pages.
+
+    Small tensors (under one page) and systems without MADV_HUGEPAGE get torch.empty.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE_PAGE or advice is None:
+        return torch.empty(shape, dtype=dtype)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a boundary
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(area, dtype=torch.uint8)  # holds `area` alive as long as any view of it
+    start = -whole.data_ptr() % HUGE_PAGE
+    try:
+        area.madvise(advice, start, size - start)
+    except OSError:  # a kernel without transparent huge pages: ordinary pages, same layout
+        pass
+    return whole[start:start + nbytes].view(dtype).view(shape)
+
+
+def huge_page_bytes() -> int | None:
+    """Bytes of this process's anonymous memory on 2 MiB pages (None where Linux does not say)."""
+    try:
+        for line in SMAPS.read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
