@@ -398,7 +398,8 @@ def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
 # --- The OpenAI-compatible front door (openai_api) ---------------------------------------------
 
 import tp_llama.serving.openai_api as openai_api
-from tp_llama.serving.metrics import GENERATED_TOKENS, PROMPT_TOKENS, REQUESTS, TPOT, TTFT, ServingMetrics
+from tp_llama.serving.metrics import (GENERATED_TOKENS, OUTCOMES, PREEMPTIONS, PREFIX_HITS, PREFIX_QUERIES, PROMPT_TOKENS,
+                                     REQUESTS, TPOT, TTFT, ServingMetrics)
 from tp_llama.serving.openai_api import CHAT, COMPLETIONS, parse_openai
 from tp_llama.serving.stream import StopWatcher
 
@@ -702,6 +703,10 @@ def test_metrics_count_tokens_requests_and_first_tokens(engine) -> None:
     assert sum(1 for n, _, _ in cache.updates if n == TTFT) == 4
     assert sum(1 for n, _, _ in cache.updates if n == TPOT) == 4
     assert all(d[0] == "llama" for _, _, d in cache.updates)
+    # Every counter series is sent once as 0 at the start, and after that only when it grew.
+    counters = {REQUESTS, PROMPT_TOKENS, GENERATED_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS}
+    zeros = [(n, tuple(d)) for n, v, d in cache.updates if n in counters and v == 0]
+    assert len(zeros) == len(set(zeros)) == len(OUTCOMES) + 5
     serve(handler, [[("long", GREEDY % (b"long one", 20, b""))], [("long", None)], []])  # its client left
     assert cache.total(REQUESTS, "cancelled") == 1 and handler.metrics.gauges["llama_kv_cache_blocks_used"] == 0
 

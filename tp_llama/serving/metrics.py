@@ -5,7 +5,8 @@ frontend parses into its Prometheus registry (config.properties: `metrics_mode=p
 and `model_metrics_auto_detect=true` so that metrics not declared in a metrics yaml are
 registered on first sight; handler/server_config.py writes both). To keep that cheap:
 
-- counters are summed over a call and sent once per call (at most one line per series);
+- counters are summed over a call and sent once per call, only where they grew (a decode step
+  used to send three zero increments a call: the frontend parses and logs every line);
 - gauges are sent only when their value changed since the last call;
 - histograms get one observation per request (time to first token when it comes, time per
   output token when the request ends); nothing is done per token.
@@ -62,15 +63,12 @@ class ServingMetrics:
                 self.metrics = {}
         # Series that exist from the start, so that rate() sees the first increment.
         for outcome in OUTCOMES:
-            self._counts[(REQUESTS, outcome)] += 0
-        self._counts[(PROMPT_TOKENS, "")] += 0
-        self._counts[(GENERATED_TOKENS, "")] += 0
+            self._emit(REQUESTS, 0, outcome)
+        for name in (PROMPT_TOKENS, GENERATED_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS):
+            self._emit(name, 0)
         self._scheduler_totals = (0, 0, 0)
-        for name in (PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS):
-            self._counts[(name, "")] += 0
         self._set(KV_BLOCKS_TOTAL, kv_blocks)
         self.update_gauges(0, 0, 0)
-        self.flush()
 
     def _declare(self, cache: Any) -> None:
         from ts.metrics.metric_type_enum import MetricTypes
@@ -132,8 +130,9 @@ class ServingMetrics:
             self._emit(name, value)
 
     def flush(self) -> None:
-        """Send the call's counter increments, one line per series."""
+        """Send the call's counter increments, one line per series that grew."""
         for (name, outcome), value in self._counts.items():
-            self.totals[(name, outcome)] += value
-            self._emit(name, value, *([outcome] if outcome else []))
+            if value:
+                self.totals[(name, outcome)] += value
+                self._emit(name, value, *([outcome] if outcome else []))
         self._counts.clear()
