@@ -16,7 +16,6 @@
  * at once.
  */
 #include <stdlib.h>
-#include <string.h>
 
 #include "api.h"
 #include "simd.h"
