@@ -79,9 +79,10 @@ def test_each_cpu_gets_the_best_variant_it_can_run():
 @pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")
 @pytest.mark.parametrize(("gated", "in_features", "rows", "out_features"),
                          [(False, 96, 75, 130), (True, 128, 75, 96), (False, 2048, 300, 330), (True, 2048, 300, 544),
-                          (False, 4160, 75, 130), (True, 4160, 75, 96), (False, 4160, 300, 330), (True, 4160, 300, 544)],
+                          (False, 4160, 75, 130), (True, 4160, 75, 96), (False, 4160, 300, 330), (True, 4160, 300, 544),
+                          (False, 16416, 40, 300)],
                          ids=["plain", "gated", "plain-chunks", "gated-chunks", "plain-slabs", "gated-slabs",
-                              "plain-panels", "gated-panels"])
+                              "plain-panels", "gated-panels", "one-block-panels"])
 def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_features: int, rows: int,
                                                           out_features: int):
     """Every bfloat16 call runs on AMX from the same tiles: against float64 (to bfloat16's
@@ -89,8 +90,10 @@ def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_featu
     rows in chunks that fit L2's share, whole k at a time (300 x 2048: a chunk of 256 rows and a
     short one); rows too wide for such chunks (4160: 2 blocks of 32 would fill the share) in k slabs of 256
     whose sums wait between slabs (16 and a short one), past the share meeting panels of 8 tiles (the
-    last one short). A row gets the same bits in any batch, one row alone included (what lets a
-    seeded request draw the same tokens alone and batched)."""
+    last one short). Calls of one 32-row block go in k slabs of 2,048 past that width (4160: two and a
+    short one), and 32 rows 16,416 wide meet panels of 8 tiles in such slabs, each tile's sums apart.
+    A row gets the same bits in any batch, one row alone included (what lets a seeded request draw
+    the same tokens alone and batched)."""
     gen = torch.Generator().manual_seed(9)
     w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
     weight = prepare_swiglu(*w.chunk(2), "amx") if gated else prepare(w, "amx")

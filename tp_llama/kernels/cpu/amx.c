@@ -33,6 +33,7 @@
 #define CHUNK_MIN_BLOCKS 4         /* the fewest row blocks a chunk of x (by_chunks) may have */
 #define PANEL_TILES 8              /* weight tiles that share each slab of a larger x */
 #define K_SLAB 256                 /* k of the weight tile kept in L1 (16 KiB) */
+#define ONE_BLOCK_SLAB 2048       /* k of a one-block (decode) call's slab: 128 KiB of a tile */
 #define NEAR_K 128                 /* how far ahead a one-block call asks for its own tile's lines */
 #define PREFETCH_RUNS 4            /* runs of the next tile asked for side by side (as matmul.c's) */
 
@@ -138,7 +139,7 @@ static void pack_rows(const uint16_t *x, int64_t M, int64_t K, uint16_t *packed)
 }
 
 /* What a thread reads after tile t (at wt) up to k1 (see block): the tile's next slab, else the
- * first slab of the tile a panel on (one-block decode calls: the whole next tile). A slab ahead took
+ * first slab of the tile a panel on (one-block calls: ONE_BLOCK_SLAB of k at most). A slab ahead took
  * the 1B shape's matmuls at 48-64 rows from 149 to 129 ms and at 512 rows from 824 to 578 ms
  * (oneDNN 140 and 600); a tile or a panel ahead of the same k was evicted from L2 before its use.
  * NULL past the last tile. */
@@ -182,10 +183,16 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
      * of 4 or 16 tiles, slabs of 512, and panels for x in L2 were slower). */
     const int64_t panel = M * K * 2 > X_L2_BYTES ? PANEL_TILES : 1;
     /* With several row blocks, k goes in slabs whose part of the panel's tiles (K_SLAB / 2 rows of
-     * 128 bytes a tile) stays in L1/L2 while every row block passes over it; the sums wait in acc. */
+     * 128 bytes a tile) stays in L1/L2 while every row block passes over it; the sums wait in acc.
+     * One block goes in slabs of ONE_BLOCK_SLAB, so that what it asks for ahead is the next 128 KiB
+     * rather than a whole next tile: with w2's 8,192-wide tiles (512 KiB) the tile asked for ahead,
+     * the tile being read and x crowded L2, and 8-row calls streamed at 25 GB/s against w1/w3's 29
+     * (28-29 in slabs). */
+    float *acc = NULL;
+    const int64_t want = blocks > 1 ? K_SLAB : ONE_BLOCK_SLAB;
+    if (want < K) acc = aligned_alloc(64, (size_t)(blocks * panel) * 32 * 32 * sizeof(float));
+    const int64_t slab = acc != NULL ? want : K; /* no memory for the sums: whole k, one block at a time */
     float one[32 * 32] __attribute__((aligned(64)));
-    float *acc = blocks > 1 ? aligned_alloc(64, (size_t)(blocks * panel) * 32 * 32 * sizeof(float)) : NULL;
-    const int64_t slab = acc != NULL ? K_SLAB : K; /* no memory for the sums: whole k, one block at a time */
 #pragma omp for schedule(static)
     for (int64_t p0 = 0; p0 < tiles; p0 += panel) {
         const int64_t p1 = p0 + panel < tiles ? p0 + panel : tiles;
