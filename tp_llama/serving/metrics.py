@@ -5,8 +5,8 @@ frontend parses into its Prometheus registry (config.properties: `metrics_mode=p
 and `model_metrics_auto_detect=true` so that metrics not declared in a metrics yaml are
 registered on first sight; handler/server_config.py writes both). To keep that cheap:
 
-- counters are summed over a call and sent once per call, only where they grew (a decode step
-  used to send three zero increments a call: the frontend parses and logs every line);
+- counters are summed over a call and sent once per call, only where they grew (the frontend
+  parses and logs every line it gets);
 - gauges are sent only when their value changed since the last call;
 - histograms get one observation per request (time to first token when it comes, time per
   output token when the request ends); nothing is done per token.

@@ -191,7 +191,7 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
     float *acc = NULL;
     const int64_t want = blocks > 1 ? K_SLAB : ONE_BLOCK_SLAB;
     if (want < K) acc = aligned_alloc(64, (size_t)(blocks * panel) * 32 * 32 * sizeof(float));
-    const int64_t slab = acc != NULL ? want : K; /* no memory for the sums: whole k, one block at a time */
+    const int64_t slab = acc != NULL ? want : K; /* k within one slab, or no memory for the sums: whole k at once */
     float one[32 * 32] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
     for (int64_t p0 = 0; p0 < tiles; p0 += panel) {
