@@ -14,9 +14,11 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from tests.support.cli_util import launch_cli
 from tests.support.run_model import BLOCK, setup_slots, slot_batch, slot_blocks
+
 from tp_llama.backend import fused
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import compiles_decode
@@ -94,6 +96,20 @@ def test_the_decode_step_gives_the_batch_steps_logits_and_cache(device: str, com
         want_fewer = batch_logits(model, fewer)
         restore(model, before)
         torch.testing.assert_close(step([r for _, r in fewer]), want_fewer, rtol=0, atol=2e-5)
+
+
+def test_every_bucket_gets_its_own_graph_whatever_recompile_limit_it_finds(device: str, monkeypatch):
+    """Dynamo counts all graphs of one function against one limit; past it, a bucket would run eagerly
+    (on CUDA, FlexAttention then materialises scores over the whole pool: a 32-row step of an 8B
+    model took 720 ms against 8 ms). Here a limit of 1 meets a step of 3 buckets."""
+    torch.compiler.reset()  # no graphs of earlier tests in the count
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    model = served_model(device)
+    compiled = counters["frames"]["ok"]
+    step = DecodeStep(model, 3, WIDTH, torch.device(device), compiled=True)
+    step.warm_up()
+    assert step.sizes == (1, 2, 3)
+    assert counters["frames"]["ok"] - compiled == 3
 
 
 def test_buckets_cover_every_row_count_up_to_the_cap():

@@ -15,10 +15,11 @@ import torch
 
 from tests.support.cli_util import launch_cli
 from tp_llama.config import EngineConfig
-from tp_llama.engine.core import Engine
+from tp_llama.engine.core import Engine, pool_blocks
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.model import Batch
+from tp_llama.parallel.distributed import DistInfo
 from tp_llama.testing.synthetic import write_checkpoint
 
 PROMPT = "the keeper climbed the stairs of the lighthouse at dusk and wrote the reading in the log"
@@ -138,3 +139,21 @@ def test_preemption_at_tp2_gives_the_tokens_of_a_roomy_pool(ckpt, engine: Engine
     tight, roomy = outputs
     assert sum(r["preemptions"] for r in tight) > 0 and sum(r["preemptions"] for r in roomy) == 0
     assert [r["token_ids"] for r in tight] == [r["token_ids"] for r in roomy]
+
+
+def test_the_gpu_pool_stops_at_four_full_batches_and_where_32_bit_offsets_end(monkeypatch):
+    """A small model on an 80 GB GPU had been given 1.4e8 positions: Triton's FlexAttention kernel then
+    failed to build (its offsets went past 32 bits). Only the free-memory query is faked here."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))
+    cuda = DistInfo(0, 1, 0, torch.device("cuda", 0), "nccl")
+    token_bytes = 2 * 2 * 2 * 64 * 2  # K and V, 2 layers, 2 kv heads of 64, bfloat16
+    block_bytes = 16 * token_bytes
+    small = EngineConfig("-", max_batch_size=2, max_seq_len=128)
+    assert pool_blocks(small, cuda, 2 * 64, block_bytes) == 4 * 2 * 128 // 16
+    roomy = EngineConfig("-", max_batch_size=256, max_seq_len=8192)  # 4 batches would be 4 GiB
+    assert pool_blocks(roomy, cuda, 2 * 64, block_bytes) == 4 * 256 * 8192 // 16
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
+    assert pool_blocks(roomy, cuda, 2 * 64, block_bytes) == int(2**30 * 0.85) // block_bytes
+    asked = EngineConfig("-", kv_cache_memory_gb=1000.0)  # more than 2^31 elements of one layer's keys
+    blocks = pool_blocks(asked, cuda, 2 * 64, block_bytes)
+    assert (blocks + 1) * 16 * 2 * 64 <= 2**31 < (blocks + 2) * 16 * 2 * 64

@@ -19,6 +19,10 @@ class CliRun:
 
 
 def launch_cli(cli_args: list[str], world: int, timeout: float = 120.0, env: dict | None = None) -> CliRun:
+    """Ranks of a world over 1 run on CPU (gloo) unless the args name a device: a test machine's one GPU
+    cannot take two NCCL ranks."""
+    if world > 1 and "--device" not in cli_args:
+        cli_args = [*cli_args, "--device", "cpu"]
     cli = ["-m", "tp_llama.generate", *cli_args]
     if world == 1:
         command = [sys.executable, *cli]

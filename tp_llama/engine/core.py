@@ -66,19 +66,34 @@ def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None
 
 CPU_DEFAULT_SEQUENCES = 16  # the CPU pool's default: this many sequences of max_seq_len
 GPU_FREE_FRACTION = 0.85  # of the memory free after the weights; the rest for activations and graphs
+GPU_MOST_BATCHES = 4  # the GPU pool's default holds at most this many full batches of max_seq_len
+INDEX_LIMIT = 2**31  # elements of one layer's keys that 32-bit offsets (Triton's kernels) reach
 
 
 def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int) -> int:
     """This rank's KV-cache pool: handler.kv_cache_memory_gb, or by default most of the GPU's free
     memory, or on CPU (where the pool is touched at load) the memory of CPU_DEFAULT_SEQUENCES full
-    sequences, at most a quarter of RAM across the node's ranks."""
+    sequences, at most a quarter of RAM across the node's ranks.
+
+    The GPU default stops at GPU_MOST_BATCHES full batches: past that, blocks only keep old prefixes,
+    and every decode step's block mask grows with the pool (a small model would otherwise take a
+    pool of 10^8 positions).
+    """
     if config.kv_cache_memory_gb:
         return int(config.kv_cache_memory_gb * 2**30)
     if info.device.type == "cuda":
-        return int(torch.cuda.mem_get_info(info.device)[0] * GPU_FREE_FRACTION)
+        most = GPU_MOST_BATCHES * config.max_batch_size * config.max_seq_len * token_bytes
+        return min(int(torch.cuda.mem_get_info(info.device)[0] * GPU_FREE_FRACTION), most)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return min(CPU_DEFAULT_SEQUENCES * config.max_seq_len * token_bytes, ram // (4 * ranks_here))
+
+
+def pool_blocks(config: EngineConfig, info: DistInfo, kv_width: int, block_bytes: int) -> int:
+    """Blocks in this rank's pool: kv_pool_bytes' worth, no more than 32-bit offsets reach with the
+    spare block (kv_width: this rank's kv_heads * head_dim)."""
+    addressable = INDEX_LIMIT // (kv_width * config.kv_block_size) - 1
+    return min(kv_pool_bytes(config, info, block_bytes // config.kv_block_size) // block_bytes, addressable)
 
 
 def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs, bool]:
@@ -122,8 +137,7 @@ def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args:
     block_bytes = 2 * args.n_layers * kv_heads * config.kv_block_size * args.head_dim * dtype.itemsize
     error, n_blocks = None, 0
     try:
-        n_blocks = smallest_across_ranks(kv_pool_bytes(config, info, block_bytes // config.kv_block_size) // block_bytes,
-                                        info.device)
+        n_blocks = smallest_across_ranks(pool_blocks(config, info, kv_heads * args.head_dim, block_bytes), info.device)
         needed = config.blocks_per_sequence
         if n_blocks < needed:
             raise MemoryError(f"a KV-cache pool of {n_blocks} blocks of {config.kv_block_size} positions cannot hold "

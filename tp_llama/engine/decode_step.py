@@ -41,6 +41,10 @@ class DecodeStep:
                 if cache is not None and device.type == "cuda":
                     torch._dynamo.mark_static_address(cache.k)
                     torch._dynamo.mark_static_address(cache.v)
+            # One graph per bucket, and dynamo counts every engine's graphs of this function against
+            # one limit (8 by default): past it, steps would fall back to eager, ~100x slower on CUDA.
+            torch._dynamo.config.recompile_limit += len(self.sizes)
+            torch._dynamo.config.accumulated_recompile_limit += len(self.sizes)
             mode = "reduce-overhead" if device.type == "cuda" else None
             forward = torch.compile(forward, mode=mode, dynamic=False)
         self.forward = forward
