@@ -18,7 +18,6 @@ from torch._dynamo.utils import counters
 
 from tests.support.cli_util import launch_cli
 from tests.support.run_model import BLOCK, setup_slots, slot_batch, slot_blocks
-
 from tp_llama.backend import fused
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import compiles_decode
