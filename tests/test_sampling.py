@@ -129,6 +129,29 @@ def big_logits(rows: int, seed: int) -> torch.Tensor:
     return logits
 
 
+def first_largest(row: list[float]) -> int:
+    """argmax written plainly: the first NaN, else the first of the largest."""
+    nans = [i for i, v in enumerate(row) if math.isnan(v)]
+    return nans[0] if nans else row.index(max(row))
+
+
+def test_greedy_rows_take_the_first_of_the_largest_logits():
+    """Greedy rows of sample_rows (the C pass on CPU where it builds) against argmax written plainly:
+    ties, rows all below zero of a width that is no multiple of 16, NaN, infinities of both signs."""
+    inf, nan = math.inf, math.nan
+    rows = [[1.0, 3.0, 3.0, 2.0], [-5.0] * 16 + [-2.0, -3.0, -2.0], [-1.0] * 19, [0.0, nan, 5.0, nan],
+            [-inf, inf, 2.0, inf], [-inf] * 17, [1.0, 2.0, inf, -inf, nan]]
+    width = max(len(r) for r in rows)
+    for row in rows:  # one row at a time, at its own width, and all rows padded with -inf beside each other
+        assert sample_rows(torch.tensor([row]), [Row(SamplingParams(1))])[0] == [first_largest(row)]
+    padded = [row + [-inf] * (width - len(row)) for row in rows]
+    assert sample_rows(torch.tensor(padded), [Row(SamplingParams(1)) for _ in rows])[0] == [first_largest(r) for r in padded]
+    logits = big_logits(33, seed=5)
+    logits[3, 77] = logits[3, 128_000] = logits[3].max() + 1  # a tie at Llama 3's width
+    tokens, _ = sample_rows(logits, [Row(SamplingParams(1)) for _ in range(33)])
+    assert tokens == logits.argmax(-1).tolist() and tokens[3] == 77
+
+
 @pytest.mark.parametrize("path", ["c", "bisection"])
 def test_at_llama3s_vocabulary_the_draw_is_exactly_the_definitions(path: str):
     if path == "c" and not HAS_C:

@@ -87,11 +87,12 @@ def sample_rows(logits: torch.Tensor, rows: list[History]) -> tuple[list[int], l
     greedy = [r for r, row in enumerate(rows) if row.params.temperature == 0]
     sampled = [r for r, row in enumerate(rows) if row.params.temperature > 0]
     if greedy:
-        picked[greedy] = logits[greedy].argmax(dim=-1) if sampled else logits.argmax(dim=-1)
+        chosen = logits[greedy] if sampled else logits
+        picked[greedy] = _argmax_in_c(chosen) if in_c(logits) else chosen.argmax(dim=-1)
     if sampled:
         uniforms = [float(torch.rand((), dtype=torch.float64, generator=rows[r].generator)) for r in sampled]
         params = [rows[r].params for r in sampled]
-        draw = _draw_in_c if logits.device.type == "cpu" and ffi.load()[0] is not None else draw_by_bisection
+        draw = _draw_in_c if in_c(logits) else draw_by_bisection
         picked[sampled] = draw(logits, sampled, params, uniforms)
     tokens = picked.tolist()
     return tokens, _logprobs(raw, rows, tokens)
@@ -128,6 +129,20 @@ def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
             at = (torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device))
             logits.index_put_(at, sign * torch.tensor(values, device=device), accumulate=True)
     return logits
+
+
+def in_c(logits: torch.Tensor) -> bool:
+    """Whether the C kernels sample these logits: on CPU, where they built."""
+    return logits.device.type == "cpu" and ffi.load()[0] is not None
+
+
+def _argmax_in_c(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax of each row, in one pass over the logits and a second over L2 (at 128,256 tokens and
+    32 rows 2.6 ms in PyTorch)."""
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    ffi.library().argmax_rows(logits.data_ptr(), logits.shape[1], logits.shape[0], out.data_ptr())
+    return out
 
 
 def _draw_in_c(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:

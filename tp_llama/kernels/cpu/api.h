@@ -92,6 +92,9 @@ int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struc
 
 /* The next token of each row (sample.c): logits [rows][vocab] float32. TPL_OK or TPL_NO_MEMORY. */
 int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n);
+/* Each row's first index of its largest logit, as torch.argmax (a NaN counts as the largest):
+ * logits [n][vocab] float32, out [n]. */
+void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out);
 
 /* In-region kernels. x widened into `wide` (max(M, WIDE_MIN_ROWS) * K floats) first when bf16, or
  * packed there for AMX. */

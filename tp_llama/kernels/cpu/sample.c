@@ -194,3 +194,35 @@ int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int6
     }
     return failed ? TPL_NO_MEMORY : TPL_OK;
 }
+
+/* A row's first index of its largest logit: a pass for the largest and the sum (NaN when the row
+ * holds a NaN, or infinities of both signs: then the plain loop, which counts a NaN as the largest,
+ * as torch.argmax does), and a pass, from L2, for where the largest first is. */
+static int64_t argmax_row(const float *l, int64_t vocab) {
+    vec best = vset1(-INFINITY), sum = vzero();
+    for (int64_t i = 0; i < vocab; i += 16) {
+        const mask16 m = lanes(vocab - i);
+        vec v = vloadz(m, l + i);
+        best = vmax_in(best, m, best, v); /* the zeros past the row's end are not logits */
+        sum = vadd(sum, v);
+    }
+    if (isnan(vsum(sum))) {
+        int64_t arg = 0;
+        for (int64_t i = 0; i < vocab; i++) {
+            if (isnan(l[i])) return i;
+            if (l[i] > l[arg]) arg = i;
+        }
+        return arg;
+    }
+    const vec top = vset1(vhighest(best));
+    for (int64_t i = 0; i < vocab; i += 16) {
+        const mask16 m = lanes(vocab - i), hit = vge(m, vloadz(m, l + i), top);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0; /* not reached: the largest is in the row */
+}
+
+void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) out[r] = argmax_row(logits + r * vocab, vocab);
+}
