@@ -91,8 +91,8 @@ def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int) -> int
 
 def pool_blocks(config: EngineConfig, info: DistInfo, kv_width: int, block_bytes: int) -> int:
     """Blocks in this rank's pool: kv_pool_bytes' worth; on CUDA no more than 32-bit offsets reach with
-    the spare block (kv_width: this rank's kv_heads * head_dim). A CPU pool too big for memory must
-    fail its allocation with a message, not be cut to a size the kernel would kill the process for."""
+    the spare block (kv_width: this rank's kv_heads * head_dim). Not on CPU: a pool too big for RAM
+    must fail its allocation with a message, not be cut to a size Linux's OOM killer then ends."""
     blocks = kv_pool_bytes(config, info, block_bytes // config.kv_block_size) // block_bytes
     if info.device.type == "cuda":
         blocks = min(blocks, INDEX_LIMIT // (kv_width * config.kv_block_size) - 1)
