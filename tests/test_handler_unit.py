@@ -245,14 +245,15 @@ class FakeContext:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
-    """A real one-process engine on a tiny synthetic Llama 3 checkpoint."""
+def engine(tmp_path_factory: pytest.TempPathFactory, device: str):
+    """A real one-process engine on a tiny synthetic Llama 3 checkpoint, on the tests' device (`--device`)."""
     from tp_llama.engine.core import Engine
     from tp_llama.testing.synthetic import write_checkpoint
 
     ckpt = tmp_path_factory.mktemp("ckpt")
     write_checkpoint(ckpt, "llama3", 1, 64, 2, 4, 2, 512, 32, None, torch.float32, 0)
-    return Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=64, max_batch_size=3, prefill_budget=8))
+    return Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=64, max_batch_size=3, prefill_budget=8,
+                                    device=device))
 
 
 def new_handler(engine) -> llama_handler.LlamaHandler:
