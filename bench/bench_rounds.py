@@ -91,9 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests per client")
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-budget", type=int, default=EngineConfig.prefill_budget,
+                        help="rows per step, decode rows included (the yaml's engine.prefill_budget)")
     a = parser.parse_args(argv)
     engine = Engine.load(EngineConfig(str(ensure_checkpoint(PRESETS[a.preset], mp=1)), dtype=a.dtype,
-                                      prefix_caching=False))
+                                      prefill_budget=a.prefill_budget, prefix_caching=False))
     engine.generate([Sequence("warm", prompts(engine.args, 1, 16)[0], SamplingParams(4, ignore_eos=True))])
     rows = []
     for clients in a.clients:
