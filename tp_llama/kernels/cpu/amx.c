@@ -110,6 +110,11 @@ static inline __attribute__((always_inline)) void epilogue_row(struct Rows *r) {
     store16(r->y + m * r->ldy + 16, 0, hi, 1, lanes(r->cols - 16));
 }
 
+/* The rows still waiting in r. */
+static inline void finish(struct Rows *r) {
+    while (r->next < r->rows) epilogue_row(r);
+}
+
 /* The product of a 32-row block of x, packed (pack_rows), and weight tile wt, over k in [k0, k1):
  * added to the sums in acc (float32 [32][32]) unless `first`, left there unless `last`, in which
  * case the epilogue writes y's rows (up to `rows` of them). ahead: weight the thread needs next
@@ -120,10 +125,17 @@ static inline __attribute__((always_inline)) void epilogue_row(struct Rows *r) {
  * tile asked for so (one run front to back gave nothing, two tiles ahead was no better). streams:
  * the call reads its tile straight from memory or L2, so it also asks for the tile's
  * lines NEAR_K ahead into L1: a pass over the 1B weights at 16 rows 96 -> 89 ms (a prefetch into
- * L2 8 k steps ahead had given nothing; 64 and 256 ahead were the same, 512 slower). */
+ * L2 8 k steps ahead had given nothing; 64 and 256 ahead were the same, 512 slower).
+ * The epilogue runs a block late: the rows of the block before (`before`) go out one every other
+ * k step, beside the AMX work, and all of them before acc is stored to (so one acc can serve both);
+ * a last block leaves its own rows in `before`, for the next block or the caller (finish). Run after
+ * the sums, SwiGLU's exp and the stores into y's rows (16 KiB apart for w1/w3) had held AMX idle:
+ * 512 rows of the 1B shape's w1/w3 (a standalone C loop over 8 copies, both cores) 2.33-2.45 ->
+ * 3.02-3.16 TFLOPS, as fast as with no epilogue at all; wqkv 2.57-2.68 -> 2.69-2.73. */
 static inline __attribute__((always_inline)) void
 block(const uint16_t *packed, const char *wt, const char *ahead, int64_t per_step, int streams, int64_t k0, int64_t k1,
-      int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated) {
+      int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated,
+      struct Rows *before) {
     const int64_t run = per_step * ((k1 - k0) / 32) / PREFETCH_RUNS; /* lines of `ahead` in each run */
     const int full = rows > 16; /* else the block's second 16 rows are padding: half the work */
     if (first) {
@@ -145,33 +157,11 @@ block(const uint16_t *packed, const char *wt, const char *ahead, int64_t per_ste
         if (streams) /* the tile's lines NEAR_K ahead into L1 */
             for (int i = 0; i < 32; i++) _mm_prefetch(wt + (k + NEAR_K) / 2 * 128 + i * 64, _MM_HINT_T0);
         k_step(a, wt, k, full);
-    }
-    store_sums(acc, full);
-    if (!last) return;
-    struct Rows done = {acc, y, ldy, rows, cols, 0, gated};
-    while (done.next < done.rows) epilogue_row(&done);
-}
-
-/* block over all of k for by_chunks, its sums left in acc, while the rows of the block before
- * (`before`) go through the epilogue, one every other k step, beside the AMX work rather than after
- * it: SwiGLU's exp and the stores into y's rows, 16 KiB apart for w1/w3, had held AMX idle. 512 rows
- * of the 1B shape's w1/w3 (a standalone C loop over 8 copies, both cores): 2.33-2.45 -> 3.02-3.16
- * TFLOPS, the same as with no epilogue at all; wqkv 2.57-2.68 -> 2.69-2.73. */
-static inline __attribute__((always_inline)) void
-block_overlapped(const uint16_t *packed, const char *wt, const char *ahead, int64_t per_step, int64_t K, float *acc,
-                 int full, struct Rows *before) {
-    const int64_t run = per_step * (K / 32) / PREFETCH_RUNS;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32) {
-        if (ahead != NULL) ask_ahead(ahead, k / 32, per_step, run);
-        k_step(packed + k * 32, wt, k, full);
         if (k & 32 && before->next < before->rows) epilogue_row(before);
     }
-    while (before->next < before->rows) epilogue_row(before);
+    finish(before);
     store_sums(acc, full);
+    if (last) *before = (struct Rows){acc, y, ldy, rows, cols, 0, gated};
 }
 
 /* x [M][K] as 32-row blocks of [K / 32][32 rows][32 k] (zeros past row M), so an A tile is 1 KiB
@@ -202,7 +192,7 @@ static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel
  * each tile over all of k, the sums held in the tile registers from the first k to the last (a
  * store and reload of the sums between k slabs cost a quarter of AMX's rate), while the tile
  * comes from L2 after its first block. The next tile is asked for in shares, one per row block,
- * and each block's epilogue runs during the next block's k steps (block_overlapped).
+ * and each block's epilogue runs during the next block's k steps (block).
  * Each chunk after the first is one more pass over the weights (from L3 while they fit). A pass
  * over the 1B shape's weights (bench_matmul) against oneDNN's time: 64 rows 0.83x -> 0.79x, 512
  * rows 0.95x -> 0.88x. Rows of w2 (8,192 wide) would make chunks of 64 rows (slower: 1.07 against
@@ -211,24 +201,19 @@ static void by_chunks(const uint16_t *packed, int64_t M, int64_t K, const void *
                       int64_t chunk) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
     const int64_t tile_bytes = K * TILE_COLS * 2;
-    float sums[2][32 * 32] __attribute__((aligned(64))); /* the block being multiplied, the one before */
+    float sums[32 * 32] __attribute__((aligned(64)));
     struct Rows before = {0};
-    int flip = 0;
     for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
         const int64_t c1 = c0 + chunk < blocks ? c0 + chunk : blocks, share = tile_bytes / (c1 - c0);
 #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
             const char *wt = (const char *)w + t * tile_bytes, *next = t + 1 < tiles ? wt + tile_bytes : NULL;
-            for (int64_t b = c0; b < c1; b++) {
-                const int64_t rows = M - b * 32 < 32 ? M - b * 32 : 32;
-                block_overlapped(packed + b * 32 * K, wt, next != NULL ? next + (b - c0) * share : NULL,
-                                 32 / (c1 - c0), K, sums[flip], rows > 16, &before);
-                before = (struct Rows){sums[flip], (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS),
-                                       ldy, rows, N - t * TILE_COLS, 0, gated};
-                flip ^= 1;
-            }
+            for (int64_t b = c0; b < c1; b++)
+                block(packed + b * 32 * K, wt, next != NULL ? next + (b - c0) * share : NULL, 32 / (c1 - c0), 0, 0, K,
+                      1, 1, sums, (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS), ldy,
+                      M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS, gated, &before);
         }
-        while (before.next < before.rows) epilogue_row(&before);
+        finish(&before);
 #pragma omp barrier
     }
 }
@@ -252,7 +237,8 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
     if (want < K) acc = aligned_alloc(64, (size_t)(blocks * panel) * 32 * 32 * sizeof(float));
     const int64_t slab = acc != NULL ? want : K; /* k within one slab, or no memory for the sums: whole k at once */
     float one[32 * 32] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
+    struct Rows before = {0};
+#pragma omp for schedule(static) nowait
     for (int64_t p0 = 0; p0 < tiles; p0 += panel) {
         const int64_t p1 = p0 + panel < tiles ? p0 + panel : tiles;
         for (int64_t k0 = 0; k0 < K; k0 += slab) {
@@ -264,10 +250,12 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
                     uint16_t *yb = (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);
                     block(packed + b * 32 * K, wt, b == 0 ? ahead(wt, K, tiles, panel, t, k1) : NULL, 32,
                           blocks == 1, k0, k1, k0 == 0, k1 == K, sums, yb, ldy, M - b * 32 < 32 ? M - b * 32 : 32,
-                          N - t * TILE_COLS, gated);
+                          N - t * TILE_COLS, gated, &before);
                 }
         }
     }
+    finish(&before);
+#pragma omp barrier
     free(acc);
 }
 
