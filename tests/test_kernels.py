@@ -81,19 +81,19 @@ def test_each_cpu_gets_the_best_variant_it_can_run():
                          [(False, 96, 75, 130), (True, 128, 75, 96), (False, 2048, 300, 330), (True, 2048, 300, 544),
                           (False, 4160, 75, 130), (True, 4160, 75, 96), (False, 4160, 300, 330), (True, 4160, 300, 544),
                           (False, 16416, 40, 300)],
-                         ids=["plain", "gated", "plain-chunks", "gated-chunks", "plain-slabs", "gated-slabs",
-                              "plain-panels", "gated-panels", "one-block-panels"])
+                         ids=["plain", "gated", "plain-chunks", "gated-chunks", "plain-pieces", "gated-pieces",
+                              "plain-pieces-chunks", "gated-pieces-chunks", "one-block-panels"])
 def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_features: int, rows: int,
                                                           out_features: int):
     """Every bfloat16 call runs on AMX from the same tiles: against float64 (to bfloat16's
     rounding), a ragged last tile, every row count around the 32-row blocks and the 16-row half;
     rows in chunks that fit L2's share, whole k at a time (300 x 2048: a chunk of 256 rows and a
-    short one); rows too wide for such chunks (4160: 2 blocks of 32 would fill the share) in k slabs of 256
-    whose sums wait between slabs (16 and a short one), past the share meeting panels of 8 tiles (the
-    last one short). Calls of one 32-row block go in k slabs of 2,048 past that width (4160: two and a
-    short one), and 32 rows 16,416 wide meet panels of 8 tiles in such slabs, each tile's sums apart.
-    A row gets the same bits in any batch, one row alone included (what lets a seeded request draw
-    the same tokens alone and batched)."""
+    short one); k in pieces of 2,048 whose sums wait in memory between them (4160: two and a short
+    one), in one chunk and in several. Calls of one 32-row block go in k slabs of 2,048 past that
+    width (4160: two and a short one), and one block 16,416 wide meets panels of 8 tiles in such
+    slabs. Each block's epilogue runs during the next block's k steps, so the last one's is written
+    at the end of a chunk or call. A row gets the same bits in any batch, one row alone included
+    (what lets a seeded request draw the same tokens alone and batched)."""
     gen = torch.Generator().manual_seed(9)
     w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
     weight = prepare_swiglu(*w.chunk(2), "amx") if gated else prepare(w, "amx")

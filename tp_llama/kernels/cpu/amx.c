@@ -3,8 +3,8 @@
  * A bfloat16 weight in tiles ([tiles][K / 2][TILE_COLS][2], matmul.c) is already what an AMX B
  * operand wants: for 16 pairs of k, 16 columns of 2 values, 64 bytes a row; the tile's other 16
  * columns are the next 64 bytes, so both halves load with a row stride of 128 bytes. Each thread
- * takes whole weight tiles and multiplies every 32-row block of x by each (by_chunks, or
- * by_panels where x's rows are too wide for chunks):
+ * takes whole weight tiles and multiplies every 32-row block of x by each (by_pieces, or by_panels
+ * for a call of one block):
  * C[32][32] in four float32 tiles, A (two 16-row blocks of x) and B (the tile's two halves) in
  * the other four, TDPBF16PS over k 32 at a time. The epilogue is the decode kernel's: rounded to
  * bfloat16, or SwiGLU of a gated tile. So prefill needs no second copy of the weights.
@@ -30,9 +30,8 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component */
 #define XFEATURE_XTILEDATA 18      /* the tile registers' data */
 #define X_L2_BYTES (1 << 20)       /* x up to this size stays in L2 while the weights pass over it */
-#define CHUNK_MIN_BLOCKS 4         /* the fewest row blocks a chunk of x (by_chunks) may have */
 #define PANEL_TILES 8              /* weight tiles that share each slab of a larger x */
-#define K_SLAB 256                 /* k of the weight tile kept in L1 (16 KiB) */
+#define PIECE_K 2048               /* the most k of one piece (by_pieces) */
 #define ONE_BLOCK_SLAB 2048       /* k of a one-block (decode) call's slab: 128 KiB of a tile */
 #define NEAR_K 128                 /* how far ahead a one-block call asks for its own tile's lines */
 #define PREFETCH_RUNS 4            /* runs of the next tile asked for side by side (as matmul.c's) */
@@ -188,54 +187,60 @@ static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel
     return t + panel < tiles ? wt + panel * K * TILE_COLS * 2 : NULL;
 }
 
-/* Rows in chunks of `chunk` blocks whose packed x stays in L2: every row block of a chunk meets
- * each tile over all of k, the sums held in the tile registers from the first k to the last (a
- * store and reload of the sums between k slabs cost a quarter of AMX's rate), while the tile
- * comes from L2 after its first block. The next tile is asked for in shares, one per row block,
- * and each block's epilogue runs during the next block's k steps (block).
- * Each chunk after the first is one more pass over the weights (from L3 while they fit). A pass
- * over the 1B shape's weights (bench_matmul) against oneDNN's time: 64 rows 0.83x -> 0.79x, 512
- * rows 0.95x -> 0.88x. Rows of w2 (8,192 wide) would make chunks of 64 rows (slower: 1.07 against
- * 1.18 TFLOPS) and stay on by_panels. */
-static void by_chunks(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
-                      int64_t chunk) {
+/* Several row blocks: k in pieces of at most PIECE_K, rows in chunks whose packed x of one piece
+ * stays in L2 (X_L2_BYTES). Every row block of a chunk meets each tile over the piece's k, the sums
+ * in the tile registers from its first k to its last (a store and reload of the sums every 256 k
+ * cost a quarter of AMX's rate), while the tile comes from L2 after its first block; the next tile
+ * is asked for in shares, one per row block, and each block's epilogue runs during the next
+ * block's k steps (block). Each chunk after the first is one more pass over the weights (from L3
+ * while they fit). Where k takes several pieces (w2's 8,192), the sums of each (block, tile) wait
+ * in memory between pieces: w2 at 64 / 128 / 200 / 512 rows (a standalone C loop, both cores)
+ * 1.16 / 1.46 / 1.69 / 2.2 -> 1.58 / 2.13 / 2.09 / 2.3-2.5 TFLOPS against panels of 8 tiles in k
+ * slabs of 256 (memory for those sums missing: k in one piece). */
+static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
-    const int64_t tile_bytes = K * TILE_COLS * 2;
-    float sums[32 * 32] __attribute__((aligned(64)));
+    const int64_t tile_bytes = K * TILE_COLS * 2, threads = omp_get_num_threads();
+    int64_t piece = K < PIECE_K ? K : PIECE_K, chunk = X_L2_BYTES / (piece * 2) / 32;
+    chunk = chunk < 1 ? 1 : chunk < blocks ? chunk : blocks;
+    float one[32 * 32] __attribute__((aligned(64))), *acc = NULL;
+    if (piece < K && (acc = aligned_alloc(64, (size_t)(chunk * ((tiles + threads - 1) / threads)) * 32 * 32 *
+                                                   sizeof(float))) == NULL)
+        piece = K;
     struct Rows before = {0};
     for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
-        const int64_t c1 = c0 + chunk < blocks ? c0 + chunk : blocks, share = tile_bytes / (c1 - c0);
+        const int64_t c1 = c0 + chunk < blocks ? c0 + chunk : blocks, share = piece * TILE_COLS * 2 / (c1 - c0);
+        for (int64_t k0 = 0; k0 < K; k0 += piece) {
+            const int64_t k1 = k0 + piece < K ? k0 + piece : K;
+            int64_t slot = 0; /* this thread's (tile, block) pairs in order: the same tiles for every piece */
 #pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < tiles; t++) {
-            const char *wt = (const char *)w + t * tile_bytes, *next = t + 1 < tiles ? wt + tile_bytes : NULL;
-            for (int64_t b = c0; b < c1; b++)
-                block(packed + b * 32 * K, wt, next != NULL ? next + (b - c0) * share : NULL, 32 / (c1 - c0), 0, 0, K,
-                      1, 1, sums, (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS), ldy,
-                      M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS, gated, &before);
+            for (int64_t t = 0; t < tiles; t++) {
+                const char *wt = (const char *)w + t * tile_bytes;
+                const char *next = t + 1 < tiles ? wt + tile_bytes + k0 / 2 * 128 : NULL;
+                for (int64_t b = c0; b < c1; b++, slot++)
+                    block(packed + b * 32 * K, wt, next != NULL ? next + (b - c0) * share : NULL, 32 / (c1 - c0), 0,
+                          k0, k1, k0 == 0, k1 == K, acc != NULL ? acc + slot * 32 * 32 : one,
+                          (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS), ldy,
+                          M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS, gated, &before);
+            }
         }
         finish(&before);
 #pragma omp barrier
     }
+    free(acc);
 }
 
-/* Rows too wide for chunks of CHUNK_MIN_BLOCKS (w2's 8,192), and one-block decode calls. */
+/* One row block (a decode step's rows): a tile at a time, or for x too wide to stay in L2 a panel
+ * of tiles that each slab of x serves while the weights stream from memory once a call. */
 static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated) {
-    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
-    /* x that fits L2 meets one weight tile at a time. More rows meet a panel of tiles, so each slab of
-     * x fetched from L3 serves all of them while the weights stream from memory once a call (rows
-     * in L2-sized chunks read the weights once per chunk instead: 9 times for w2 at 544 rows; panels
-     * of 4 or 16 tiles, slabs of 512, and panels for x in L2 were slower). */
+    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N;
     const int64_t panel = M * K * 2 > X_L2_BYTES ? PANEL_TILES : 1;
-    /* With several row blocks, k goes in slabs whose part of the panel's tiles (K_SLAB / 2 rows of
-     * 128 bytes a tile) stays in L1/L2 while every row block passes over it; the sums wait in acc.
-     * One block goes in slabs of ONE_BLOCK_SLAB, so that what it asks for ahead is the next 128 KiB
-     * rather than a whole next tile: with w2's 8,192-wide tiles (512 KiB) the tile asked for ahead,
-     * the tile being read and x crowded L2, and 8-row calls streamed at 25 GB/s against w1/w3's 29
-     * (28-29 in slabs). */
+    /* k in slabs of ONE_BLOCK_SLAB, so that what the call asks for ahead is the next 128 KiB rather
+     * than a whole next tile: with w2's 8,192-wide tiles (512 KiB) the tile asked for ahead, the tile
+     * being read and x crowded L2, and 8-row calls streamed at 25 GB/s against w1/w3's 29 (28-29 in
+     * slabs). The sums wait in acc between slabs. */
     float *acc = NULL;
-    const int64_t want = blocks > 1 ? K_SLAB : ONE_BLOCK_SLAB;
-    if (want < K) acc = aligned_alloc(64, (size_t)(blocks * panel) * 32 * 32 * sizeof(float));
-    const int64_t slab = acc != NULL ? want : K; /* k within one slab, or no memory for the sums: whole k at once */
+    if (ONE_BLOCK_SLAB < K) acc = aligned_alloc(64, (size_t)panel * 32 * 32 * sizeof(float));
+    const int64_t slab = acc != NULL ? ONE_BLOCK_SLAB : K; /* or no memory for the sums: whole k at once */
     float one[32 * 32] __attribute__((aligned(64)));
     struct Rows before = {0};
 #pragma omp for schedule(static) nowait
@@ -243,15 +248,12 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
         const int64_t p1 = p0 + panel < tiles ? p0 + panel : tiles;
         for (int64_t k0 = 0; k0 < K; k0 += slab) {
             const int64_t k1 = k0 + slab < K ? k0 + slab : K;
-            for (int64_t b = 0; b < blocks; b++)
-                for (int64_t t = p0; t < p1; t++) {
-                    const char *wt = (const char *)w + t * K * TILE_COLS * 2;
-                    float *sums = acc != NULL ? acc + (b * panel + t - p0) * 32 * 32 : one;
-                    uint16_t *yb = (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);
-                    block(packed + b * 32 * K, wt, b == 0 ? ahead(wt, K, tiles, panel, t, k1) : NULL, 32,
-                          blocks == 1, k0, k1, k0 == 0, k1 == K, sums, yb, ldy, M - b * 32 < 32 ? M - b * 32 : 32,
-                          N - t * TILE_COLS, gated, &before);
-                }
+            for (int64_t t = p0; t < p1; t++) {
+                const char *wt = (const char *)w + t * K * TILE_COLS * 2;
+                block(packed, wt, ahead(wt, K, tiles, panel, t, k1), 32, 1, k0, k1, k0 == 0, k1 == K,
+                      acc != NULL ? acc + (t - p0) * 32 * 32 : one, (uint16_t *)y + t * (gated ? TILE_COLS / 2 : TILE_COLS),
+                      ldy, M, N - t * TILE_COLS, gated, &before);
+            }
         }
     }
     finish(&before);
@@ -260,12 +262,12 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
 }
 
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
-    const int64_t blocks = (M + 31) / 32, chunk = X_L2_BYTES / (K * 2) / 32; /* row blocks of x in L2 */
+    const int64_t blocks = (M + 31) / 32;
     uint16_t *packed = scratch;
     configure();
     pack_rows(x, M, K, packed); /* ends in a barrier: x is whole before use */
-    if (blocks > 1 && chunk >= CHUNK_MIN_BLOCKS)
-        by_chunks(packed, M, K, w, N, y, gated, chunk);
+    if (blocks > 1)
+        by_pieces(packed, M, K, w, N, y, gated);
     else
         by_panels(packed, M, K, w, N, y, gated);
     _tile_release();
