@@ -115,8 +115,8 @@ static inline void finish(struct Rows *r) {
 }
 
 /* The product of a 32-row block of x, packed (pack_rows), and weight tile wt, over k in [k0, k1):
- * added to the sums in acc (float32 [32][32]) unless `first`, left there unless `last`, in which
- * case the epilogue writes y's rows (up to `rows` of them). ahead: weight the thread needs next
+ * added to the sums in acc (float32 [32][32]) unless `first`, and left there; if `last`, its rows
+ * (up to `rows` of them) wait in `before` for the epilogue into y (see below). ahead: weight the thread needs next
  * (NULL: none), asked for per_step lines a k step (a constant where it can be: a decode step's
  * loop unrolled is 2-3% faster), in
  * PREFETCH_RUNS interleaved runs that the L2's streamer follows: AMX's tile loads hold few misses
@@ -196,7 +196,7 @@ static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel
  * while they fit). Where k takes several pieces (w2's 8,192), the sums of each (block, tile) wait
  * in memory between pieces: w2 at 64 / 128 / 200 / 512 rows (a standalone C loop, both cores)
  * 1.16 / 1.46 / 1.69 / 2.2 -> 1.58 / 2.13 / 2.09 / 2.3-2.5 TFLOPS against panels of 8 tiles in k
- * slabs of 256 (memory for those sums missing: k in one piece). */
+ * slabs of 256. Without memory for those sums, k goes in one piece. */
 static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
     const int64_t tile_bytes = K * TILE_COLS * 2, threads = omp_get_num_threads();
