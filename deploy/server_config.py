@@ -17,7 +17,9 @@ What `write` produces (used by setup_model.sh and tests/serving_util.py):
 - bodies handed to the handler as raw bytes (`decode_input_request=false`);
 - metrics in Prometheus format on the metrics port's /metrics (`metrics_mode=prometheus`), the
   handler's own metrics included (`model_metrics_auto_detect=true` registers them when they are
-  first reported, so no metrics yaml has to list them; see tp_llama/serving/metrics.py).
+  first reported, so no metrics yaml has to list them; see tp_llama/serving/metrics.py);
+- the frontend's logging from deploy/log4j2.xml (`vmargs`): TorchServe's own files, without the
+  lines its default configuration writes on every continuous-batching call (see that file).
 
 `model-status` prints the worker states of a model ("READY", or e.g. "STARTED" while loading),
 asking the management API wherever that config put it (unix socket or TCP), or prints nothing
@@ -40,6 +42,7 @@ FRONTEND_MAX_REQUEST_SIZE = 2 * MiB
 LOOPBACK = "127.0.0.1"
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 UNIX_PATH_MAX = 107
+LOG_CONFIG = Path(__file__).resolve().with_name("log4j2.xml")
 
 # Keys fixed by this module: extra lines may not set them (they are what makes it safe).
 LOCKED_KEYS = frozenset(
@@ -136,6 +139,7 @@ def config_properties(
         "metrics_mode": "prometheus",
         "model_metrics_auto_detect": "true",
         "model_store": str(store),
+        "vmargs": f"-Dlog4j.configurationFile={LOG_CONFIG.as_uri()}",
     }
     values.update(_parse_extra(extra))
     comments = {
@@ -147,6 +151,7 @@ def config_properties(
         "decode_input_request": "# Hand request bodies to the handler as raw bytes, so it can validate them strictly.",
         "metrics_mode": "# /metrics on the metrics port in Prometheus format, with the handler's llama_* metrics\n"
                         "# (registered when first reported: model_metrics_auto_detect).",
+        "vmargs": "# The frontend's logging without its per-call lines (deploy/log4j2.xml).",
     }
     lines: list[str] = []
     for key, value in values.items():

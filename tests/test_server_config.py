@@ -7,8 +7,10 @@ authorization off, a frontend body cap above the handler's.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,40 @@ def test_model_status_is_empty_when_nothing_answers(tmp_path: Path) -> None:
     server_config.write_config(config, model_store=STORE, management_socket=tmp_path / "none.sock")
     (tmp_path / "key_file.json").write_text('{"management": {"key": "k"}}')
     assert server_config.model_status(config, "llama", tmp_path / "key_file.json", timeout=2) == []
+
+
+# Lines TorchServe 0.12's frontend logs on every continuous-batching call (taken from its ts_log.log
+# and model_log.log under the default configuration), and lines that must still be logged.
+PER_CALL = {
+    "org.pytorch.serve": ["Looping backend response at: 1795547847051", "Backend response time: 95",
+                          ("result=[METRICS]PredictionTime.Milliseconds:87.71|#ModelName:llama,Level:Model|#type:GAUGE"
+                           "|#hostname:vm,1795547875,2a4d9789-acdc-414c-b4f6-bf0d48cecdd7, pattern=[METRICS]")],
+    "MODEL_LOG": ["Backend received inference at: 1795547875"],
+}
+KEPT = {
+    "org.pytorch.serve": ["Backend worker process died.", "Model llama loaded.",
+                          "W-9000-llama_1.0 State change WORKER_STARTED -> WORKER_MODEL_LOADED"],
+    "MODEL_LOG": ["rank 0: request 91e06b45 length after 64 tokens; running 1/64", "Backend worker process died."],
+}
+
+
+def test_the_frontend_logs_from_our_log4j2_config_without_its_per_call_lines() -> None:
+    config = parse(config_properties(STORE, management_socket=SOCKET))
+    flag, _, uri = config["vmargs"].partition("=")
+    assert flag == "-Dlog4j.configurationFile" and uri.startswith("file://")
+    path = Path(uri.removeprefix("file://"))
+    assert path == REPO / "deploy" / "log4j2.xml" and path.is_file()
+    loggers = {node.get("name", "root"): node for node in ET.parse(path).getroot().find("Loggers")}
+    assert not [name for name, node in loggers.items() if node.get("level") in ("debug", "trace")]
+    for name, node in loggers.items():  # one appender per file: a line goes to each file once
+        refs = [ref.get("ref") for ref in node.findall("AppenderRef")]
+        assert len(refs) == len(set(refs)), name
+        if name != "root" and node.get("additivity") != "false":
+            assert not set(refs) & {ref.get("ref") for ref in loggers["root"].findall("AppenderRef")}, name
+    for name, dropped in PER_CALL.items():
+        regex = loggers[name].find("RegexFilter")
+        assert regex.get("onMatch") == "DENY"
+        pattern = re.compile(regex.get("regex"))  # log4j matches the whole message (Matcher.matches)
+        assert all(pattern.fullmatch(line) for line in dropped), name
+        assert not any(pattern.fullmatch(line) for line in KEPT[name]), name
+        assert loggers[name].get("level") == "info"
