@@ -109,6 +109,40 @@ def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_featu
         assert torch.equal(linear(x[part], weight), full[part]), part
 
 
+def causal_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Causal GQA self-attention of rows [T, (heads + 2 kv_heads) * head_dim], written plainly in float64."""
+    rows = qkv.shape[0]
+    q, k, v = qkv.double().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q = q.view(rows, heads, head_dim)
+    k, v = (t.view(rows, kv_heads, head_dim).repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / head_dim**0.5
+    scores = scores.masked_fill(torch.ones(rows, rows, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(rows, heads * head_dim)
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 64), (8, 2, 128), (4, 4, 64)],
+                         ids=["llama3-1b", "head-dim-128", "no-gqa"])
+def test_amx_prompt_attention_matches_float64(heads: int, kv_heads: int, head_dim: int):
+    """A chunk from position 0 attending to itself on AMX (kernels/cpu/prompt_attention.c), against a
+    float64 causal softmax: one row, a ragged last 16-row block, four 16-key blocks and a rest, more
+    than one 32-key step, rows wider than qkv's heads (out and qkv are row slices of wider tensors)."""
+    gen = torch.Generator().manual_seed(3)
+    width = (heads + 2 * kv_heads) * head_dim
+    for rows in (1, 5, 16, 17, 33, 70, 200, 513):
+        qkv = torch.randn(rows, width + 32, generator=gen).bfloat16()[:, 16:16 + width]
+        out = torch.full((rows, heads * head_dim + 64), 7.0, dtype=torch.bfloat16)
+        assert ops.prompt_attention(qkv, heads, head_dim, out[:, 32:32 + heads * head_dim])
+        expected = causal_attention(qkv, heads, kv_heads, head_dim)
+        # the output's own rounding (8 bits) and the probabilities', rounded to bfloat16 before the values
+        torch.testing.assert_close(out[:, 32:32 + heads * head_dim].double(), expected, rtol=2**-7, atol=2**-7,
+                                   msg=f"{rows} rows")
+        assert (out[:, :32] == 7).all() and (out[:, 32 + heads * head_dim:] == 7).all(), "wrote outside its rows"
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * 32, generator=gen).bfloat16()
+    out = torch.zeros(4, heads * 32, dtype=torch.bfloat16)
+    assert not ops.prompt_attention(qkv, heads, 32, out) and not out.any(), "head_dim 32: left to flash attention"
+
+
 @pytest.mark.parametrize("kind", available_kinds())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_linear_matches_float64(kind: str, dtype: torch.dtype):

@@ -23,7 +23,7 @@ from tp_llama.kernels import Tiled, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model.batch import Batch
-from tp_llama.model.kv_cache import KVCache, attend_written
+from tp_llama.model.kv_cache import KVCache, attend_chunk
 from tp_llama.model.llama import FeedForward, Layers, RMSNorm, Transformer
 from tp_llama.parallel.layout import ALL_REDUCE, NONE
 
@@ -53,8 +53,8 @@ def feed_forward(ffn: FeedForward, kind: str) -> nn.Module:
 
 
 class CAttention(FusedAttention):
-    """Decode rows' attention in one C call; prompt rows' RoPE and cache write in another, then
-    PyTorch's flash attention per chunk."""
+    """Decode rows' attention in one C call; prompt rows' RoPE and cache write in another, then each
+    chunk's attention: on AMX for a chunk that starts its sequence, else PyTorch's flash attention."""
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         qkv = linear(x, self.wqkv)
@@ -64,15 +64,22 @@ class CAttention(FusedAttention):
             rows = ops.decode_rows(rotation[:done], batch.tables[:done], batch.positions[:done])
             ops.decode_attention(qkv[:done], rows, self.cache.k, self.cache.v, self.cache.block_size, out[:done])
         if done < qkv.shape[0]:
-            out[done:] = self._attend_prompts(qkv[done:], rotation[done:], batch, done)
+            self._attend_prompts(qkv[done:], rotation[done:], batch, done, out[done:])
         return self.wo(out)
 
-    def _attend_prompts(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int) -> torch.Tensor:
-        """Prompt rows: RoPE and the cache write in C, then PyTorch's flash attention per chunk."""
+    def _attend_prompts(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int,
+                        out: torch.Tensor) -> None:
+        """Prompt rows into out: RoPE and the cache write in C, then each chunk's attention. A chunk from
+        position 0 attends only to itself (AMX where there is one: about half flash's time at 200-256
+        rows); a later chunk of a long prompt, or one after a cached prefix, also reads its earlier keys
+        from the cache."""
         n_q, n_kv = self.widths
         ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, self.cache.k, self.cache.v)
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv.split([n_q, n_kv, n_kv], dim=1))
-        return attend_written(self.cache, q, k, v, batch, done).flatten(1)
+        for first, row, start, length in batch.prefill:
+            rows = slice(first - done, first - done + length)
+            if start or not ops.prompt_attention(qkv[rows], n_q // self.head_dim, self.head_dim, out[rows]):
+                out[rows] = attend_chunk(self.cache, q[rows], k[rows], v[rows], batch, row, start).flatten(1)
 
 
 class DecodeLayers(Layers):

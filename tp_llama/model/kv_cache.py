@@ -81,7 +81,7 @@ def attend_written(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         out[: batch.n_decode] = _decode(cache, q[: batch.n_decode], batch)
     for first, row, start, length in batch.prefill:
         chunk = slice(first - done, first - done + length)
-        out[chunk] = _prefill(cache, q[chunk], k[chunk], v[chunk], batch, row, start)
+        out[chunk] = attend_chunk(cache, q[chunk], k[chunk], v[chunk], batch, row, start)
     return out
 
 
@@ -139,8 +139,8 @@ def _decode(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Tensor:
     return out.squeeze(2)
 
 
-def _prefill(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, row: int,
-             start: int) -> torch.Tensor:
+def attend_chunk(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, row: int,
+                 start: int) -> torch.Tensor:
     """A prompt chunk at positions start.. of row `row`: query i sees keys 0 .. start + i. A chunk
     from position 0 attends over its own keys; a later one reads the earlier ones from its blocks."""
     length = q.shape[0]

@@ -46,17 +46,14 @@ int amx_enable(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? TPL_OK : TPL_NO_AMX;
 }
 
-/* Tiles 0-3: C, 16 rows of 16 float32; 4-5: A, 16 rows of 32 bfloat16; 6-7: B, 16 pairs of 16 columns. */
-static void configure(void) {
-    struct TileConfig config;
-    memset(&config, 0, sizeof(config));
-    config.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        config.rows[i] = 16;
-        config.colsb[i] = 64;
-    }
-    _tile_loadconfig(&config);
-}
+/* Tiles 0-3: C, 16 rows of 16 float32; 4-5: A, 16 rows of 32 bfloat16; 6-7: B, 16 pairs of 16 columns.
+ * A constant: GCC does not see LDTILECFG read its operand, and dropped the stores that filled one on
+ * the stack (the reserved bytes left as they were, so the load faulted). */
+static const struct TileConfig TILES = {.palette = 1,
+                                        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                        .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+void amx_configure(void) { _tile_loadconfig(&TILES); }
 
 /* Step `step`'s per_step lines of `ahead`, spread over PREFETCH_RUNS runs of `run` lines (see block). */
 static inline __attribute__((always_inline)) void ask_ahead(const char *ahead, int64_t step, int64_t per_step,
@@ -264,7 +261,7 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
     const int64_t blocks = (M + 31) / 32;
     uint16_t *packed = scratch;
-    configure();
+    amx_configure();
     pack_rows(x, M, K, packed); /* ends in a barrier: x is whole before use */
     if (blocks > 1)
         by_pieces(packed, M, K, w, N, y, gated);
@@ -277,6 +274,8 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
 #else
 
 int amx_enable(void) { return TPL_NO_AMX; }
+
+void amx_configure(void) {}
 
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
     (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)gated, (void)scratch;

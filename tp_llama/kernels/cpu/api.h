@@ -71,6 +71,13 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
 /* amx_enable asks Linux for AMX's tile state, once per process, before any AMX call. */
 int amx_enable(void);
 
+/* A prompt chunk's causal self-attention on AMX (prompt_attention.c), for a chunk from position 0:
+ * qkv [rows][ld] bfloat16 (q, k, v heads at the start of each row, q and k rotated), out [rows][ld_out]
+ * gets each row's n_heads * head_dim outputs. TPL_OK, TPL_NO_MEMORY, or TPL_NO_AMX (no AMX build, or
+ * head_dim not a multiple of 64). */
+int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                     void *out, int64_t ld_out);
+
 /* Layer ops (layer.c). */
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
 int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads,
@@ -103,6 +110,8 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
 /* The in-region AMX matmul (amx.c): bfloat16 x [M][K], K a multiple of 32, scratch as tiled_matmul's
  * wide; TPL_NO_AMX (for every thread) where it cannot run. */
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch);
+/* This thread's tile registers as amx.c and prompt_attention.c use them (AMX builds only). */
+void amx_configure(void);
 void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
 /* Rows already checked by check_rows; scores: max_threads * scores_per_thread floats. */
 void attention_rows(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,

@@ -173,6 +173,21 @@ def rope_prompt_rows(qkv: torch.Tensor, rotation: torch.Tensor, locations: torch
         raise IndexError(f"a prompt row's cache index lies outside the KV cache {tuple(cache_k.shape)}")
 
 
+def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, out: torch.Tensor) -> bool:
+    """A chunk from position 0 attending to itself on AMX (causal): out [rows, heads * head_dim] from its
+    rows of qkv [rows, (heads + 2 kv_heads) * head_dim], q and k already rotated. False where AMX cannot
+    (no AMX here, float32, a head_dim it does not take); nothing is written then."""
+    rows, width = qkv.shape
+    if not (amx_ready() and qkv.dtype == out.dtype == torch.bfloat16 and qkv.stride(1) == out.stride(1) == 1):
+        return False
+    n_kv_heads = (width // head_dim - n_heads) // 2
+    status = library().prompt_attention(qkv.data_ptr(), rows, qkv.stride(0), n_heads, n_kv_heads, head_dim,
+                                        out.data_ptr(), out.stride(0))
+    if status == library().constants["TPL_NO_MEMORY"]:
+        raise MemoryError(f"no memory for the attention of a {rows}-row prompt chunk")
+    return status == library().constants["TPL_OK"]
+
+
 def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],
                  cache_k: torch.Tensor, cache_v: torch.Tensor, block_size: int, eps: float) -> ctypes.Structure | None:
     """A layer as decode_stack, attention_block and ffn_block run it (struct DecodeLayer), or None where they cannot.
