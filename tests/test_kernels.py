@@ -109,14 +109,14 @@ def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_featu
         assert torch.equal(linear(x[part], weight), full[part]), part
 
 
-def causal_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Causal GQA self-attention of rows [T, (heads + 2 kv_heads) * head_dim], written plainly in float64."""
-    rows = qkv.shape[0]
-    q, k, v = qkv.double().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    q = q.view(rows, heads, head_dim)
-    k, v = (t.view(rows, kv_heads, head_dim).repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q, k) / head_dim**0.5
-    scores = scores.masked_fill(torch.ones(rows, rows, dtype=torch.bool).triu(1), float("-inf"))
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Queries [T, heads, hd] at positions start .. against keys and values [start + T, kv_heads, hd],
+    each query seeing those up to its own position: GQA attention written plainly, in float64."""
+    rows, heads, head_dim = q.shape
+    k, v = (t.double().repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / head_dim**0.5
+    seen = torch.arange(k.shape[0]) <= start + torch.arange(rows).unsqueeze(1)
+    scores = scores.masked_fill(~seen, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(rows, heads * head_dim)
 
 
@@ -124,23 +124,36 @@ def causal_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 64), (8, 2, 128), (4, 4, 64)],
                          ids=["llama3-1b", "head-dim-128", "no-gqa"])
 def test_amx_prompt_attention_matches_float64(heads: int, kv_heads: int, head_dim: int):
-    """A chunk from position 0 attending to itself on AMX (kernels/cpu/prompt_attention.c), against a
-    float64 causal softmax: one row, a ragged last 16-row block, four 16-key blocks and a rest, more
-    than one 32-key step, rows wider than qkv's heads (out and qkv are row slices of wider tensors)."""
+    """A prompt chunk on AMX (kernels/cpu/prompt_attention.c) against a float64 causal softmax: chunks
+    from position 0 and after earlier keys (a long prompt's later chunk, a cached prefix), keys and
+    values read through a shuffled block table; one row, a ragged last 16-row block, four 16-key
+    blocks and a rest, several 32-key steps; out and qkv row slices of wider tensors."""
     gen = torch.Generator().manual_seed(3)
+    block_size, n_blocks = 16, 64
     width = (heads + 2 * kv_heads) * head_dim
-    for rows in (1, 5, 16, 17, 33, 70, 200, 513):
+    for start, rows in ((0, 1), (0, 5), (0, 17), (0, 33), (0, 200), (0, 513), (5, 1), (16, 40), (100, 150), (700, 3)):
+        cache_k, cache_v = (torch.randn(kv_heads, (n_blocks + 1) * block_size, head_dim, generator=gen).bfloat16()
+                            for _ in range(2))
+        table = torch.randperm(n_blocks, generator=gen)
+        positions = torch.arange(start + rows)
+        at = table[positions // block_size] * block_size + positions % block_size
         qkv = torch.randn(rows, width + 32, generator=gen).bfloat16()[:, 16:16 + width]
         out = torch.full((rows, heads * head_dim + 64), 7.0, dtype=torch.bfloat16)
-        assert ops.prompt_attention(qkv, heads, head_dim, out[:, 32:32 + heads * head_dim])
-        expected = causal_attention(qkv, heads, kv_heads, head_dim)
+        mine = out[:, 32:32 + heads * head_dim]
+        assert ops.prompt_attention(qkv, heads, head_dim, cache_k, cache_v, block_size, table, start, mine)
+        q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+        expected = causal_attention(q, cache_k[:, at].transpose(0, 1), cache_v[:, at].transpose(0, 1), start)
         # the output's own rounding (8 bits) and the probabilities', rounded to bfloat16 before the values
-        torch.testing.assert_close(out[:, 32:32 + heads * head_dim].double(), expected, rtol=2**-7, atol=2**-7,
-                                   msg=f"{rows} rows")
+        torch.testing.assert_close(mine.double(), expected, rtol=2**-7, atol=2**-7, msg=f"start {start}, {rows} rows")
         assert (out[:, :32] == 7).all() and (out[:, 32 + heads * head_dim:] == 7).all(), "wrote outside its rows"
+    with pytest.raises(IndexError):
+        ops.prompt_attention(qkv, heads, head_dim, cache_k, cache_v, block_size, torch.full((64,), n_blocks + 5), 0,
+                             mine)
     qkv = torch.randn(4, (heads + 2 * kv_heads) * 32, generator=gen).bfloat16()
     out = torch.zeros(4, heads * 32, dtype=torch.bfloat16)
-    assert not ops.prompt_attention(qkv, heads, 32, out) and not out.any(), "head_dim 32: left to flash attention"
+    cache = torch.zeros(kv_heads, 4 * block_size, 32, dtype=torch.bfloat16)
+    assert not ops.prompt_attention(qkv, heads, 32, cache, cache, block_size, torch.arange(3), 0, out)
+    assert not out.any(), "head_dim 32: left to flash attention, nothing written"
 
 
 @pytest.mark.parametrize("kind", available_kinds())

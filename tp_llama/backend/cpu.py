@@ -54,7 +54,7 @@ def feed_forward(ffn: FeedForward, kind: str) -> nn.Module:
 
 class CAttention(FusedAttention):
     """Decode rows' attention in one C call; prompt rows' RoPE and cache write in another, then each
-    chunk's attention: on AMX for a chunk that starts its sequence, else PyTorch's flash attention."""
+    chunk's attention (on AMX where there is one)."""
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         qkv = linear(x, self.wqkv)
@@ -69,17 +69,18 @@ class CAttention(FusedAttention):
 
     def _attend_prompts(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int,
                         out: torch.Tensor) -> None:
-        """Prompt rows into out: RoPE and the cache write in C, then each chunk's attention. A chunk from
-        position 0 attends only to itself (AMX where there is one: about half flash's time at 200-256
-        rows); a later chunk of a long prompt, or one after a cached prefix, also reads its earlier keys
-        from the cache."""
+        """Prompt rows into out: RoPE and the cache write in C, then each chunk against its sequence's
+        keys so far: on AMX where there is one (about half the time of PyTorch's flash kernel at 200-256
+        rows), else through PyTorch's flash attention."""
         n_q, n_kv = self.widths
-        ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, self.cache.k, self.cache.v)
+        cache = self.cache
+        ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, cache.k, cache.v)
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv.split([n_q, n_kv, n_kv], dim=1))
         for first, row, start, length in batch.prefill:
             rows = slice(first - done, first - done + length)
-            if start or not ops.prompt_attention(qkv[rows], n_q // self.head_dim, self.head_dim, out[rows]):
-                out[rows] = attend_chunk(self.cache, q[rows], k[rows], v[rows], batch, row, start).flatten(1)
+            if not ops.prompt_attention(qkv[rows], n_q // self.head_dim, self.head_dim, cache.k, cache.v,
+                                        cache.block_size, batch.tables[row], start, out[rows]):
+                out[rows] = attend_chunk(cache, q[rows], k[rows], v[rows], batch, row, start).flatten(1)
 
 
 class DecodeLayers(Layers):

@@ -71,12 +71,15 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
 /* amx_enable asks Linux for AMX's tile state, once per process, before any AMX call. */
 int amx_enable(void);
 
-/* A prompt chunk's causal self-attention on AMX (prompt_attention.c), for a chunk from position 0:
- * qkv [rows][ld] bfloat16 (q, k, v heads at the start of each row, q and k rotated), out [rows][ld_out]
- * gets each row's n_heads * head_dim outputs. TPL_OK, TPL_NO_MEMORY, or TPL_NO_AMX (no AMX build, or
+/* A prompt chunk's causal attention on AMX (prompt_attention.c): rows at positions start .. of one
+ * sequence, its q heads at the start of each row of qkv [rows][ld] bfloat16 (rotated), against the
+ * sequence's keys and values 0 .. start + rows - 1 in cache_k/v [n_kv_heads][n_blocks * block_size]
+ * [head_dim] through its block table; out [rows][ld_out] gets each row's n_heads * head_dim outputs.
+ * TPL_OK, TPL_NO_MEMORY, TPL_OFF_CACHE (a block outside the cache), or TPL_NO_AMX (no AMX build, or
  * head_dim not a multiple of 64). */
 int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                     void *out, int64_t ld_out);
+                     const void *cache_k, const void *cache_v, int64_t n_blocks, int64_t block_size,
+                     const int64_t *table, int64_t start, void *out, int64_t ld_out);
 
 /* Layer ops (layer.c). */
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);

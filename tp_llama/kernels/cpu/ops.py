@@ -128,7 +128,7 @@ def _raise_for(status: int, cache_k: torch.Tensor) -> None:
     if status == codes["TPL_OK"]:
         return
     if status == codes["TPL_OFF_CACHE"]:
-        raise IndexError(f"a decode row's position or block lies outside its block table or the KV cache "
+        raise IndexError(f"a row's position or block lies outside its block table or the KV cache "
                          f"{tuple(cache_k.shape)}")
     if status == codes["TPL_HEAD_DIM"]:
         raise ValueError(f"decode attention takes heads of up to {codes['MAX_HEAD_DIM']}, not {cache_k.shape[-1]}")
@@ -173,19 +173,27 @@ def rope_prompt_rows(qkv: torch.Tensor, rotation: torch.Tensor, locations: torch
         raise IndexError(f"a prompt row's cache index lies outside the KV cache {tuple(cache_k.shape)}")
 
 
-def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, out: torch.Tensor) -> bool:
-    """A chunk from position 0 attending to itself on AMX (causal): out [rows, heads * head_dim] from its
-    rows of qkv [rows, (heads + 2 kv_heads) * head_dim], q and k already rotated. False where AMX cannot
-    (no AMX here, float32, a head_dim it does not take); nothing is written then."""
-    rows, width = qkv.shape
-    if not (amx_ready() and qkv.dtype == out.dtype == torch.bfloat16 and qkv.stride(1) == out.stride(1) == 1):
+def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                     block_size: int, table: torch.Tensor, start: int, out: torch.Tensor) -> bool:
+    """One sequence's prompt chunk on AMX (causal): out [rows, heads * head_dim] for its rows at positions
+    start .., their rotated q heads at the start of each row of qkv, against the sequence's keys and values
+    0 .. start + rows - 1 in cache_k / cache_v [kv_heads, blocks * block_size, head_dim] through its block
+    table (int64). False where AMX cannot (no AMX here, float32, a head_dim it does not take); nothing
+    is written then."""
+    rows = qkv.shape[0]
+    if not (amx_ready() and qkv.dtype == out.dtype == cache_k.dtype == torch.bfloat16
+            and qkv.stride(1) == out.stride(1) == 1 and table.dtype == torch.long and table.is_contiguous()):
         return False
-    n_kv_heads = (width // head_dim - n_heads) // 2
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        raise ValueError("prompt_attention needs contiguous caches")
+    n_kv_heads, pool, _ = cache_k.shape
     status = library().prompt_attention(qkv.data_ptr(), rows, qkv.stride(0), n_heads, n_kv_heads, head_dim,
-                                        out.data_ptr(), out.stride(0))
-    if status == library().constants["TPL_NO_MEMORY"]:
-        raise MemoryError(f"no memory for the attention of a {rows}-row prompt chunk")
-    return status == library().constants["TPL_OK"]
+                                        cache_k.data_ptr(), cache_v.data_ptr(), pool // block_size, block_size,
+                                        table.data_ptr(), start, out.data_ptr(), out.stride(0))
+    if status == library().constants["TPL_NO_AMX"]:
+        return False
+    _raise_for(status, cache_k)
+    return True
 
 
 def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],

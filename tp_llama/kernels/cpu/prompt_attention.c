@@ -1,5 +1,6 @@
-/* A prompt chunk's causal self-attention on AMX, for a chunk that starts a sequence (its keys and
- * values are its own rows of qkv, already rotated by rope_prompt_rows).
+/* A prompt chunk's causal attention on AMX: its rows at positions start .. start + rows - 1 of a
+ * sequence against the sequence's keys and values up to each row, read from the paged cache (where
+ * rope_prompt_rows has written the chunk's own).
  *
  * PyTorch's flash kernel ran 270-370 GFLOPS on prompts of 200-256 tokens here (0.8 ms a layer for
  * a 200-token chunk of the 1B shape). Here every KV head's keys and values are laid out once as
@@ -19,15 +20,21 @@
 
 #include "simd.h"
 
-/* One KV head's keys as B tiles of S = Q K^T: per 16 keys and 32 dims, [16 pairs of dims][16 keys][2],
+/* Where key j of a KV head's cache (cache [n_blocks * block_size][hd]) lies, by the row's block table. */
+static inline const uint16_t *cached(const uint16_t *cache, const int64_t *table, int64_t block_size, int64_t j,
+                                     int64_t hd) {
+    return cache + (table[j / block_size] * block_size + j % block_size) * hd;
+}
+
+/* One KV head's `keys` keys as B tiles of S = Q K^T: per 16 keys and 32 dims, [16 pairs of dims][16 keys][2],
  * and its values as B tiles of O = P V: per 32 keys and 16 dims, [16 pairs of keys][16 dims][2].
- * Keys past the chunk are zeros (a probability of 0 times a zero value). */
-static void lay_out_head(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t k_col, int64_t v_col, int64_t hd,
-                         uint16_t *kt, uint16_t *vv, int64_t padded) {
+ * Keys past the last are zeros (a probability of 0 times a zero value). */
+static void lay_out_head(const uint16_t *cache_k, const uint16_t *cache_v, const int64_t *table, int64_t block_size,
+                         int64_t keys, int64_t hd, uint16_t *kt, uint16_t *vv, int64_t padded) {
     memset(kt, 0, (size_t)padded * hd * 2);
-    memset(vv + rows / 32 * 32 * hd, 0, (size_t)(padded - rows / 32 * 32) * hd * 2); /* the last 32 keys' tiles */
-    for (int64_t j = 0; j < rows; j++) {
-        const uint16_t *key = qkv + j * ld + k_col;
+    memset(vv + keys / 32 * 32 * hd, 0, (size_t)(padded - keys / 32 * 32) * hd * 2); /* the last 32 keys' tiles */
+    for (int64_t j = 0; j < keys; j++) {
+        const uint16_t *key = cached(cache_k, table, block_size, j, hd);
         for (int64_t d = 0; d < hd; d += 2) { /* pair d/2 of key j */
             uint16_t *tile = kt + ((j / 16) * (hd / 32) + d / 32) * 512;
             memcpy(tile + ((d % 32) / 2) * 32 + (j % 16) * 2, key + d, 4);
@@ -36,8 +43,9 @@ static void lay_out_head(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t 
     /* values two keys at a time: 16 dims of key j and of key j + 1, interleaved, are a row of a tile */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int64_t j = 0; j < rows; j += 2) {
-        const uint16_t *first = qkv + j * ld + v_col, *second = j + 1 < rows ? first + ld : NULL;
+    for (int64_t j = 0; j < keys; j += 2) {
+        const uint16_t *first = cached(cache_v, table, block_size, j, hd);
+        const uint16_t *second = j + 1 < keys ? cached(cache_v, table, block_size, j + 1, hd) : NULL;
         for (int64_t d = 0; d < hd; d += 16) {
             const __m512i both = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + d))),
@@ -73,11 +81,13 @@ static void values_times(const uint16_t *p, int64_t ldp, const uint16_t *vv, int
     _tile_stored(3, o + w0 * 16 + 48, ldo * 4);
 }
 
-/* Rows r0 .. r0 + 15 (those under `rows`) of query head h against KV head g's laid-out keys and values. */
-static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t h, int64_t hd, int64_t r0,
-                         const uint16_t *kt, const uint16_t *vv, uint16_t *out, int64_t ld_out, uint16_t *q,
-                         float *s, uint16_t *p, float *o) {
-    const int64_t n = rows - r0 < 16 ? rows - r0 : 16, keys = r0 + n, kb = (keys + 15) / 16, ks = (keys + 31) / 32;
+/* Rows r0 .. r0 + 15 (those under `rows`) of query head h against KV head g's laid-out keys and values;
+ * row r is at position start + r. */
+static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t start, int64_t h, int64_t hd,
+                         int64_t r0, const uint16_t *kt, const uint16_t *vv, uint16_t *out, int64_t ld_out,
+                         uint16_t *q, float *s, uint16_t *p, float *o) {
+    const int64_t n = rows - r0 < 16 ? rows - r0 : 16, keys = start + r0 + n, kb = (keys + 15) / 16;
+    const int64_t ks = (keys + 31) / 32;
     const int64_t lds = kb * 16, ldp = ks * 32;
     memset(q, 0, 16 * hd * 2);
     for (int64_t r = 0; r < n; r++) memcpy(q + r * hd, qkv + (r0 + r) * ld + h * hd, hd * 2);
@@ -117,7 +127,7 @@ static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t 
     const vec scale = vset1(1.0f / sqrtf((float)hd));
     float total[16];
     for (int64_t r = 0; r < 16; r++) {
-        const int64_t seen = r < n ? r0 + r + 1 : 0; /* causal: key j <= r0 + r */
+        const int64_t seen = r < n ? start + r0 + r + 1 : 0; /* causal: key j <= its position */
         float *row = s + r * lds;
         vec top = vset1(-INFINITY);
         for (int64_t j = 0; j < seen; j += 16) top = vmax_in(top, lanes(seen - j), top, vmul(vloadz(lanes(seen - j), row + j), scale));
@@ -139,10 +149,14 @@ static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t 
 }
 
 int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                     void *out, int64_t ld_out) {
+                     const void *cache_k, const void *cache_v, int64_t n_blocks, int64_t block_size,
+                     const int64_t *table, int64_t start, void *out, int64_t ld_out) {
     if (head_dim % 64 || head_dim > MAX_HEAD_DIM || n_heads % n_kv_heads) return TPL_NO_AMX;
     if (rows <= 0) return TPL_OK;
-    const int64_t hd = head_dim, rep = n_heads / n_kv_heads, padded = (rows + 31) / 32 * 32, blocks = (rows + 15) / 16;
+    const int64_t keys = start + rows;
+    for (int64_t b = 0; b <= (keys - 1) / block_size; b++)
+        if (start < 0 || table[b] < 0 || table[b] >= n_blocks) return TPL_OFF_CACHE;
+    const int64_t hd = head_dim, rep = n_heads / n_kv_heads, padded = (keys + 31) / 32 * 32, blocks = (rows + 15) / 16;
     const int64_t per_thread = 16 * hd * 2 + 16 * padded * 4 + 16 * padded * 2 + 16 * hd * 4 + 256;
     const int threads = omp_get_max_threads();
     char *heads = aligned_alloc(64, (size_t)(n_kv_heads * 2 * padded * hd * 2));
@@ -159,8 +173,9 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < n_kv_heads; g++) {
             uint16_t *kt = (uint16_t *)heads + g * 2 * padded * hd;
-            lay_out_head(x, rows, ld, (n_heads + g) * hd, (n_heads + n_kv_heads + g) * hd, hd, kt, kt + padded * hd,
-                         padded);
+            const int64_t head = g * n_blocks * block_size * hd;
+            lay_out_head((const uint16_t *)cache_k + head, (const uint16_t *)cache_v + head, table, block_size, keys,
+                         hd, kt, kt + padded * hd, padded);
         }
         char *mine = scratch + omp_get_thread_num() * per_thread;
         uint16_t *q = (uint16_t *)mine;
@@ -172,7 +187,7 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
         for (int64_t item = 0; item < n_heads * blocks; item++) {
             const int64_t h = item / blocks, b = item % blocks, g = h / rep;
             const uint16_t *kt = (const uint16_t *)heads + g * 2 * padded * hd;
-            attend_block(x, rows, ld, h, hd, b * 16, kt, kt + padded * hd, out, ld_out, q, s, p, o);
+            attend_block(x, rows, ld, start, h, hd, b * 16, kt, kt + padded * hd, out, ld_out, q, s, p, o);
         }
         _tile_release();
     }
@@ -184,8 +199,10 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
 #else
 
 int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                     void *out, int64_t ld_out) {
+                     const void *cache_k, const void *cache_v, int64_t n_blocks, int64_t block_size,
+                     const int64_t *table, int64_t start, void *out, int64_t ld_out) {
     (void)qkv, (void)rows, (void)ld, (void)n_heads, (void)n_kv_heads, (void)head_dim, (void)out, (void)ld_out;
+    (void)cache_k, (void)cache_v, (void)n_blocks, (void)block_size, (void)table, (void)start;
     return TPL_NO_AMX;
 }
 
