@@ -178,8 +178,8 @@ def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: to
     """One sequence's prompt chunk on AMX (causal): out [rows, heads * head_dim] for its rows at positions
     start .., their rotated q heads at the start of each row of qkv, against the sequence's keys and values
     0 .. start + rows - 1 in cache_k / cache_v [kv_heads, blocks * block_size, head_dim] through its block
-    table (int64). False where AMX cannot (no AMX here, float32, a head_dim it does not take); nothing
-    is written then."""
+    table (int64). False where AMX cannot (no AMX here, float32, a head_dim it does not take, no memory
+    for the keys' layout); nothing is written then."""
     rows = qkv.shape[0]
     if not (amx_ready() and qkv.dtype == out.dtype == cache_k.dtype == torch.bfloat16
             and qkv.stride(1) == out.stride(1) == 1 and table.dtype == torch.long and table.is_contiguous()):
@@ -190,8 +190,8 @@ def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: to
     status = library().prompt_attention(qkv.data_ptr(), rows, qkv.stride(0), n_heads, n_kv_heads, head_dim,
                                         cache_k.data_ptr(), cache_v.data_ptr(), pool // block_size, block_size,
                                         table.data_ptr(), start, out.data_ptr(), out.stride(0))
-    if status == library().constants["TPL_NO_AMX"]:
-        return False
+    if status in (library().constants["TPL_NO_AMX"], library().constants["TPL_NO_MEMORY"]):
+        return False  # no memory for its layout of a long sequence's keys: flash attention needs none
     _raise_for(status, cache_k)
     return True
 
