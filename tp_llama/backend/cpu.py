@@ -2,8 +2,8 @@
 
 - RMSNorm in one C call.
 - SwiGLU in the w1/w3 matmul's tiles: a gated weight whose matmul ends in silu(gate) * up.
-- Decode rows' attention (RoPE, the cache write, softmax(qK)V) in one C call; prompt chunks go
-  through the model's attention as before.
+- Decode rows' attention (RoPE, the cache write, softmax(qK)V) in one C call; prompt rows' RoPE and
+  cache write in another, then each chunk's attention on AMX where there is one (else PyTorch's).
 - A decode-only step's layers in C: one call for them all without tensor parallelism, two per
   layer under it (the all-reduces between them).
 

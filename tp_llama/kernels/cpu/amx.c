@@ -16,7 +16,6 @@
  * so seeded sampling draws the same tokens alone and under load.
  */
 #include <stdlib.h>
-#include <string.h>
 
 #include "api.h"
 
