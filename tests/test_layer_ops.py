@@ -246,19 +246,17 @@ def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
 
 @DTYPES
 @torch.inference_mode()
-def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
-    """cpu_decode.c runs a decode-only step's layers as two C calls each; logits and cache writes must
-    be the bits of the op-by-op path (itself checked against float64 by the parity tests)."""
-    model = served_model(dtype, 32)
+def test_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
+    """decode.c runs a decode-only step's layers as two C calls each, and the FFN halves of a step with
+    prompt rows (on AMX, SwiGLU's outputs handed to w2 packed); logits and cache writes must be the
+    bits of the op-by-op path (itself checked against float64 by the parity tests)."""
+    model = served_model(dtype, 64)
     in_c_layers = model.layers
     assert in_c_layers._structs() is not None and len(in_c_layers._structs()) == 2
     caches = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
     gen = torch.Generator().manual_seed(1)
-    lengths = {0: 9, 2: 4, 3: 15}  # slot 1 stays empty: a hole among the decode rows
-    prefill = [(slot, 0, torch.randint(0, 97, (n,), generator=gen).tolist(), True) for slot, n in lengths.items()]
-    picked = model(slot_batch(model, prefill)).argmax(-1).tolist()
-    for step in range(3):
-        rows = [(slot, n + step, [token], True) for (slot, n), token in zip(lengths.items(), picked)]
+
+    def check(rows: list, label: str) -> list[int]:
         batch = slot_batch(model, rows)
         before = [t.clone() for t in caches]
         in_c = model(batch)
@@ -268,10 +266,19 @@ def test_decode_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
         model.layers = Layers(in_c_layers)  # the same blocks, op by op
         op_by_op = model(batch)
         model.layers = in_c_layers
-        assert torch.equal(in_c, op_by_op), f"step {step}"
-        assert all(torch.equal(a, b) for a, b in zip(written, caches))
-        assert not all(torch.equal(a, b) for a, b in zip(written, before))
-        picked = in_c.argmax(-1).tolist()
+        assert torch.equal(in_c, op_by_op), label
+        assert all(torch.equal(a, b) for a, b in zip(written, caches)), label
+        assert not all(torch.equal(a, b) for a, b in zip(written, before)), label
+        return in_c.argmax(-1).tolist()
+
+    lengths = {0: 9, 2: 4, 3: 30}  # 43 prompt rows: two of AMX's 32-row blocks
+    prefill = [(slot, 0, torch.randint(0, 97, (n,), generator=gen).tolist(), True) for slot, n in lengths.items()]
+    picked = check(prefill, "prefill")
+    for step in range(3):  # slot 1 stays empty (a hole among the decode rows), then gets a prompt
+        rows = [(slot, n + step, [token], True) for (slot, n), token in zip(lengths.items(), picked)]
+        if step == 2:
+            rows.append((1, 0, torch.randint(0, 97, (20,), generator=gen).tolist(), True))
+        picked = check(rows, f"step {step}")[:3]
     before = [t.clone() for t in caches]
     cache = model.layers[0].attention.cache
     with pytest.raises(IndexError, match="outside its block table or the KV cache"):  # a block past the pool

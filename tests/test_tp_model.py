@@ -62,7 +62,7 @@ def write_checkpoint(folder: Path, family: str, mp: int) -> Path:
 def forward_twice(model: Transformer, tokens: torch.Tensor, tp: int, c_layers: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of a 2-row prefill (every position), then of one decode step (last position only).
 
-    c_layers=False: the decode step op by op, even where it could run as C half-layers.
+    c_layers=False: both steps op by op, even where they could run through C half-layers.
     """
     setup_slots(model, 2, 16, torch.float32, torch.device("cpu"), model.args.n_kv_heads // tp)
     layers = model.layers
@@ -147,13 +147,15 @@ def loaded_matches_whole_and_dtensor(family: str, folders: dict[int, str]) -> st
         same_logits(got_prefill, dtensor_prefill, f"MP {mp} prefill against the DTensor model")
 
     # Served: prepared weights, and where the C kernels run, a decode step's layers as two C calls
-    # each with the all-reduces between them: the bits of the op-by-op path, the whole model's logits.
+    # each (a prefill's FFN halves as one) with the all-reduces between them: the bits of the op-by-op
+    # path, the whole model's logits.
     kind, _ = backend.optimize(model)
     got_prefill, got_decode = forward_twice(model, tokens, tp)
     assert isinstance(model.layers, DecodeLayers) == (kind in ("amx", "tiles"))
     if kind in ("amx", "tiles"):
         assert model.layers._structs() is not None
-        assert torch.equal(forward_twice(model, tokens, tp, c_layers=False)[1], got_decode)
+        op_by_op = forward_twice(model, tokens, tp, c_layers=False)
+        assert torch.equal(op_by_op[0], got_prefill) and torch.equal(op_by_op[1], got_decode)
     same_logits(got_prefill, want_prefill, "served prefill")
     same_logits(got_decode, want_decode, "served decode")
     return "ok"

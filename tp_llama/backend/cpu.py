@@ -84,19 +84,33 @@ class CAttention(FusedAttention):
 
 
 class DecodeLayers(Layers):
-    """The blocks, with a decode-only step's layers in C when every block can run there."""
+    """The blocks, with a decode-only step's layers in C when every block can run there, and a step
+    with prompt rows through the same C FFN halves (its attention from Python, each chunk on its own)."""
 
     def __init__(self, layers: Layers):
         super().__init__(layers)
         self._planned: tuple[list[KVCache], ctypes.Array | None] | None = None
 
     def forward(self, h: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
-        structs = self._structs() if 0 < batch.n_decode == len(batch.tokens) else None
-        if structs is None:
+        structs = self._structs()
+        # float32 prompt steps of MKL_ROWS rows or more run MKL's GEMM (ops.tiled_linear), not the tiles.
+        if structs is None or h.dtype == torch.float32 and len(h) >= ops.MKL_ROWS:
             return super().forward(h, rotation, batch)
-        rows = ops.decode_rows(rotation, batch.tables, batch.positions)
         scratch = ops.decode_scratch(structs[0], len(h))
         h = h.contiguous()
+        if 0 < batch.n_decode == len(h):
+            return self._decode(structs, h, rotation, batch, scratch)
+        delta = torch.empty_like(h)
+        for i, (layer, c_layer) in enumerate(zip(self, structs)):
+            norm = layer.attention_norm
+            x = ops.residual_norm(h, delta if i else None, norm.weight, norm.eps)
+            ops.ffn_block(c_layer, h, layer.attention(x, rotation, batch), delta, scratch)
+            layer.feed_forward.w2.communicate(delta)
+        return h + delta
+
+    def _decode(self, structs: ctypes.Array, h: torch.Tensor, rotation: torch.Tensor, batch: Batch,
+                scratch: torch.Tensor) -> torch.Tensor:
+        rows = ops.decode_rows(rotation, batch.tables, batch.positions)
         first = self[0].attention
         if first.wo.comm == NONE:
             ops.decode_stack(structs, rows, h, scratch, first.cache.k)

@@ -173,6 +173,16 @@ static void pack_rows(const uint16_t *x, int64_t M, int64_t K, uint16_t *packed)
             }
 }
 
+/* Where tile t's outputs for row block b start in y, and the distance between their rows: y
+ * [M][width] plainly, or (AMX_PACKED_Y) in pack_rows' layout, the next matmul's x with K = width:
+ * a tile's 32 columns (16 if gated) are one run of a row's 32 k. */
+static uint16_t *tile_out(void *y, int64_t b, int64_t t, int64_t width, int gated, int packed, int64_t *ldy) {
+    const int64_t col = t * (gated ? TILE_COLS / 2 : TILE_COLS);
+    *ldy = packed ? 32 : width;
+    if (packed) return (uint16_t *)y + ((b * (width / 32) + col / 32) * 32) * 32 + col % 32;
+    return (uint16_t *)y + b * 32 * width + col;
+}
+
 /* What a thread reads after tile t (at wt) up to k1 (see block): the tile's next slab, else the
  * first slab of the tile a panel on (one-block calls: ONE_BLOCK_SLAB of k at most). A slab ahead took
  * the 1B shape's matmuls at 48-64 rows from 149 to 129 ms and at 512 rows from 824 to 578 ms
@@ -193,8 +203,9 @@ static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel
  * in memory between pieces: w2 at 64 / 128 / 200 / 512 rows (a standalone C loop, both cores)
  * 1.16 / 1.46 / 1.69 / 2.2 -> 1.58 / 2.13 / 2.09 / 2.3-2.5 TFLOPS against panels of 8 tiles in k
  * slabs of 256. Without memory for those sums, k goes in one piece. */
-static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated) {
-    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N, blocks = (M + 31) / 32;
+static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
+                      int packed_y) {
+    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, width = gated ? N / 2 : N, blocks = (M + 31) / 32;
     const int64_t tile_bytes = K * TILE_COLS * 2, threads = omp_get_num_threads();
     int64_t piece = K < PIECE_K ? K : PIECE_K, chunk = X_L2_BYTES / (piece * 2) / 32;
     chunk = chunk < 1 ? 1 : chunk < blocks ? chunk : blocks;
@@ -212,11 +223,13 @@ static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *
             for (int64_t t = 0; t < tiles; t++) {
                 const char *wt = (const char *)w + t * tile_bytes;
                 const char *next = t + 1 < tiles ? wt + tile_bytes + k0 / 2 * 128 : NULL;
-                for (int64_t b = c0; b < c1; b++, slot++)
+                for (int64_t b = c0; b < c1; b++, slot++) {
+                    int64_t ldy;
+                    uint16_t *out = tile_out(y, b, t, width, gated, packed_y, &ldy);
                     block(packed + b * 32 * K, wt, next != NULL ? next + (b - c0) * share : NULL, 32 / (c1 - c0), 0,
-                          k0, k1, k0 == 0, k1 == K, acc != NULL ? acc + slot * 32 * 32 : one,
-                          (uint16_t *)y + b * 32 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS), ldy,
+                          k0, k1, k0 == 0, k1 == K, acc != NULL ? acc + slot * 32 * 32 : one, out, ldy,
                           M - b * 32 < 32 ? M - b * 32 : 32, N - t * TILE_COLS, gated, &before);
+                }
             }
         }
         finish(&before);
@@ -227,8 +240,9 @@ static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *
 
 /* One row block (a decode step's rows): a tile at a time, or for x too wide to stay in L2 a panel
  * of tiles that each slab of x serves while the weights stream from memory once a call. */
-static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated) {
-    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, ldy = gated ? N / 2 : N;
+static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
+                      int packed_y) {
+    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, width = gated ? N / 2 : N;
     const int64_t panel = M * K * 2 > X_L2_BYTES ? PANEL_TILES : 1;
     /* k in slabs of ONE_BLOCK_SLAB, so that what the call asks for ahead is the next 128 KiB rather
      * than a whole next tile: with w2's 8,192-wide tiles (512 KiB) the tile asked for ahead, the tile
@@ -246,9 +260,10 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
             const int64_t k1 = k0 + slab < K ? k0 + slab : K;
             for (int64_t t = p0; t < p1; t++) {
                 const char *wt = (const char *)w + t * K * TILE_COLS * 2;
+                int64_t ldy;
+                uint16_t *out = tile_out(y, 0, t, width, gated, packed_y, &ldy);
                 block(packed, wt, ahead(wt, K, tiles, panel, t, k1), 32, 1, k0, k1, k0 == 0, k1 == K,
-                      acc != NULL ? acc + (t - p0) * 32 * 32 : one, (uint16_t *)y + t * (gated ? TILE_COLS / 2 : TILE_COLS),
-                      ldy, M, N - t * TILE_COLS, gated, &before);
+                      acc != NULL ? acc + (t - p0) * 32 * 32 : one, out, ldy, M, N - t * TILE_COLS, gated, &before);
             }
         }
     }
@@ -257,15 +272,20 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
     free(acc);
 }
 
-int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
+int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch,
+               int layout) {
     const int64_t blocks = (M + 31) / 32;
-    uint16_t *packed = scratch;
+    const uint16_t *packed = x;
+    if (layout & AMX_PACKED_Y && (gated ? N / 2 : N) % 32) return TPL_NO_AMX;
     amx_configure();
-    pack_rows(x, M, K, packed); /* ends in a barrier: x is whole before use */
+    if (!(layout & AMX_PACKED_X)) {
+        pack_rows(x, M, K, scratch); /* ends in a barrier: x is whole before use */
+        packed = scratch;
+    }
     if (blocks > 1)
-        by_pieces(packed, M, K, w, N, y, gated);
+        by_pieces(packed, M, K, w, N, y, gated, layout & AMX_PACKED_Y);
     else
-        by_panels(packed, M, K, w, N, y, gated);
+        by_panels(packed, M, K, w, N, y, gated, layout & AMX_PACKED_Y);
     _tile_release();
     return TPL_OK;
 }
@@ -276,8 +296,9 @@ int amx_enable(void) { return TPL_NO_AMX; }
 
 void amx_configure(void) {}
 
-int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch) {
-    (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)gated, (void)scratch;
+int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch,
+               int layout) {
+    (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)gated, (void)scratch, (void)layout;
     return TPL_NO_AMX;
 }
 

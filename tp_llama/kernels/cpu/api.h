@@ -22,6 +22,8 @@
 #define MAX_HEAD_DIM 256         /* a query and its sums in registers (Llama's heads are 64 or 128) */
 #define WIDE_MIN_ROWS 16         /* `wide` scratch holds at least this many rows: AMX packs 32 there */
 #define KEY_RUN 16               /* keys scored at once; KV-cache blocks are a multiple of it */
+#define AMX_PACKED_X 1           /* amx_matmul's layout: x comes packed (an AMX_PACKED_Y output) */
+#define AMX_PACKED_Y 2           /* amx_matmul's layout: y goes out packed, as the next matmul's x */
 
 /* Status codes */
 #define TPL_OK 0
@@ -97,6 +99,8 @@ int attention_block(const struct DecodeLayer *layer, const struct DecodeRows *ro
                     void *delta_out, void *scratch);
 void ffn_block(const struct DecodeLayer *layer, int64_t rows, void *h, const void *delta_in, void *delta_out,
                void *scratch);
+void residual_norm(void *h, const void *delta, const void *weight, void *y, int64_t rows, int64_t dim, float eps,
+                   int bf16);
 int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *rows, void *h,
                  void *delta, void *scratch);
 
@@ -111,8 +115,11 @@ void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out);
 void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   float *wide, int amx);
 /* The in-region AMX matmul (amx.c): bfloat16 x [M][K], K a multiple of 32, scratch as tiled_matmul's
- * wide; TPL_NO_AMX (for every thread) where it cannot run. */
-int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch);
+ * wide (unused for packed x); TPL_NO_AMX (for every thread) where it cannot run. layout: AMX_PACKED_X
+ * and AMX_PACKED_Y bits. Packed, a matrix is 32-row blocks of [K / 32][32 rows][32 k], its rows past
+ * M unwritten (M rounded up to 32 in size); y's width (N, or N / 2 gated) must be a multiple of 32. */
+int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch,
+               int layout);
 /* This thread's tile registers as amx.c and prompt_attention.c use them (AMX builds only). */
 void amx_configure(void);
 void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);

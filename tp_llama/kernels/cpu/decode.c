@@ -5,6 +5,7 @@
  * each half of a layer runs in one parallel region, its ops separated by barriers only:
  *   attention_block  h += delta; x = attention_norm(h); qkv = x wqkv; attention; delta = . wo
  *   ffn_block        h += delta; x = ffn_norm(h);       g = SwiGLU(x w1, x w3);  delta = g w2
+ * A step with prompt rows runs ffn_block too, its attention half from Python after residual_norm.
  * Under tensor parallelism delta is this rank's part of the sum, and the caller all-reduces it
  * between the calls; each half starts by adding the previous half's delta. Without it,
  * decode_stack runs all the layers in one call. The ops are the ones the op-by-op path runs, in
@@ -27,8 +28,9 @@ static void add_rows(void *h, const void *delta, int64_t rows, int64_t dim, int 
 }
 
 /* The scratch of either block for `rows` rows, laid out from address `at`: the normed rows, the
- * widest matmul output (qkv or SwiGLU's), attention's output, and the next matmul's input widened
- * to float32 (64-byte aligned); `end` is one past its last byte. */
+ * widest matmul output (qkv or SwiGLU's; rows rounded up to 32, as AMX packs it), attention's
+ * output, and the next matmul's input widened to float32 (64-byte aligned); `end` is one past its
+ * last byte. */
 struct Scratch {
     void *normed, *first, *second;
     float *wide;
@@ -42,7 +44,7 @@ static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, uintptr_t
     struct Scratch s;
     s.normed = (void *)at;
     s.first = (void *)(at += rows * L->dim * size);
-    s.second = (void *)(at += rows * first * size);
+    s.second = (void *)(at += (rows + 31) / 32 * 32 * first * size);
     at = (at + rows * attn * size + 63) & ~(uintptr_t)63;
     s.wide = (float *)at;
     s.end = at + (rows < WIDE_MIN_ROWS ? WIDE_MIN_ROWS : rows) * widest * sizeof(float);
@@ -78,15 +80,33 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
     return TPL_OK;
 }
 
+/* On AMX, SwiGLU's outputs go out in the layout w2's matmul reads (AMX_PACKED_Y), so w2 does not
+ * pack them again: a 512-row step of the 1B shape packed 8 MiB a layer there. */
 void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *delta_in, void *delta_out,
                void *scratch) {
     struct Scratch s = carve(L, rows, (uintptr_t)scratch);
+    const int on_amx = L->amx && L->bf16 && L->dim % 32 == 0;
 #pragma omp parallel
     {
         if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
         rms_norm_rows(h, L->ffn_norm, s.normed, rows, L->dim, L->eps, L->bf16);
-        tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide, L->amx);
-        tiled_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, L->bf16, s.wide, L->amx);
+        if (on_amx && amx_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide, AMX_PACKED_Y) == TPL_OK)
+            amx_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, NULL, AMX_PACKED_X);
+        else {
+            tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide, L->amx);
+            tiled_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, L->bf16, s.wide, L->amx);
+        }
+    }
+}
+
+/* h += delta (unless NULL), then y = RMSNorm(h): a step with prompt rows between its layers, whose
+ * attention runs from Python (each prompt chunk on its own). */
+void residual_norm(void *h, const void *delta, const void *weight, void *y, int64_t rows, int64_t dim, float eps,
+                   int bf16) {
+#pragma omp parallel
+    {
+        if (delta != NULL) add_rows(h, delta, rows, dim, bf16);
+        rms_norm_rows(h, weight, y, rows, dim, eps, bf16);
     }
 }
 

@@ -122,6 +122,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta (in place, unless None), then RMSNorm(h), one C call. h, delta [rows, dim] contiguous."""
+    y = torch.empty_like(h)
+    library().residual_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                            y.data_ptr(), h.shape[0], h.shape[1], eps, h.dtype == torch.bfloat16)
+    return y
+
+
 def _raise_for(status: int, cache_k: torch.Tensor) -> None:
     """The exception for a kernel's status code (none for TPL_OK)."""
     codes = library().constants
