@@ -5,7 +5,8 @@
 - Decode rows' attention (RoPE, the cache write, softmax(qK)V) in one C call; prompt rows' RoPE and
   cache write in another, then each chunk's attention on AMX where there is one (else PyTorch's).
 - A decode-only step's layers in C: one call for them all without tensor parallelism, two per
-  layer under it (the all-reduces between them).
+  layer under it (the all-reduces between them). A step with prompt rows runs each layer's FFN
+  half as the same C call, after one for the residual add and the attention norm.
 
 Every output is computed from its own row in a fixed order, so a row gets the same bits alone
 and batched, and the C layers give the op-by-op path's bits.
