@@ -276,7 +276,7 @@ int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, vo
                int layout) {
     const int64_t blocks = (M + 31) / 32;
     const uint16_t *packed = x;
-    if (layout & AMX_PACKED_Y && (gated ? N / 2 : N) % 32) return TPL_NO_AMX;
+    if (K % 32 || layout & AMX_PACKED_Y && (gated ? N / 2 : N) % 32) return TPL_NO_AMX;
     amx_configure();
     if (!(layout & AMX_PACKED_X)) {
         pack_rows(x, M, K, scratch); /* ends in a barrier: x is whole before use */

@@ -114,10 +114,11 @@ void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out);
  * packed there for AMX. */
 void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   float *wide, int amx);
-/* The in-region AMX matmul (amx.c): bfloat16 x [M][K], K a multiple of 32, scratch as tiled_matmul's
- * wide (unused for packed x); TPL_NO_AMX (for every thread) where it cannot run. layout: AMX_PACKED_X
+/* The in-region AMX matmul (amx.c): bfloat16 x [M][K], scratch as tiled_matmul's wide (unused for
+ * packed x); TPL_NO_AMX (for every thread, nothing written) where it cannot run: no AMX build, K not
+ * a multiple of 32, or y packed with a width (N, or N / 2 gated) that is not. layout: AMX_PACKED_X
  * and AMX_PACKED_Y bits. Packed, a matrix is 32-row blocks of [K / 32][32 rows][32 k], its rows past
- * M unwritten (M rounded up to 32 in size); y's width (N, or N / 2 gated) must be a multiple of 32. */
+ * M unwritten (M rounded up to 32 in size). */
 int amx_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, void *scratch,
                int layout);
 /* This thread's tile registers as amx.c and prompt_attention.c use them (AMX builds only). */

@@ -85,12 +85,12 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
 void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *delta_in, void *delta_out,
                void *scratch) {
     struct Scratch s = carve(L, rows, (uintptr_t)scratch);
-    const int on_amx = L->amx && L->bf16 && L->dim % 32 == 0;
 #pragma omp parallel
     {
         if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
         rms_norm_rows(h, L->ffn_norm, s.normed, rows, L->dim, L->eps, L->bf16);
-        if (on_amx && amx_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide, AMX_PACKED_Y) == TPL_OK)
+        if (L->amx && L->bf16 &&
+            amx_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide, AMX_PACKED_Y) == TPL_OK)
             amx_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, NULL, AMX_PACKED_X);
         else {
             tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide, L->amx);

@@ -211,7 +211,7 @@ static int64_t rows_per_block(int64_t K, int64_t chunk) {
 
 void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   float *wide, int amx) {
-    if (amx && bf16 && K % 32 == 0 && amx_matmul(x, M, K, w, N, y, gated, wide, 0) == TPL_OK) return;
+    if (amx && bf16 && amx_matmul(x, M, K, w, N, y, gated, wide, 0) == TPL_OK) return;
     const float *rows = x;
     if (bf16) {
 #pragma omp for schedule(static)
