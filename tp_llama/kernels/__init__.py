@@ -25,7 +25,6 @@ A prepared weight replaces the plain one, so it costs no memory of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -69,7 +68,7 @@ def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
     """weight [out, in] in the form `linear` runs fastest for `kind` (see choose)."""
     weight = weight.detach()
     if kind in ("amx", "tiles") and tileable(weight):
-        return _with_amx(prepare_tiles(weight), kind)
+        return prepare_tiles(weight, amx=kind == "amx")
     if kind in ("amx", "tiles", "onednn"):
         return onednn.prepare(weight)
     return weight
@@ -77,14 +76,7 @@ def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
 
 def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | None:
     """w1 and w3 [ffn, in] as one gated weight whose matmul ends in SwiGLU, or None where `kind` has none."""
-    return _with_amx(prepare_swiglu_tiles(w1, w3), kind) if kind in ("amx", "tiles") else None
-
-
-def _with_amx(weight: Tiled | None, kind: str) -> Tiled | None:
-    """bfloat16 tiles of an "amx" process run calls of many rows on AMX."""
-    if weight is None or kind != "amx" or weight.dtype != torch.bfloat16:
-        return weight
-    return dataclasses.replace(weight, amx=True)
+    return prepare_swiglu_tiles(w1, w3, amx=kind == "amx") if kind in ("amx", "tiles") else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Tiled) -> torch.Tensor:

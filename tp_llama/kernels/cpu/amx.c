@@ -1,8 +1,11 @@
-/* bfloat16 matmuls of many rows on Intel's AMX, reading the decode kernel's own weight tiles.
+/* bfloat16 matmuls on Intel's AMX, at every row count, on weight tiles laid out for it.
  *
- * A bfloat16 weight in tiles ([tiles][K / 2][TILE_COLS][2], matmul.c) is already what an AMX B
- * operand wants: for 16 pairs of k, 16 columns of 2 values, 64 bytes a row; the tile's other 16
- * columns are the next 64 bytes, so both halves load with a row stride of 128 bytes. Each thread
+ * A weight tile of TILE_COLS columns (matmul.c) holds each 32 k as two runs of 1 KiB
+ * (pack_tiles with amx): AMX B operands, 16 pairs of k of 16 columns of 2 values, 64 bytes a row,
+ * for the tile's two halves. The FMA tiles' layout ([K / 2][TILE_COLS][2]) holds the same 2 KiB
+ * with the halves' rows interleaved, and AMX's tile loads read that (a row stride of 128 bytes)
+ * every other line: an 8-row pass over the 1B shape's weights streamed at 27 GB/s against 32 for
+ * a plain read, where the contiguous runs stream at the plain read's rate. Each thread
  * takes whole weight tiles and multiplies every 32-row block of x by each (by_pieces, or by_panels
  * for a call of one block):
  * C[32][32] in four float32 tiles, A (two 16-row blocks of x) and B (the tile's two halves) in
@@ -31,8 +34,8 @@
 #define X_L2_BYTES (1 << 20)       /* x up to this size stays in L2 while the weights pass over it */
 #define PANEL_TILES 8              /* weight tiles that share each slab of a larger x */
 #define PIECE_K 2048               /* the most k of one piece (by_pieces) */
-#define ONE_BLOCK_SLAB 2048       /* k of a one-block (decode) call's slab: 128 KiB of a tile */
-#define NEAR_K 128                 /* how far ahead a one-block call asks for its own tile's lines */
+#define PANEL_SLAB 2048            /* k of a panel's slab (by_panels): 128 KiB of a tile */
+#define NEAR_K 16                  /* how far ahead a one-block call asks for its own tile's lines */
 #define PREFETCH_RUNS 4            /* runs of the next tile asked for side by side (as matmul.c's) */
 
 struct TileConfig {
@@ -64,8 +67,8 @@ static inline __attribute__((always_inline)) void ask_ahead(const char *ahead, i
 /* One k step of a block: A (x's 32 rows, packed) times B (the tile's two halves) into the sums. */
 static inline __attribute__((always_inline)) void k_step(const uint16_t *a, const char *wt, int64_t k, int full) {
     _tile_loadd(4, a, 64);
-    _tile_loadd(6, wt + k / 2 * 128, 128);
-    _tile_loadd(7, wt + k / 2 * 128 + 64, 128);
+    _tile_loadd(6, wt + k / 2 * 128, 64);
+    _tile_loadd(7, wt + k / 2 * 128 + 1024, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (full) {
@@ -112,15 +115,11 @@ static inline void finish(struct Rows *r) {
 
 /* The product of a 32-row block of x, packed (pack_rows), and weight tile wt, over k in [k0, k1):
  * added to the sums in acc (float32 [32][32]) unless `first`, and left there; if `last`, its rows
- * (up to `rows` of them) wait in `before` for the epilogue into y (see below). ahead: weight the thread needs next
- * (NULL: none), asked for per_step lines a k step (a constant where it can be: a decode step's
- * loop unrolled is 2-3% faster), in
- * PREFETCH_RUNS interleaved runs that the L2's streamer follows: AMX's tile loads hold few misses
- * in flight, and a decode step of 16 rows on the 1B shape went from 126 to 115 ms with the next
- * tile asked for so (one run front to back gave nothing, two tiles ahead was no better). streams:
- * the call reads its tile straight from memory or L2, so it also asks for the tile's
- * lines NEAR_K ahead into L1: a pass over the 1B weights at 16 rows 96 -> 89 ms (a prefetch into
- * L2 8 k steps ahead had given nothing; 64 and 256 ahead were the same, 512 slower).
+ * (up to `rows` of them) wait in `before` for the epilogue into y (see below). ahead: weight the
+ * thread needs next (NULL: none), asked for per_step lines a k step, in PREFETCH_RUNS interleaved
+ * runs that the L2's streamer follows: a prefill call reads each tile once per row block, from L2
+ * after the first (by_pieces). streams: a one-block call reads its tile once, straight from
+ * memory, and asks only for the tile's lines NEAR_K ahead into L1 (by_panels).
  * The epilogue runs a block late: the rows of the block before (`before`) go out one every other
  * k step, beside the AMX work, and all of them before acc is stored to (so one acc can serve both);
  * a last block leaves its own rows in `before`, for the next block or the caller (finish). Run after
@@ -183,16 +182,6 @@ static uint16_t *tile_out(void *y, int64_t b, int64_t t, int64_t width, int gate
     return (uint16_t *)y + b * 32 * width + col;
 }
 
-/* What a thread reads after tile t (at wt) up to k1 (see block): the tile's next slab, else the
- * first slab of the tile a panel on (one-block calls: ONE_BLOCK_SLAB of k at most). A slab ahead took
- * the 1B shape's matmuls at 48-64 rows from 149 to 129 ms and at 512 rows from 824 to 578 ms
- * (oneDNN 140 and 600); a tile or a panel ahead of the same k was evicted from L2 before its use.
- * NULL past the last tile. */
-static const char *ahead(const char *wt, int64_t K, int64_t tiles, int64_t panel, int64_t t, int64_t k1) {
-    if (k1 < K) return wt + k1 / 2 * 128;
-    return t + panel < tiles ? wt + panel * K * TILE_COLS * 2 : NULL;
-}
-
 /* Several row blocks: k in pieces of at most PIECE_K, rows in chunks whose packed x of one piece
  * stays in L2 (X_L2_BYTES). Every row block of a chunk meets each tile over the piece's k, the sums
  * in the tile registers from its first k to its last (a store and reload of the sums every 256 k
@@ -239,18 +228,17 @@ static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *
 }
 
 /* One row block (a decode step's rows): a tile at a time, or for x too wide to stay in L2 a panel
- * of tiles that each slab of x serves while the weights stream from memory once a call. */
+ * of tiles that each slab of x serves while the weights stream from memory once a call. Nothing of
+ * the next tile is asked for ahead, only the own tile's lines just ahead (NEAR_K): on the
+ * contiguous runs the hardware streams the rest, and asking for the next tile into L2 (which
+ * prefill's calls need, by_pieces) took a standalone stream from 34.6 to 30.5 GB/s. */
 static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
                       int packed_y) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, width = gated ? N / 2 : N;
     const int64_t panel = M * K * 2 > X_L2_BYTES ? PANEL_TILES : 1;
-    /* k in slabs of ONE_BLOCK_SLAB, so that what the call asks for ahead is the next 128 KiB rather
-     * than a whole next tile: with w2's 8,192-wide tiles (512 KiB) the tile asked for ahead, the tile
-     * being read and x crowded L2, and 8-row calls streamed at 25 GB/s against w1/w3's 29 (28-29 in
-     * slabs). The sums wait in acc between slabs. */
-    float *acc = NULL;
-    if (ONE_BLOCK_SLAB < K) acc = aligned_alloc(64, (size_t)panel * 32 * 32 * sizeof(float));
-    const int64_t slab = acc != NULL ? ONE_BLOCK_SLAB : K; /* or no memory for the sums: whole k at once */
+    float *acc = NULL; /* a panel's sums wait here between slabs */
+    if (panel > 1) acc = aligned_alloc(64, (size_t)panel * 32 * 32 * sizeof(float));
+    const int64_t slab = acc != NULL ? PANEL_SLAB : K; /* or no memory for the sums: whole k at once */
     float one[32 * 32] __attribute__((aligned(64)));
     struct Rows before = {0};
 #pragma omp for schedule(static) nowait
@@ -259,10 +247,9 @@ static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *
         for (int64_t k0 = 0; k0 < K; k0 += slab) {
             const int64_t k1 = k0 + slab < K ? k0 + slab : K;
             for (int64_t t = p0; t < p1; t++) {
-                const char *wt = (const char *)w + t * K * TILE_COLS * 2;
                 int64_t ldy;
                 uint16_t *out = tile_out(y, 0, t, width, gated, packed_y, &ldy);
-                block(packed, wt, ahead(wt, K, tiles, panel, t, k1), 32, 1, k0, k1, k0 == 0, k1 == K,
+                block(packed, (const char *)w + t * K * TILE_COLS * 2, NULL, 0, 1, k0, k1, k0 == 0, k1 == K,
                       acc != NULL ? acc + (t - p0) * 32 * 32 : one, out, ldy, M, N - t * TILE_COLS, gated, &before);
             }
         }

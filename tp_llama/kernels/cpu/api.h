@@ -60,8 +60,9 @@ struct DecodeRows {
 };
 
 /* Weights in tiles (matmul.c). A weight [N][K] of 4-byte units (a float32, or a pair of bfloat16
- * along k) becomes [tiles][K][TILE_COLS]; gated weights interleave w1 and w3 in runs of GATE_RUN. */
-void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out);
+ * along k) becomes [tiles][K][TILE_COLS]; gated weights interleave w1 and w3 in runs of GATE_RUN.
+ * amx: bfloat16 pairs in AMX's layout instead where K is a multiple of 16 (amx.c). */
+void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out, int amx);
 void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out);
 void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated);
 

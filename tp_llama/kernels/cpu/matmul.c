@@ -193,11 +193,22 @@ static void pack_tile(const uint32_t *rows, int64_t real, int64_t K, uint32_t *o
     }
 }
 
+/* One tile in AMX's layout (amx.c), K a multiple of 16 units: each 16 units (32 k of bfloat16) of
+ * the tile are two runs of 1 KiB, the B operands of its two halves of 16 columns:
+ * out[s][half][q][c] = rows[half * 16 + c][s * 16 + q]. */
+static void pack_amx_tile(const uint32_t *rows, int64_t real, int64_t K, uint32_t *out) {
+    for (int64_t s = 0; s < K / 16; s++)
+        for (int64_t c = 0; c < TILE_COLS; c++)
+            for (int64_t q = 0; q < 16; q++)
+                out[((s * 2 + c / 16) * 16 + q) * 16 + c % 16] = c < real ? rows[c * K + s * 16 + q] : 0;
+}
+
 /* The tile layout of a plain weight [N][K]: out[t][k][c] = w[t * TILE_COLS + c][k], zeros past row N. */
-void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out) {
+void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out, int amx) {
     int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
+    void (*pack)(const uint32_t *, int64_t, int64_t, uint32_t *) = amx && K % 16 == 0 ? pack_amx_tile : pack_tile;
     _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++)
-        pack_tile(w + t * TILE_COLS * K, N - t * TILE_COLS, K, out + t * K * TILE_COLS);
+        pack(w + t * TILE_COLS * K, N - t * TILE_COLS, K, out + t * K * TILE_COLS);
 }
 
 /* Prefill rows come in blocks whose float32 copy fits X_BLOCK_BYTES: every tile of the weight

@@ -23,8 +23,9 @@ class Tiled:
     """A weight [out, in] (`shape`) in matmul.c's tile layout (`data`).
 
     gated: the rows are a SwiGLU's w1 and w3 interleaved in runs of GATE_RUN, and `tiled_linear`
-    returns silu(x w1^T) * (x w3^T), out / 2 columns. amx: bfloat16 calls run on AMX,
-    reading the same tiles, at every row count (a row's bits then do not depend on its batch).
+    returns silu(x w1^T) * (x w3^T), out / 2 columns. amx: bfloat16 calls run on AMX at every row
+    count (a row's bits then do not depend on its batch), the tiles in AMX's layout where the width
+    allows (a multiple of 32; pack_tiles).
     """
 
     data: torch.Tensor
@@ -42,26 +43,27 @@ def tileable(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.float32, torch.bfloat16) and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2)
 
 
-def prepare_tiles(weight: torch.Tensor) -> Tiled:
-    """weight [out, in] in tiles, on 2 MiB pages where Linux gives them (tp_llama.pages)."""
+def prepare_tiles(weight: torch.Tensor, amx: bool = False) -> Tiled:
+    """weight [out, in] in tiles, on 2 MiB pages where Linux gives them (tp_llama.pages); amx: see Tiled."""
     lib = library()
     cols = lib.constants["TILE_COLS"]
     out = weight.shape[0]
     units = weight.detach().contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
     shape = (-(-out // cols), units.shape[1], cols)
     data = huge_empty(shape, torch.int32)
-    lib.pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr())
-    return Tiled(data.view(weight.dtype), weight.shape)
+    amx = amx and weight.dtype == torch.bfloat16
+    lib.pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr(), amx)
+    return Tiled(data.view(weight.dtype), weight.shape, amx=amx)
 
 
-def prepare_swiglu_tiles(w1: torch.Tensor, w3: torch.Tensor) -> Tiled | None:
+def prepare_swiglu_tiles(w1: torch.Tensor, w3: torch.Tensor, amx: bool = False) -> Tiled | None:
     """w1 and w3 [ffn, in] as one gated weight (see Tiled), or None where the widths do not allow it."""
     run = library().constants["GATE_RUN"]
     ffn, cols = w1.shape
     if ffn % run or not tileable(w1):
         return None
     runs = [w.detach().reshape(ffn // run, run, cols) for w in (w1, w3)]
-    return dataclasses.replace(prepare_tiles(torch.stack(runs, dim=1).reshape(2 * ffn, cols)), gated=True)
+    return dataclasses.replace(prepare_tiles(torch.stack(runs, dim=1).reshape(2 * ffn, cols), amx), gated=True)
 
 
 def tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
