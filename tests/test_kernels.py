@@ -89,9 +89,8 @@ def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_featu
     rounding), a ragged last tile, every row count around the 32-row blocks and the 16-row half;
     rows in chunks that fit L2's share, whole k at a time (300 x 2048: a chunk of 256 rows and a
     short one); k in pieces of 2,048 whose sums wait in memory between them (4160: two and a short
-    one), in one chunk and in several. Calls of one 32-row block go in k slabs of 2,048 past that
-    width (4160: two and a short one), and one block 16,416 wide meets panels of 8 tiles in such
-    slabs. Each block's epilogue runs during the next block's k steps, so the last one's is written
+    one), in one chunk and in several. A call of one 32-row block takes whole k, but one block
+    16,416 wide (more than L2 holds) meets panels of 8 tiles in k slabs of 2,048. Each block's epilogue runs during the next block's k steps, so the last one's is written
     at the end of a chunk or call. A row gets the same bits in any batch, one row alone included
     (what lets a seeded request draw the same tokens alone and batched)."""
     gen = torch.Generator().manual_seed(9)
@@ -191,6 +190,23 @@ def test_tiled_layout_and_its_edges():
     assert not isinstance(prepare(torch.randn(8, 33, dtype=torch.bfloat16), "tiles"), Tiled)
     with pytest.raises(TypeError, match="bfloat16"):
         linear(torch.randn(1, 96, dtype=torch.bfloat16), tiled)
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")
+def test_amx_tiles_layout():
+    """AMX's tiles, written out here by index: each 16 pairs of k (32 bfloat16) of a tile are two
+    runs of 16 x 16 pairs, its columns 0-15 then 16-31, each run an AMX B operand read in one
+    piece. A width that is not a multiple of 32 keeps the FMA tiles' layout (AMX refuses it)."""
+    weight = torch.randn(40, 64).bfloat16()  # a ragged last tile: zeros past row 40
+    units = torch.cat([weight.view(torch.int32), torch.zeros(24, 32, dtype=torch.int32)])
+    expected = units.view(2, 2, 16, 2, 16).permute(0, 3, 1, 4, 2)  # [tile][half][c][s][q] -> [tile][s][half][q][c]
+    tiled = prepare(weight, "amx")
+    assert tiled.amx and torch.equal(tiled.data.view(torch.int32).flatten(), expected.flatten())
+    x = torch.randn(3, 64).bfloat16()
+    product = x.double() @ weight.double().T
+    torch.testing.assert_close(linear(x, tiled).double(), product, rtol=2**-7, atol=2**-7 * product.abs().max().item())
+    narrow = torch.randn(40, 42).bfloat16()
+    assert torch.equal(prepare(narrow, "amx").data, prepare(narrow, "tiles").data)
 
 
 @NEEDS_TILES

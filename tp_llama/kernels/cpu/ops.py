@@ -51,7 +51,7 @@ def prepare_tiles(weight: torch.Tensor, amx: bool = False) -> Tiled:
     units = weight.detach().contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
     shape = (-(-out // cols), units.shape[1], cols)
     data = huge_empty(shape, torch.int32)
-    amx = amx and weight.dtype == torch.bfloat16
+    amx = amx and weight.dtype == torch.bfloat16 and amx_ready()  # else the FMA tiles would read AMX's layout
     lib.pack_tiles(units.data_ptr(), out, units.shape[1], data.data_ptr(), amx)
     return Tiled(data.view(weight.dtype), weight.shape, amx=amx)
 
@@ -79,7 +79,7 @@ def tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
         _mkl_linear(x.view(rows, in_features), weight, y)
         return y
     if rows and lib.tiled_linear(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features,
-                                 y.data_ptr(), weight.gated, x.dtype == torch.bfloat16, weight.amx and amx_ready()):
+                                 y.data_ptr(), weight.gated, x.dtype == torch.bfloat16, weight.amx):
         raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
     return y
 
@@ -226,7 +226,7 @@ def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled,
     tensors = (*norms, *(w.data for w in weights), cache_k, cache_v)
     if not all(t.is_contiguous() and t.dtype == cache_k.dtype for t in tensors):
         return None
-    amx = all(w.amx for w in weights) and amx_ready()
+    amx = all(w.amx for w in weights)
     return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], pool // block_size,
                                       block_size, eps, cache_k.dtype == torch.bfloat16, amx,
                                       *(t.data_ptr() for t in tensors))
