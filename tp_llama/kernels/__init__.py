@@ -3,10 +3,10 @@
 Four kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comparisons):
 
 - "amx", CPUs with AMX (Sapphire Rapids and later): the tiles below, with every bfloat16 matmul
-  on AMX, reading the same tiles (kernels/cpu/amx.c), in decode steps and prefill alike, with no
-  second copy of the weights. On the Llama 3.2 1B shape: a decode step of 8 rows 1.07x faster
-  than the FMA tiles, of 16 rows 1.5x, prefill about oneDNN's speed; at 1-4 rows 2-3% slower,
-  which buys a row the same bits in any batch.
+  on AMX (kernels/cpu/amx.c), in decode steps and prefill alike; the bfloat16 tiles are packed in
+  AMX's layout instead of the FMA tiles' (one copy of the weights either way). Every row count on
+  AMX buys a row the same bits in any batch; on the Llama 3.2 1B shape prefill runs at about
+  oneDNN's speed and a decode step streams the weights faster than the FMA tiles.
 - "tiles", CPUs with AVX-512 or AVX2: tp_llama's C kernels (kernels/cpu), built on first use for the
   best instruction set the CPU has (build.py's variants; AVX2 for AMD's Zen 2/3). The weight
   is repacked into column tiles that stream once per call. On a bench model's weights
