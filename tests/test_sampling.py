@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tp_llama.engine.sampling import SamplingParams, draw_by_bisection, sample_rows
+from tp_llama.engine.sampling import SamplingParams, _top_in_c, draw_by_bisection, sample_rows
 from tp_llama.kernels.cpu import ffi
 
 HAS_C = ffi.load()[0] is not None
@@ -190,6 +190,25 @@ def test_logprobs_are_those_of_the_raw_logits():
     assert [t for t, _ in logprobs[0].top] == ids.tolist()
     assert all(math.isclose(a, float(b), abs_tol=1e-4) for (_, a), b in zip(logprobs[0].top, values))
     assert logprobs[1].top == [] and logprobs[2] is None
+
+
+@pytest.mark.skipif(not HAS_C, reason="needs tp_llama's C kernels")
+def test_top_logits_in_c_match_a_plain_sort():
+    """The C pass for log-probabilities: each asked row's log-sum-exp (float64 reference) and its 20
+    largest logits, best first, equal ones by lower id (ten tied maxima here), NaN never among them;
+    a row's results do not depend on the others asked beside it."""
+    logits = big_logits(4, seed=5)
+    logits[1, 100:110] = logits[1].max() + 1
+    logits[3, 7] = float("nan")
+    lse, ids, values = _top_in_c(logits, [3, 1, 0], 20)
+    for j, r in enumerate([3, 1, 0]):
+        row = logits[r].tolist()
+        order = sorted((i for i in range(VOCAB) if not math.isnan(row[i])), key=lambda i: (-row[i], i))[:20]
+        assert ids[j].tolist() == order and values[j].tolist() == [row[i] for i in order]
+        if r != 3:
+            assert math.isclose(float(lse[j]), float(torch.logsumexp(logits[r].double(), 0)), abs_tol=1e-5)
+    alone = _top_in_c(logits, [1], 20)
+    assert torch.equal(alone[1][0], ids[1]) and float(alone[0][0]) == float(lse[1])
 
 
 def test_a_seeded_row_draws_the_same_alone_and_beside_others():

@@ -201,13 +201,28 @@ def _logprobs(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> list
     out: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
         return out
-    x = raw[wanted] if len(wanted) < len(rows) else raw
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    chosen = (x.gather(1, torch.tensor([[tokens[r]] for r in wanted], device=raw.device)) - lse).squeeze(1).tolist()
-    most = max(rows[r].params.logprobs for r in wanted)
-    values, ids = x.topk(most, dim=-1) if most else (x[:, :0], x[:, :0].long())
-    values, ids = (values - lse).tolist(), ids.tolist()
+    most = min(max(rows[r].params.logprobs for r in wanted), raw.shape[1])
+    lse, ids, values = (_top_in_c if in_c(raw) else _top_in_torch)(raw, wanted, most)
+    chosen = (raw[wanted, [tokens[r] for r in wanted]].double() - lse).tolist()
+    values, ids = (values.double() - lse.unsqueeze(1)).tolist(), ids.tolist()
     for i, r in enumerate(wanted):
         n = rows[r].params.logprobs
         out[r] = TokenLogprobs(tokens[r], chosen[i], list(zip(ids[i][:n], values[i][:n])))
     return out
+
+
+def _top_in_c(raw: torch.Tensor, rows: list[int], top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [R] float64, ids [R, top], logits [R, top]) of the rows, best first."""
+    raw, at = raw.contiguous(), torch.tensor(rows)
+    lse = torch.empty(len(rows), dtype=torch.float64)
+    ids = torch.empty(len(rows), top, dtype=torch.long)
+    values = torch.empty(len(rows), top, dtype=torch.float32)
+    ffi.library().top_logits(raw.data_ptr(), raw.shape[1], at.data_ptr(), len(rows), top,
+                             lse.data_ptr(), ids.data_ptr(), values.data_ptr())
+    return lse, ids, values
+
+
+def _top_in_torch(raw: torch.Tensor, rows: list[int], top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = raw[rows]
+    values, ids = x.topk(top, dim=-1)
+    return torch.logsumexp(x.double(), dim=-1), ids, values

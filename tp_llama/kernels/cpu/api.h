@@ -110,6 +110,10 @@ int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int6
 /* Each row's first index of its largest logit, as torch.argmax (a NaN counts as the largest):
  * logits [n][vocab] float32, out [n]. */
 void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out);
+/* For row rows[j] of logits [.][vocab] float32: lse[j], the log of its sum of exp, and its `top`
+ * largest logits (NaN aside), best first, in values [n][top] with their ids [n][top]; top <= vocab. */
+void top_logits(const float *logits, int64_t vocab, const int64_t *rows, int64_t n, int64_t top, double *lse,
+                int64_t *ids, float *values);
 
 /* In-region kernels. x widened into `wide` (max(M, WIDE_MIN_ROWS) * K floats) first when bf16, or
  * packed there for AMX. */

@@ -137,17 +137,15 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
         vstore_int(r->bins + i, k, bin);
         total = dadd(total, w);
         kept_count += __builtin_popcount(kept);
-    }
-    /* The bins above the last, token by token; the last (everything below e^-32 of the best token,
-     * most of a peaked row) holds what is left of the totals. */
-    double kept = dsum(total), above_last = 0.0, counted = 0.0;
-    for (int64_t i = 0; i < V; i++) {
-        int b = r->bins[i];
-        if (b < BINS - 1 && r->w[i] > 0.0f) {
-            r->count[b] += 1.0;
-            r->mass[b] += r->w[i];
+        /* The kept tokens above the last bin go into their bins one by one, in token order; the last
+         * (everything below e^-32 of the best token, most of a peaked row) holds what is left. */
+        for (unsigned upper = vgt(last_bin, bin) & kept; upper; upper &= upper - 1) {
+            const int64_t t = i + __builtin_ctz(upper);
+            r->count[r->bins[t]] += 1.0;
+            r->mass[r->bins[t]] += r->w[t];
         }
     }
+    double kept = dsum(total), above_last = 0.0, counted = 0.0;
     for (int b = 0; b < BINS - 1; b++) {
         above_last += r->mass[b];
         counted += r->count[b];
@@ -163,23 +161,48 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
     return draw(r, floor, p->uniform * kept);
 }
 
+/* A thread's per-token scratch, kept between calls (16 bytes a token, held by each thread that has
+ * sampled): fresh pages for it on every call cost a lone row of Llama 3's vocabulary about 0.1 ms. */
+static __thread struct Row *kept_row;
+static __thread int64_t kept_vocab;
+
+static struct Row *row_scratch(int64_t vocab) {
+    if (kept_row != NULL && kept_vocab >= vocab) return kept_row;
+    if (kept_row != NULL) {
+        free(kept_row->w);
+        free(kept_row->bins);
+        free(kept_row->members);
+        free(kept_row);
+    }
+    struct Row *r = calloc(1, sizeof(struct Row));
+    if (r != NULL) {
+        r->w = malloc((size_t)vocab * sizeof(float));
+        r->bins = malloc((size_t)vocab * sizeof(int32_t));
+        r->members = malloc((size_t)vocab * sizeof(struct Member));
+        if (r->w == NULL || r->bins == NULL || r->members == NULL) {
+            free(r->w);
+            free(r->bins);
+            free(r->members);
+            free(r);
+            r = NULL;
+        }
+    }
+    kept_row = r;
+    kept_vocab = r != NULL ? vocab : 0;
+    return r;
+}
+
 int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n) {
     int failed = 0;
 #pragma omp parallel
     {
-        struct Row *r = malloc(sizeof(struct Row));
-        float *w = malloc((size_t)vocab * sizeof(float));
-        int32_t *bins = malloc((size_t)vocab * sizeof(int32_t));
-        struct Member *members = malloc((size_t)vocab * sizeof(struct Member));
-        if (r == NULL || w == NULL || bins == NULL || members == NULL) {
+        struct Row *r = row_scratch(vocab);
+        if (r == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
-            r->w = w;
-            r->bins = bins;
-            r->members = members;
             r->vocab = vocab;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t j = 0; j < n; j++) {
@@ -187,10 +210,6 @@ int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int6
                 rows[j].token = sample_row(r, &rows[j]);
             }
         }
-        free(r);
-        free(w);
-        free(bins);
-        free(members);
     }
     return failed ? TPL_NO_MEMORY : TPL_OK;
 }
@@ -225,4 +244,43 @@ static int64_t argmax_row(const float *l, int64_t vocab) {
 void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; r++) out[r] = argmax_row(logits + r * vocab, vocab);
+}
+
+/* Row r's log of its sum of exp and its `top` largest logits, best first (equal ones: the lower id
+ * first). One pass for the largest, one for the sum and the top (a chunk is looked at only where a
+ * lane beats the last of the top so far): PyTorch's logsumexp and topk took 0.26 ms for one row of
+ * Llama 3's vocabulary. */
+static void top_row(const float *l, int64_t vocab, int64_t top, double *lse, int64_t *ids, float *values) {
+    vec highest = vset1(-INFINITY);
+    for (int64_t i = 0; i < vocab; i += 16)
+        highest = vmax_in(highest, lanes(vocab - i), vloadz(lanes(vocab - i), l + i), highest);
+    const float m = vhighest(highest);
+    const vec shift = vset1(m);
+    dvec sum = dzero();
+    int64_t held = 0;
+    for (int64_t i = 0; i < vocab; i += 16) {
+        const mask16 k = lanes(vocab - i);
+        const vec v = vloadz(k, l + i);
+        sum = dadd(sum, vkeep(k, exp16(vsub(v, shift))));
+        unsigned in = held < top ? vge(k, v, v) : top ? vgt(v, vset1(values[top - 1])) & k : 0; /* no NaN */
+        for (; in; in &= in - 1) {
+            const int64_t t = i + __builtin_ctz(in);
+            if (held == top && !(l[t] > values[top - 1])) continue; /* beaten by one inserted before it */
+            int64_t at = held < top ? held++ : top - 1;
+            for (; at > 0 && l[t] > values[at - 1]; at--) {
+                values[at] = values[at - 1];
+                ids[at] = ids[at - 1];
+            }
+            values[at] = l[t];
+            ids[at] = t;
+        }
+    }
+    *lse = (double)m + log(dsum(sum));
+}
+
+void top_logits(const float *logits, int64_t vocab, const int64_t *rows, int64_t n, int64_t top, double *lse,
+                int64_t *ids, float *values) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t j = 0; j < n; j++)
+        top_row(logits + rows[j] * vocab, vocab, top, lse + j, ids + j * top, values + j * top);
 }
