@@ -137,15 +137,17 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
         vstore_int(r->bins + i, k, bin);
         total = dadd(total, w);
         kept_count += __builtin_popcount(kept);
-        /* The kept tokens above the last bin go into their bins one by one, in token order; the last
-         * (everything below e^-32 of the best token, most of a peaked row) holds what is left. */
-        for (unsigned upper = vgt(last_bin, bin) & kept; upper; upper &= upper - 1) {
-            const int64_t t = i + __builtin_ctz(upper);
-            r->count[r->bins[t]] += 1.0;
-            r->mass[r->bins[t]] += r->w[t];
+    }
+    /* The bins above the last, token by token; the last (everything below e^-32 of the best token,
+     * most of a peaked row) holds what is left of the totals. */
+    double kept = dsum(total), above_last = 0.0, counted = 0.0;
+    for (int64_t i = 0; i < V; i++) {
+        int b = r->bins[i];
+        if (b < BINS - 1 && r->w[i] > 0.0f) {
+            r->count[b] += 1.0;
+            r->mass[b] += r->w[i];
         }
     }
-    double kept = dsum(total), above_last = 0.0, counted = 0.0;
     for (int b = 0; b < BINS - 1; b++) {
         above_last += r->mass[b];
         counted += r->count[b];
