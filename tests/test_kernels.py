@@ -90,7 +90,8 @@ def test_amx_matmuls_match_float64_and_keep_each_rows_bits(gated: bool, in_featu
     rows in chunks that fit L2's share, whole k at a time (300 x 2048: a chunk of 256 rows and a
     short one); k in pieces of 2,048 whose sums wait in memory between them (4160: two and a short
     one), in one chunk and in several. A call of one 32-row block takes whole k, but one block
-    16,416 wide (more than L2 holds) meets panels of 8 tiles in k slabs of 2,048. Each block's epilogue runs during the next block's k steps, so the last one's is written
+    16,416 wide (more than L2 holds) meets panels of 8 tiles in k slabs of 2,048. Each block's
+    epilogue runs during the next block's k steps, so the last one's is written
     at the end of a chunk or call. A row gets the same bits in any batch, one row alone included
     (what lets a seeded request draw the same tokens alone and batched)."""
     gen = torch.Generator().manual_seed(9)

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tp_llama.engine.sampling import SamplingParams, _top_in_c, draw_by_bisection, sample_rows
+from tp_llama.engine.sampling import (
+    SamplingParams,
+    _top_in_c,
+    draw_by_bisection,
+    sample_rows,
+)
 from tp_llama.kernels.cpu import ffi
 
 HAS_C = ffi.load()[0] is not None
