@@ -133,6 +133,9 @@ void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int
 void attention_rows(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,
                     int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
                     int bf16, float *scores, int64_t scores_per_thread);
+/* TPL_OK where the blocks of a sequence's table that hold its positions 0 .. last all lie in the
+ * cache's n_blocks, else TPL_OFF_CACHE. */
+int blocks_in_cache(const int64_t *table, int64_t last, int64_t block_size, int64_t n_blocks);
 /* TPL_OK, TPL_OFF_CACHE or TPL_HEAD_DIM; *scores_per_thread: the scratch attention_rows needs per thread. */
 int check_rows(const struct DecodeRows *rows, int64_t n_blocks, int64_t block_size, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread);

@@ -27,6 +27,13 @@ static void add_rows(void *h, const void *delta, int64_t rows, int64_t dim, int 
         }
 }
 
+/* h += delta (unless NULL), then y = RMSNorm(h): how each half layer starts. */
+static void add_and_norm(void *h, const void *delta, const void *weight, void *y, int64_t rows, int64_t dim, float eps,
+                         int bf16) {
+    if (delta != NULL) add_rows(h, delta, rows, dim, bf16);
+    rms_norm_rows(h, weight, y, rows, dim, eps, bf16);
+}
+
 /* The scratch of either block for `rows` rows, laid out from address `at`: the normed rows, the
  * widest matmul output (qkv or SwiGLU's; rows rounded up to 32, as AMX packs it), attention's
  * output, and the next matmul's input widened to float32 (64-byte aligned); `end` is one past its
@@ -69,8 +76,7 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
     int64_t qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
 #pragma omp parallel
     {
-        if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
-        rms_norm_rows(h, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
+        add_and_norm(h, delta_in, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
         tiled_matmul(s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, L->bf16, s.wide, L->amx);
         attention_rows(s.first, R, L->n_heads, L->n_kv_heads, L->head_dim, L->cache_k, L->cache_v, L->n_blocks,
                        L->block_size, s.second, L->bf16, scores, per_thread);
@@ -87,8 +93,7 @@ void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *d
     struct Scratch s = carve(L, rows, (uintptr_t)scratch);
 #pragma omp parallel
     {
-        if (delta_in != NULL) add_rows(h, delta_in, rows, L->dim, L->bf16);
-        rms_norm_rows(h, L->ffn_norm, s.normed, rows, L->dim, L->eps, L->bf16);
+        add_and_norm(h, delta_in, L->ffn_norm, s.normed, rows, L->dim, L->eps, L->bf16);
         if (L->amx && L->bf16 &&
             amx_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide, AMX_PACKED_Y) == TPL_OK)
             amx_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, NULL, AMX_PACKED_X);
@@ -104,10 +109,7 @@ void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *d
 void residual_norm(void *h, const void *delta, const void *weight, void *y, int64_t rows, int64_t dim, float eps,
                    int bf16) {
 #pragma omp parallel
-    {
-        if (delta != NULL) add_rows(h, delta, rows, dim, bf16);
-        rms_norm_rows(h, weight, y, rows, dim, eps, bf16);
-    }
+    add_and_norm(h, delta, weight, y, rows, dim, eps, bf16);
 }
 
 /* Without tensor parallelism nothing happens between the halves: every layer in one call, and

@@ -202,6 +202,12 @@ int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64
     return TPL_OK;
 }
 
+int blocks_in_cache(const int64_t *table, int64_t last, int64_t block_size, int64_t n_blocks) {
+    for (int64_t b = 0; b <= last / block_size; b++)
+        if (table[b] < 0 || table[b] >= n_blocks) return TPL_OFF_CACHE;
+    return TPL_OK;
+}
+
 int check_rows(const struct DecodeRows *R, int64_t n_blocks, int64_t block_size, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, int64_t *scores_per_thread) {
     if (head_dim > MAX_HEAD_DIM) return TPL_HEAD_DIM;
@@ -210,10 +216,8 @@ int check_rows(const struct DecodeRows *R, int64_t n_blocks, int64_t block_size,
     for (int64_t r = 0; r < R->rows; r++) {
         int64_t pos = R->positions[r];
         if (pos < 0 || pos / block_size >= R->width) return TPL_OFF_CACHE;
-        for (int64_t b = 0; b <= pos / block_size; b++) {
-            int64_t block = R->tables[r * R->width + b];
-            if (block < 0 || block >= n_blocks) return TPL_OFF_CACHE;
-        }
+        int status = blocks_in_cache(R->tables + r * R->width, pos, block_size, n_blocks);
+        if (status) return status;
         longest = pos + 1 > longest ? pos + 1 : longest;
     }
     *scores_per_thread = n_heads / n_kv_heads * longest;

@@ -158,8 +158,7 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
     if (head_dim % 64 || head_dim > MAX_HEAD_DIM || n_heads % n_kv_heads) return TPL_NO_AMX;
     if (rows <= 0) return TPL_OK;
     const int64_t keys = start + rows;
-    for (int64_t b = 0; b <= (keys - 1) / block_size; b++)
-        if (start < 0 || table[b] < 0 || table[b] >= n_blocks) return TPL_OFF_CACHE;
+    if (start < 0 || blocks_in_cache(table, keys - 1, block_size, n_blocks)) return TPL_OFF_CACHE;
     const int64_t hd = head_dim, rep = n_heads / n_kv_heads, padded = (keys + 31) / 32 * 32, blocks = (rows + 15) / 16;
     const int64_t per_thread = 16 * hd * 2 + 16 * padded * 4 + 16 * padded * 2 + 16 * hd * 4 + 256;
     const int threads = omp_get_max_threads();
