@@ -16,10 +16,12 @@ import torch
 
 from tp_llama.engine.sampling import (
     SamplingParams,
+    _penalize_in_c,
     _top_in_c,
     draw_by_bisection,
     sample_rows,
 )
+from tp_llama.engine.sampling import penalize as torch_penalize
 from tp_llama.kernels.cpu import ffi
 
 HAS_C = ffi.load()[0] is not None
@@ -33,8 +35,8 @@ class Row:
     output: list[int] = field(default_factory=list)
 
 
-def reference(logits: torch.Tensor, row: Row) -> torch.Tensor:
-    """The probability of every token, by the definitions in the docs, in float64."""
+def penalized(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """A row's logits after its penalties and logit_bias, by the definitions in the docs, in float64."""
     p = row.params
     x = logits.double().clone()
     if p.repetition_penalty != 1:
@@ -44,6 +46,13 @@ def reference(logits: torch.Tensor, row: Row) -> torch.Tensor:
         x[token] -= p.frequency_penalty * row.output.count(token) + p.presence_penalty
     for token, bias in p.logit_bias:
         x[token] += bias
+    return x
+
+
+def reference(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """The probability of every token, by the definitions in the docs, in float64."""
+    p = row.params
+    x = penalized(logits, row)
     if p.temperature == 0:
         return torch.nn.functional.one_hot(x.argmax(), len(x)).double()
     probs = torch.softmax(x / p.temperature, dim=0)
@@ -124,6 +133,40 @@ def test_greedy_rows_take_penalties_and_bias_too():
 
 
 VOCAB = 128_256
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_penalties_at_llama3s_vocabulary_are_the_definitions(path: str):
+    """Both penalty paths (the C pass on CPU, PyTorch's indexed ops elsewhere) against the float64
+    definitions: tokens recurring in prompt and output, a bias on a penalized token, a row without
+    penalties between penalized ones, and each row the same whatever was penalized before it."""
+    if path == "c" and not HAS_C:
+        pytest.skip("tp_llama's C kernels do not run here (test_kernels checks that they do where they can)")
+    penalize = _penalize_in_c if path == "c" else torch_penalize
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    history = torch.randint(0, VOCAB, (300,), generator=gen).tolist()
+    prompt, output = history[:200] + [7, 7, 9], history[150:300] + [7, 9, 9, 9, 11]  # overlapping, repeated
+    rows = [Row(SamplingParams(1, temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.45, presence_penalty=0.2,
+                               logit_bias=((9, 2.5), (VOCAB - 1, -4.0))), prompt_ids=prompt, output=output),
+            Row(SamplingParams(1, temperature=0.7), prompt_ids=prompt, output=output),
+            Row(SamplingParams(1, frequency_penalty=-0.7), prompt_ids=prompt, output=output),
+            Row(SamplingParams(1, repetition_penalty=0.8, logit_bias=((11, -1.0),)), prompt_ids=prompt, output=[])]
+    got = penalize(logits, rows)
+    assert not torch.equal(got, logits) and torch.equal(got[1], logits[1])
+    for r, row in enumerate(rows):
+        assert torch.allclose(got[r].double(), penalized(logits[r], row), rtol=0, atol=2e-6), r
+    again = penalize(logits[2:], rows[2:])  # after the rows above, and on its own
+    assert torch.equal(again, got[2:])
+
+
+@pytest.mark.skipif(not HAS_C, reason="needs tp_llama's C kernels")
+def test_a_token_id_outside_the_vocabulary_is_refused_by_the_c_penalties():
+    row = Row(SamplingParams(1, repetition_penalty=1.2), prompt_ids=[1, len(SMALL)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        _penalize_in_c(SMALL.unsqueeze(0), [row])
+    fine = Row(SamplingParams(1, repetition_penalty=2.0), prompt_ids=[0])  # the marks left clean by the refusal
+    assert _penalize_in_c(SMALL.unsqueeze(0), [fine])[0, 0] == 1.0
 
 
 def big_logits(rows: int, seed: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ logits, before penalties and temperature), as vLLM returns by default.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,7 +83,7 @@ def sample_rows(logits: torch.Tensor, rows: list[History]) -> tuple[list[int], l
         return [], []
     raw = logits
     if any(row.params.penalized for row in rows):
-        logits = penalize(logits, rows)
+        logits = (_penalize_in_c if in_c(logits) else penalize)(logits, rows)
     picked = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
     greedy = [r for r, row in enumerate(rows) if row.params.temperature == 0]
     sampled = [r for r, row in enumerate(rows) if row.params.temperature > 0]
@@ -128,6 +129,33 @@ def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
         if at_rows:
             at = (torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device))
             logits.index_put_(at, sign * torch.tensor(values, device=device), accumulate=True)
+    return logits
+
+
+def _penalize_in_c(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
+    """penalize by the C kernel, a pass over each row's history: PyTorch's indexed ops spent 0.13 ms on one
+    row with a 256-token history, most of it building index tensors from lists."""
+    lib = ffi.library()
+    logits = logits.contiguous().clone()
+    held, specs = [], []  # the arrays the call reads, kept alive until it returns
+    for r, row in enumerate(rows):
+        p = row.params
+        if not p.penalized:
+            continue
+        shifted = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        prompt = row.prompt_ids if p.repetition_penalty != 1.0 else []
+        tokens = array("q", prompt)
+        tokens.extend(row.output if shifted else [])
+        ids, values = array("q", [t for t, _ in p.logit_bias]), array("f", [v for _, v in p.logit_bias])
+        held += [tokens, ids, values]
+        specs.append((r, tokens.buffer_info()[0], len(prompt), len(tokens) - len(prompt), ids.buffer_info()[0],
+                      values.buffer_info()[0], len(ids), p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+    status = lib.penalize_rows(logits.data_ptr(), logits.shape[1], (lib.structs["PenaltyRow"] * len(specs))(*specs),
+                               len(specs))
+    if status == lib.constants["TPL_BAD_TOKEN"]:
+        raise ValueError(f"a prompt, output or logit_bias token id lies outside the vocabulary of {logits.shape[1]}")
+    if status:
+        raise MemoryError("no memory to penalize")
     return logits
 
 

@@ -13,7 +13,7 @@ static const struct {
     {"TILE_COLS", TILE_COLS}, {"GATE_RUN", GATE_RUN}, {"MAX_HEAD_DIM", MAX_HEAD_DIM}, {"WIDE_MIN_ROWS", WIDE_MIN_ROWS},
     {"KEY_RUN", KEY_RUN}, {"AMX_PACKED_X", AMX_PACKED_X}, {"AMX_PACKED_Y", AMX_PACKED_Y},
     {"TPL_OK", TPL_OK}, {"TPL_NO_MEMORY", TPL_NO_MEMORY}, {"TPL_OFF_CACHE", TPL_OFF_CACHE},
-    {"TPL_HEAD_DIM", TPL_HEAD_DIM}, {"TPL_NO_AMX", TPL_NO_AMX},
+    {"TPL_HEAD_DIM", TPL_HEAD_DIM}, {"TPL_NO_AMX", TPL_NO_AMX}, {"TPL_BAD_TOKEN", TPL_BAD_TOKEN},
 };
 
 #define STRUCT(S) {#S, NULL, sizeof(struct S)}
@@ -30,6 +30,9 @@ static const struct {
     FIELD(DecodeLayer, cache_v),
     STRUCT(SampleRow), FIELD(SampleRow, row), FIELD(SampleRow, top_k), FIELD(SampleRow, temperature),
     FIELD(SampleRow, top_p), FIELD(SampleRow, min_p), FIELD(SampleRow, uniform), FIELD(SampleRow, token),
+    STRUCT(PenaltyRow), FIELD(PenaltyRow, row), FIELD(PenaltyRow, tokens), FIELD(PenaltyRow, n_prompt),
+    FIELD(PenaltyRow, n_output), FIELD(PenaltyRow, bias_ids), FIELD(PenaltyRow, bias_values), FIELD(PenaltyRow, n_bias),
+    FIELD(PenaltyRow, repetition), FIELD(PenaltyRow, frequency), FIELD(PenaltyRow, presence),
     STRUCT(DecodeRows), FIELD(DecodeRows, rows), FIELD(DecodeRows, width), FIELD(DecodeRows, rotation),
     FIELD(DecodeRows, tables), FIELD(DecodeRows, positions),
 };

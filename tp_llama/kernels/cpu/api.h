@@ -31,6 +31,7 @@
 #define TPL_OFF_CACHE -2    /* a row's position or one of its blocks lies outside its table or the cache */
 #define TPL_HEAD_DIM -3     /* head_dim over MAX_HEAD_DIM */
 #define TPL_NO_AMX -4       /* no AMX here (CPU, kernel permission, build) or a width it cannot take */
+#define TPL_BAD_TOKEN -5    /* a token id outside the vocabulary */
 
 /* One layer's shapes (this rank's share) and tensors, for decode.c. */
 struct DecodeLayer {
@@ -50,6 +51,19 @@ struct SampleRow {
     float min_p;       /* [0, 1] */
     double uniform;    /* [0, 1) */
     int64_t token;
+};
+
+/* One row's penalties and logit_bias (sample.c), in vLLM's order: repetition over the prompt's and
+ * the output's tokens, frequency and presence over the output's, then the bias. */
+struct PenaltyRow {
+    int64_t row;           /* which row of the logits */
+    const int64_t *tokens; /* the prompt's n_prompt ids, then the output's n_output */
+    int64_t n_prompt, n_output;
+    const int64_t *bias_ids;
+    const float *bias_values;
+    int64_t n_bias;
+    float repetition;           /* 1: none */
+    double frequency, presence; /* 0: none */
 };
 
 /* A decode step's rows: one new token each, each with its block table. */
@@ -107,6 +121,8 @@ int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struc
 
 /* The next token of each row (sample.c): logits [rows][vocab] float32. TPL_OK or TPL_NO_MEMORY. */
 int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n);
+/* Each row's penalties on logits [rows][vocab] float32, in place. TPL_OK, TPL_NO_MEMORY or TPL_BAD_TOKEN. */
+int penalize_rows(float *logits, int64_t vocab, const struct PenaltyRow *rows, int64_t n);
 /* Each row's first index of its largest logit, as torch.argmax (a NaN counts as the largest):
  * logits [n][vocab] float32, out [n]. */
 void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out);

@@ -34,6 +34,8 @@ struct Row {
     const float *l;
     float *w;      /* e^z per token, 0 where it is filtered out */
     int32_t *bins; /* each token's bin */
+    uint16_t *upper; /* per 16 tokens, the kept ones in a bin above the last */
+    int32_t *marks;  /* penalties' per-token counts and marks: all zero between rows */
     int64_t vocab;
     float floor; /* the least logit kept so far */
     double count[BINS], mass[BINS];
@@ -54,8 +56,13 @@ static float threshold(struct Row *r, double need, int mass, double *reached) {
     int b = 0;
     for (; b < BINS - 1 && above + hist[b] < need; b++) above += hist[b];
     int64_t n = 0;
-    for (int64_t i = 0; i < r->vocab; i++)
-        if (r->bins[i] == b && r->w[i] > 0.0f) r->members[n++] = (struct Member){r->l[i], r->w[i]};
+    for (int64_t i = 0; i < r->vocab; i += 16) {
+        const mask16 k = lanes(r->vocab - i);
+        for (unsigned in = veq_int(k, r->bins + i, b) & vgt(vloadz(k, r->w + i), vzero()); in; in &= in - 1) {
+            const int64_t t = i + __builtin_ctz(in);
+            r->members[n++] = (struct Member){r->l[t], r->w[t]};
+        }
+    }
     qsort(r->members, (size_t)n, sizeof(struct Member), by_logit_desc);
     for (int64_t j = 0; j < n; j++) {
         above += mass ? r->members[j].weight : 1.0;
@@ -135,26 +142,30 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
         vstorem(r->w + i, k, w);
         vec bin = vmin(vmul(z, scale), last_bin); /* NaN z: weight 0, never read */
         vstore_int(r->bins + i, k, bin);
+        r->upper[i / 16] = kept & vgt(last_bin, bin);
         total = dadd(total, w);
         kept_count += __builtin_popcount(kept);
     }
-    /* The bins above the last, token by token; the last (everything below e^-32 of the best token,
-     * most of a peaked row) holds what is left of the totals. */
+    /* The bins above the last, token by token, reached through each 16 tokens' mask of them: a
+     * branch per token on its bin mispredicts on a peaked row, a third of whose tokens lie in the
+     * last bin at random. The last bin (everything below e^-32 of the best token) holds what is left
+     * of the totals. Counts only where top_k asks for them. */
+    const int top_k = p->top_k > 0 && p->top_k < V;
     double kept = dsum(total), above_last = 0.0, counted = 0.0;
-    for (int64_t i = 0; i < V; i++) {
-        int b = r->bins[i];
-        if (b < BINS - 1 && r->w[i] > 0.0f) {
-            r->count[b] += 1.0;
-            r->mass[b] += r->w[i];
+    for (int64_t i = 0; i < V; i += 16)
+        for (unsigned in = r->upper[i / 16]; in; in &= in - 1) {
+            const int64_t t = i + __builtin_ctz(in);
+            const int b = r->bins[t];
+            if (top_k) r->count[b] += 1.0;
+            r->mass[b] += r->w[t];
         }
-    }
     for (int b = 0; b < BINS - 1; b++) {
         above_last += r->mass[b];
         counted += r->count[b];
     }
     r->count[BINS - 1] = (double)kept_count - counted;
     r->mass[BINS - 1] = kept - above_last > 0.0 ? kept - above_last : 0.0;
-    if (p->top_k > 0 && p->top_k < V) {
+    if (top_k) {
         cut(r, threshold(r, (double)p->top_k, 0, &kept));
         kept = 0.0;
         for (int b = 0; b < BINS; b++) kept += r->mass[b];
@@ -163,7 +174,7 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
     return draw(r, floor, p->uniform * kept);
 }
 
-/* A thread's per-token scratch, kept between calls (16 bytes a token, held by each thread that has
+/* A thread's per-token scratch, kept between calls (about 16 bytes a token, held by each thread that has
  * sampled): fresh pages for it on every call cost a lone row of Llama 3's vocabulary about 0.1 ms. */
 static __thread struct Row *kept_row;
 static __thread int64_t kept_vocab;
@@ -174,6 +185,8 @@ static struct Row *row_scratch(int64_t vocab) {
         free(kept_row->w);
         free(kept_row->bins);
         free(kept_row->members);
+        free(kept_row->upper);
+        free(kept_row->marks);
         free(kept_row);
     }
     struct Row *r = calloc(1, sizeof(struct Row));
@@ -181,10 +194,14 @@ static struct Row *row_scratch(int64_t vocab) {
         r->w = malloc((size_t)vocab * sizeof(float));
         r->bins = malloc((size_t)vocab * sizeof(int32_t));
         r->members = malloc((size_t)vocab * sizeof(struct Member));
-        if (r->w == NULL || r->bins == NULL || r->members == NULL) {
+        r->upper = malloc((size_t)(vocab + 15) / 16 * sizeof(uint16_t));
+        r->marks = calloc((size_t)vocab, sizeof(int32_t));
+        if (r->w == NULL || r->bins == NULL || r->members == NULL || r->upper == NULL || r->marks == NULL) {
             free(r->w);
             free(r->bins);
             free(r->members);
+            free(r->upper);
+            free(r->marks);
             free(r);
             r = NULL;
         }
@@ -214,6 +231,64 @@ int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int6
         }
     }
     return failed ? TPL_NO_MEMORY : TPL_OK;
+}
+
+#define SEEN (1 << 30) /* a mark: the repetition penalty is applied */
+
+static int in_vocab(const int64_t *ids, int64_t n, int64_t vocab) {
+    for (int64_t j = 0; j < n; j++)
+        if (ids[j] < 0 || ids[j] >= vocab) return 0;
+    return 1;
+}
+
+/* One row's penalties in a pass over its history, with each token's output count in marks (left
+ * all zero again): each token is penalized once however often it recurs. The shift is rounded to
+ * float32 and subtracted, as PyTorch's indexed ops on the Python-side value do. */
+static int penalize_row(float *l, int64_t vocab, const struct PenaltyRow *p, int32_t *marks) {
+    const int64_t n = p->n_prompt + p->n_output;
+    if (!in_vocab(p->tokens, n, vocab) || !in_vocab(p->bias_ids, p->n_bias, vocab)) return TPL_BAD_TOKEN;
+    const int64_t *output = p->tokens + p->n_prompt;
+    for (int64_t j = 0; j < p->n_output; j++) marks[output[j]] += 1;
+    if (p->repetition != 1.0f)
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t t = p->tokens[j];
+            if (marks[t] & SEEN) continue;
+            marks[t] |= SEEN;
+            l[t] = l[t] > 0.0f ? l[t] / p->repetition : l[t] * p->repetition;
+        }
+    const int shift = p->frequency != 0.0 || p->presence != 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t t = p->tokens[j];
+        const int32_t count = marks[t] & ~SEEN;
+        if (shift && count) l[t] -= (float)(p->frequency * count + p->presence);
+        marks[t] = 0;
+    }
+    for (int64_t j = 0; j < p->n_bias; j++) l[p->bias_ids[j]] += p->bias_values[j];
+    return TPL_OK;
+}
+
+int penalize_rows(float *logits, int64_t vocab, const struct PenaltyRow *rows, int64_t n) {
+    int status = TPL_OK, no_memory = 0; /* apart: every thread must agree on whether to start the loop */
+#pragma omp parallel
+    {
+        struct Row *r = row_scratch(vocab);
+        if (r == NULL) {
+#pragma omp atomic write
+            no_memory = 1;
+        }
+#pragma omp barrier
+        if (!no_memory) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t j = 0; j < n; j++) {
+                const int failed = penalize_row(logits + rows[j].row * vocab, vocab, &rows[j], r->marks);
+                if (failed) {
+#pragma omp atomic write
+                    status = failed;
+                }
+            }
+        }
+    }
+    return no_memory ? TPL_NO_MEMORY : status;
 }
 
 /* A row's first index of its largest logit: a pass for the largest and the sum (NaN when the row

@@ -41,6 +41,10 @@ static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 static inline float vhighest(vec v) { return _mm512_reduce_max_ps(v); }
 /* The lanes truncated to int32, stored in the lanes of m. */
 static inline void vstore_int(int32_t *p, mask16 m, vec v) { _mm512_mask_storeu_epi32(p, m, _mm512_cvttps_epi32(v)); }
+/* The lanes of m where p[i] == value. */
+static inline mask16 veq_int(mask16 m, const int32_t *p, int32_t value) {
+    return _mm512_mask_cmpeq_epi32_mask(m, _mm512_maskz_loadu_epi32(m, p), _mm512_set1_epi32(value));
+}
 
 static inline __m256 high_half(vec v) { /* AVX-512F alone: no DQ needed */
     return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -179,6 +183,14 @@ static inline float vhighest(vec v) {
 static inline void vstore_int(int32_t *p, mask16 m, vec v) {
     _mm256_maskstore_epi32(p, expand8(m & 0xFF), _mm256_cvttps_epi32(v.lo));
     _mm256_maskstore_epi32(p + 8, expand8(m >> 8), _mm256_cvttps_epi32(v.hi));
+}
+static inline mask16 veq_int(mask16 m, const int32_t *p, int32_t value) {
+    const __m256i v = _mm256_set1_epi32(value);
+    unsigned lo = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(
+        _mm256_cmpeq_epi32(_mm256_maskload_epi32(p, expand8(m & 0xFF)), v)));
+    unsigned hi = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(
+        _mm256_cmpeq_epi32(_mm256_maskload_epi32(p + 8, expand8(m >> 8)), v)));
+    return (mask16)(m & (lo | hi << 8));
 }
 
 static inline dvec dzero(void) { return (dvec){_mm256_setzero_pd(), _mm256_setzero_pd()}; }
