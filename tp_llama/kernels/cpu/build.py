@@ -29,6 +29,7 @@ _AVX512 = (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw
 VARIANTS = {
     "avx512-amx": ((*_AVX512[0], "avx512_bf16", "amx_tile", "amx_bf16"),
                    [*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
+    "avx512-bf16": ((*_AVX512[0], "avx512_bf16"), [*_AVX512[1], "-mavx512bf16"]),  # AMD's Zen 4 and 5
     "avx512": _AVX512,
     "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),  # AMD's Zen 2/3, Intel before Skylake-SP
 }

@@ -16,6 +16,7 @@
  * at once.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "api.h"
 #include "simd.h"
@@ -57,8 +58,8 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
 
 /* The tile function for each prefetch count: STEPS (a tile's loops, always inlined) with it as a
  * constant. */
-#define BY_PREFETCH(PREFIX, TYPE, MT)                                                              \
-    static void PREFIX##_tile_##MT(const float *x, int64_t K, const TYPE *wt, TYPE *y, int64_t ldy, \
+#define BY_PREFETCH(PREFIX, XTYPE, TYPE, MT)                                                       \
+    static void PREFIX##_tile_##MT(const XTYPE *x, int64_t K, const TYPE *wt, TYPE *y, int64_t ldy, \
                                    int64_t cols, int gated, struct Ahead ahead) {                  \
         if (ahead.per_step == VECS)                                                                \
             PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, VECS);                       \
@@ -77,6 +78,16 @@ static inline void put_f32_row(float *y, vec lo, vec hi, int64_t cols, int gated
     }
     vstorem(y, lanes(cols), lo);
     vstorem(y + 16, lanes(cols - 16), hi);
+}
+
+/* The same for a bfloat16 y, each output rounded once. */
+static inline void put_bf16_row(uint16_t *y, vec lo, vec hi, int64_t cols, int gated) {
+    if (gated) {
+        store16(y, 0, swiglu16(lo, hi, 1), 1, 0xFFFF);
+        return;
+    }
+    store16(y, 0, lo, 1, lanes(cols));
+    store16(y + 16, 0, hi, 1, lanes(cols - 16));
 }
 
 /* One tile of MT rows into y (row stride ldy), asking for its share of the next tile (`ahead`).
@@ -102,8 +113,39 @@ static inline void put_f32_row(float *y, vec lo, vec hi, int64_t cols, int gated
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             put_f32_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                           \
     }                                                                                              \
-    BY_PREFETCH(f32, float, MT)
+    BY_PREFETCH(f32, float, float, MT)
 
+#ifdef __AVX512BF16__
+/* bfloat16 x against the tile's pairs along k by vdpbf16ps, which adds a column's two exact
+ * products into its float32 sum: x comes as pairs broadcast from memory, nothing is widened, and
+ * one instruction does what takes two FMAs and a widening below. CPUs with avx512_bf16 and no AMX
+ * (AMD's Zen 4 and 5) run this at every row count, so a row's bits do not depend on its batch. */
+#define BF16_TILE(MT)                                                                              \
+    static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
+        const uint16_t *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,  \
+        int gated, struct Ahead ahead, const int per_step) {                                       \
+        __m512 acc[MT][VECS];                                                                      \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = vzero();            \
+        for (int64_t k = 0; k < K; k += 2) {                                                       \
+            const uint16_t *wk = wt + k * TILE_COLS;                                               \
+            prefetch(ahead, k / 2, per_step);                                                      \
+            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
+                _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 32 * j), _MM_HINT_T0);    \
+                const __m512bh w = (__m512bh)_mm512_loadu_si512(wk + 32 * j);                      \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                             \
+                    int32_t pair;                                                                  \
+                    memcpy(&pair, x + m * K + k, sizeof(pair));                                    \
+                    acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)_mm512_set1_epi32(pair), w); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            put_bf16_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                          \
+    }                                                                                              \
+    BY_PREFETCH(bf16, uint16_t, uint16_t, MT)
+#define BF16_X uint16_t
+#else
 /* x here is float32 (tiled_matmul widens it once per call). */
 #define BF16_TILE(MT)                                                                              \
     static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
@@ -125,16 +167,12 @@ static inline void put_f32_row(float *y, vec lo, vec hi, int64_t cols, int gated
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
-            if (gated) {                                                                           \
-                store16(y + m * ldy, 0, swiglu16(acc[m][0], acc[m][1], 1), 1, 0xFFFF);             \
-                continue;                                                                          \
-            }                                                                                      \
-            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++)                                 \
-                store16(y + m * ldy + 16 * j, 0, acc[m][j], 1, lanes(cols - 16 * j));              \
-        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
+            put_bf16_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                          \
     }                                                                                              \
-    BY_PREFETCH(bf16, uint16_t, MT)
+    BY_PREFETCH(bf16, float, uint16_t, MT)
+#define BF16_X float
+#endif
 
 /* A tile function for every chunk size up to each dtype's rows, and their tables by rows - 1. */
 #define TILES_3(D) D(1) D(2) D(3)
@@ -153,10 +191,10 @@ WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
  * prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
  * all), so memory keeps streaming while the later chunks compute from cache. The threads of
  * the enclosing parallel region split the tiles. */
-#define TILED(TYPE, PREFIX, ROWS)                                                                  \
-    static void (*const PREFIX##_by_rows[ROWS])(const float *, int64_t, const TYPE *, TYPE *, int64_t, int64_t, \
+#define TILED(XTYPE, TYPE, PREFIX, ROWS)                                                           \
+    static void (*const PREFIX##_by_rows[ROWS])(const XTYPE *, int64_t, const TYPE *, TYPE *, int64_t, int64_t, \
                                                 int, struct Ahead) = {WITH_ROWS(BY_ROWS_, ROWS)(PREFIX)};  \
-    static void PREFIX##_tiled(const float *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
+    static void PREFIX##_tiled(const XTYPE *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
                                TYPE *y, int gated) {                                               \
         int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
         int64_t chunks = (M + ROWS - 1) / ROWS;                                                    \
@@ -168,7 +206,7 @@ WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
             int64_t cols = N - t * TILE_COLS;                                                      \
             for (int64_t c = 0, m0 = 0; c < chunks; c++) {                                         \
                 int64_t m1 = M * (c + 1) / chunks;                                                 \
-                const float *xm = x + m0 * K;                                                      \
+                const XTYPE *xm = x + m0 * K;                                                      \
                 int64_t ldy = gated ? N / 2 : N; /* gated: TILE_COLS / 2 outputs per tile */      \
                 TYPE *ym = y + m0 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);                 \
                 struct Ahead ahead = {(const char *)wt + tile_bytes, c * per_step * steps, run,            \
@@ -179,8 +217,8 @@ WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
         }                                                                                          \
     }
 
-TILED(float, f32, F32_ROWS)
-TILED(uint16_t, bf16, BF16_ROWS)
+TILED(float, float, f32, F32_ROWS)
+TILED(BF16_X, uint16_t, bf16, BF16_ROWS)
 
 /* One tile from `real` plain rows [real][K] of 4-byte units (a float32, or a pair of bfloat16
  * along k): out[k][c] = rows[c][k], zeros past row `real`. Blocks of 16 units per row keep reads a
@@ -211,11 +249,11 @@ void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out, int amx)
         pack(w + t * TILE_COLS * K, N - t * TILE_COLS, K, out + t * K * TILE_COLS);
 }
 
-/* Prefill rows come in blocks whose float32 copy fits X_BLOCK_BYTES: every tile of the weight
- * meets a block from cache instead of all M rows from memory (8x faster at 1024 rows), for one
- * more pass over the weights per block. */
-static int64_t rows_per_block(int64_t K, int64_t chunk) {
-    int64_t rows = X_BLOCK_BYTES / (K * (int64_t)sizeof(float));
+/* Prefill rows come in blocks whose x (row_bytes a row, as the tiles read it) fits X_BLOCK_BYTES:
+ * every tile of the weight meets a block from cache instead of all M rows from memory (8x faster at
+ * 1024 rows), for one more pass over the weights per block. */
+static int64_t rows_per_block(int64_t row_bytes, int64_t chunk) {
+    int64_t rows = X_BLOCK_BYTES / row_bytes;
     rows -= rows % chunk;
     return rows < MIN_BLOCK_ROWS ? MIN_BLOCK_ROWS : rows;
 }
@@ -223,19 +261,23 @@ static int64_t rows_per_block(int64_t K, int64_t chunk) {
 void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   float *wide, int amx) {
     if (amx && bf16 && amx_matmul(x, M, K, w, N, y, gated, wide, 0) == TPL_OK) return;
+    const BF16_X *bf16_rows = x;
     const float *rows = x;
+#ifndef __AVX512BF16__
     if (bf16) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             for (int64_t k = 0; k < K; k += 16)
                 store16(wide, r * K + k, load16(x, r * K + k, 1, lanes(K - k)), 0, lanes(K - k));
-        rows = wide;
+        bf16_rows = rows = wide;
     }
-    int64_t block = rows_per_block(K, bf16 ? BF16_ROWS : F32_ROWS), ldy = gated ? N / 2 : N;
+#endif
+    int64_t block = rows_per_block(K * (int64_t)(bf16 ? sizeof(BF16_X) : sizeof(float)), bf16 ? BF16_ROWS : F32_ROWS);
+    int64_t ldy = gated ? N / 2 : N;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         int64_t m = M - m0 < block ? M - m0 : block;
         if (bf16)
-            bf16_tiled(rows + m0 * K, m, K, w, N, (uint16_t *)y + m0 * ldy, gated);
+            bf16_tiled(bf16_rows + m0 * K, m, K, w, N, (uint16_t *)y + m0 * ldy, gated);
         else
             f32_tiled(rows + m0 * K, m, K, w, N, (float *)y + m0 * ldy, gated);
     }
