@@ -51,14 +51,18 @@ def test_avx2_and_avx512_cpus_get_the_tiled_kernel():
     assert library().variant == VARIANT
 
 
-@pytest.mark.skipif(not HAS_COMPILER or "avx2" not in runnable() or VARIANT == "avx2",
-                    reason="needs a compiler and a CPU beyond AVX2 (on AVX2-only CPUs the main run tests that build)")
-def test_the_avx2_build_passes_the_kernel_tests():
-    """AVX2 code runs on AVX-512 CPUs, so the AVX2 build (AMD's Zen 2/3) is tested here too: these
-    modules again, in a process that loads it (TP_LLAMA_KERNELS=avx2)."""
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+def test_the_lesser_builds_pass_the_kernel_tests(variant: str):
+    """A CPU runs the builds for less than it has, so those are tested here too (plain AVX-512 for
+    Intel's Skylake-SP to Ice Lake, AVX2 for AMD's Zen 2/3): these modules again, in a process that
+    loads the build (TP_LLAMA_KERNELS)."""
+    if os.environ.get("TP_LLAMA_KERNELS"):
+        pytest.skip("a run with a forced build tests that build alone")
+    if not HAS_COMPILER or variant not in runnable() or variant == VARIANT:
+        pytest.skip(f"needs a compiler and a CPU beyond {variant} (where it is the best, the main run tests it)")
     modules = [f"tests/test_{name}.py" for name in ("kernels", "layer_ops", "sampling", "decode_step")]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=REPO,
-                            env={**os.environ, "TP_LLAMA_KERNELS": "avx2"}, capture_output=True, text=True,
+                            env={**os.environ, "TP_LLAMA_KERNELS": variant}, capture_output=True, text=True,
                             timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-4000:]
     assert int(re.search(r"(\d+) passed", result.stdout).group(1)) >= 60, result.stdout[-1000:]
@@ -68,8 +72,9 @@ def test_each_cpu_gets_the_best_variant_it_can_run():
     """The choice from CPU flags alone (faked here, so it is checked on any machine)."""
     avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}
     amx = {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}  # every AMX CPU so far has avx512_bf16 too
-    assert runnable(avx512 | amx) == ["avx512-amx", "avx512", "avx2"]
-    assert runnable(avx512) == ["avx512", "avx2"]
+    assert runnable(avx512 | amx) == ["avx512-amx", "avx512-bf16", "avx512", "avx2"]
+    assert runnable(avx512 | {"avx512_bf16"}) == ["avx512-bf16", "avx512", "avx2"]  # AMD's Zen 4 and 5
+    assert runnable(avx512) == ["avx512", "avx2"]  # Intel's Skylake-SP to Ice Lake
     assert runnable(avx512 | {"amx_tile"}) == ["avx512", "avx2"]  # AMX without its bfloat16 unit
     assert runnable(avx512 | amx - {"avx512_bf16"}) == ["avx512", "avx2"]  # the AMX build's attention pairs bf16 keys
     assert runnable({"avx2", "fma"}) == ["avx2"]  # AMD's Zen 2/3
@@ -268,7 +273,7 @@ def test_a_forced_build_and_bad_values(monkeypatch):
     ffi.load.cache_clear()
     try:
         monkeypatch.setenv("TP_LLAMA_KERNELS", "sse4")
-        with pytest.raises(ValueError, match="TP_LLAMA_KERNELS='sse4': choose one of avx512-amx, avx512, avx2"):
+        with pytest.raises(ValueError, match="TP_LLAMA_KERNELS='sse4': choose one of avx512-amx, avx512-bf16, avx512, avx2"):
             ffi.load()
         monkeypatch.setenv("TP_LLAMA_KERNELS", "")  # set but empty: as if unset, the best build this CPU runs
         lib, why = ffi.load()
@@ -296,7 +301,7 @@ def test_the_build_is_cached(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
-@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+@pytest.mark.parametrize("variant", ["avx512-bf16", "avx512", "avx2"])
 @pytest.mark.parametrize(("source", "hint"), [
     ("layer.c", "prefetcht0"),  # attention's keys and values ahead of use
     ("matmul.c", "prefetcht1"),  # the next weight tile
