@@ -242,8 +242,9 @@ static int in_vocab(const int64_t *ids, int64_t n, int64_t vocab) {
 }
 
 /* One row's penalties in a pass over its history, with each token's output count in marks (left
- * all zero again): each token is penalized once however often it recurs. The shift is rounded to
- * float32 and subtracted, as PyTorch's indexed ops on the Python-side value do. */
+ * all zero again): each token is penalized once however often it recurs. The shift is summed in
+ * double, rounded to float32 and subtracted, as sampling.py's PyTorch path does (to within the one
+ * rounding a fused multiply-add may save). */
 static int penalize_row(float *l, int64_t vocab, const struct PenaltyRow *p, int32_t *marks) {
     const int64_t n = p->n_prompt + p->n_output;
     if (!in_vocab(p->tokens, n, vocab) || !in_vocab(p->bias_ids, p->n_bias, vocab)) return TPL_BAD_TOKEN;
