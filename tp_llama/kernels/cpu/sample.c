@@ -211,17 +211,27 @@ static struct Row *row_scratch(int64_t vocab) {
     return r;
 }
 
+/* In a parallel region, every thread: its scratch once all have asked for theirs, or NULL for every
+ * thread where any could not have it (*no_memory set), so all agree on whether to run the loop. */
+static struct Row *region_scratch(int64_t vocab, int *no_memory) {
+    struct Row *r = row_scratch(vocab);
+    if (r == NULL) {
+#pragma omp atomic write
+        *no_memory = 1;
+    }
+#pragma omp barrier
+    int failed;
+#pragma omp atomic read
+    failed = *no_memory;
+    return failed ? NULL : r;
+}
+
 int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n) {
-    int failed = 0;
+    int no_memory = 0;
 #pragma omp parallel
     {
-        struct Row *r = row_scratch(vocab);
-        if (r == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
+        struct Row *r = region_scratch(vocab, &no_memory);
+        if (r != NULL) {
             r->vocab = vocab;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t j = 0; j < n; j++) {
@@ -230,7 +240,7 @@ int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int6
             }
         }
     }
-    return failed ? TPL_NO_MEMORY : TPL_OK;
+    return no_memory ? TPL_NO_MEMORY : TPL_OK;
 }
 
 #define SEEN (1 << 30) /* a mark: the repetition penalty is applied */
@@ -269,16 +279,11 @@ static int penalize_row(float *l, int64_t vocab, const struct PenaltyRow *p, int
 }
 
 int penalize_rows(float *logits, int64_t vocab, const struct PenaltyRow *rows, int64_t n) {
-    int status = TPL_OK, no_memory = 0; /* apart: every thread must agree on whether to start the loop */
+    int status = TPL_OK, no_memory = 0;
 #pragma omp parallel
     {
-        struct Row *r = row_scratch(vocab);
-        if (r == NULL) {
-#pragma omp atomic write
-            no_memory = 1;
-        }
-#pragma omp barrier
-        if (!no_memory) {
+        struct Row *r = region_scratch(vocab, &no_memory);
+        if (r != NULL) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t j = 0; j < n; j++) {
                 const int failed = penalize_row(logits + rows[j].row * vocab, vocab, &rows[j], r->marks);
