@@ -179,16 +179,19 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
 static __thread struct Row *kept_row;
 static __thread int64_t kept_vocab;
 
+static void free_row(struct Row *r) {
+    if (r == NULL) return;
+    free(r->w);
+    free(r->bins);
+    free(r->members);
+    free(r->upper);
+    free(r->marks);
+    free(r);
+}
+
 static struct Row *row_scratch(int64_t vocab) {
     if (kept_row != NULL && kept_vocab >= vocab) return kept_row;
-    if (kept_row != NULL) {
-        free(kept_row->w);
-        free(kept_row->bins);
-        free(kept_row->members);
-        free(kept_row->upper);
-        free(kept_row->marks);
-        free(kept_row);
-    }
+    free_row(kept_row);
     struct Row *r = calloc(1, sizeof(struct Row));
     if (r != NULL) {
         r->w = malloc((size_t)vocab * sizeof(float));
@@ -197,12 +200,7 @@ static struct Row *row_scratch(int64_t vocab) {
         r->upper = malloc((size_t)(vocab + 15) / 16 * sizeof(uint16_t));
         r->marks = calloc((size_t)vocab, sizeof(int32_t));
         if (r->w == NULL || r->bins == NULL || r->members == NULL || r->upper == NULL || r->marks == NULL) {
-            free(r->w);
-            free(r->bins);
-            free(r->members);
-            free(r->upper);
-            free(r->marks);
-            free(r);
+            free_row(r);
             r = NULL;
         }
     }
