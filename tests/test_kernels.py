@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -79,6 +80,45 @@ def test_each_cpu_gets_the_best_variant_it_can_run():
     assert runnable(avx512 | amx - {"avx512_bf16"}) == ["avx512", "avx2"]  # the AMX build's attention pairs bf16 keys
     assert runnable({"avx2", "fma"}) == ["avx2"]  # AMD's Zen 2/3
     assert runnable({"avx2"}) == runnable({"sse4_2", "fma"}) == []
+
+
+def test_amd_cpus_prefetch_the_next_tile_only_for_several_chunks_of_rows(monkeypatch):
+    """The vendor picks it (faked here), TP_LLAMA_NEXT_TILE_MIN_CHUNKS overrides it, and nonsense is refused."""
+    monkeypatch.delenv("TP_LLAMA_NEXT_TILE_MIN_CHUNKS", raising=False)
+    assert ffi.next_tile_min_chunks("AuthenticAMD") == 2
+    assert ffi.next_tile_min_chunks("GenuineIntel") == ffi.next_tile_min_chunks("") == 1
+    monkeypatch.setenv("TP_LLAMA_NEXT_TILE_MIN_CHUNKS", "1")
+    assert ffi.next_tile_min_chunks("AuthenticAMD") == 1
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("TP_LLAMA_NEXT_TILE_MIN_CHUNKS", bad)
+        with pytest.raises(ValueError, match="TP_LLAMA_NEXT_TILE_MIN_CHUNKS"):
+            ffi.next_tile_min_chunks("GenuineIntel")
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        assert cpu_build.cpu_vendor() in ("GenuineIntel", "AuthenticAMD")
+
+
+@NEEDS_TILES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_tiles_give_the_same_bits_with_and_without_the_next_tiles_prefetch(dtype: torch.dtype):
+    """Both settings run (one per CPU vendor): each is checked against float64 and gives the same bits,
+    at one chunk of rows, at several, and with a short last tile."""
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(200, 512, generator=gen) / 512**0.5).to(dtype)
+    weight = prepare(w, "tiles")
+    x = torch.randn(21, 512, generator=gen).to(dtype)
+    lib = library()
+    try:
+        outs = []
+        for chunks in (1, 1000):
+            lib.set_next_tile_min_chunks(chunks)
+            outs.append([linear(x[:rows], weight) for rows in (1, 5, 8, 21)])
+    finally:
+        lib.set_next_tile_min_chunks(lib.next_tile_min_chunks)
+    product = x.double() @ w.double().T
+    for asked, unasked in zip(*outs, strict=True):
+        assert torch.equal(asked, unasked)
+        rows = asked.shape[0]
+        torch.testing.assert_close(asked.double(), product[:rows], rtol=2**-7, atol=2**-7 * product.abs().max().item())
 
 
 @pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")

@@ -127,8 +127,11 @@ def ready_to_serve(model: nn.Module, config: EngineConfig, info: DistInfo, args:
         error = None
         try:
             kind, why = backend.optimize(model, info.device, traced=wants_compile(config, info.device))
-            detail = why or (f"{library().variant} build of the C kernels" if kind in ("amx", "tiles") else "")
-            log(f"matmuls: {kind}" + (f" ({detail})" if detail else ""), info.rank)
+            if kind in ("amx", "tiles"):
+                chunks = library().next_tile_min_chunks
+                ahead = "every call" if chunks == 1 else f"calls of {chunks} chunks of rows or more"
+                why = f"{library().variant} build of the C kernels; the next tile prefetched in {ahead}"
+            log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
             model.to(info.device)
         except Exception as exc:  # a rank that fails here must not leave the others in a collective
             error = exc

@@ -36,13 +36,24 @@ VARIANTS = {
 BUILD_TIMEOUT_S = 300
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo(field: str) -> list[str]:
+    """The words after the colon of /proc/cpuinfo's first `field` line (none where there is none)."""
     try:
         with open("/proc/cpuinfo") as info:
-            return set(next((line for line in info if line.startswith("flags")), "").split())
+            line = next((line for line in info if line.startswith(field)), "")
     except OSError:
-        return set()
+        return []
+    return line.partition(":")[2].split()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return set(_cpuinfo("flags"))
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id: "GenuineIntel", "AuthenticAMD", or "" where there is none."""
+    return " ".join(_cpuinfo("vendor_id"))
 
 
 def unsupported(variant: str, flags: set[str] | None = None) -> str:

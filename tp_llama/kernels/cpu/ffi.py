@@ -15,7 +15,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tp_llama.kernels.cpu.build import VARIANTS, build, compiler, runnable, unsupported
+from tp_llama.kernels.cpu.build import VARIANTS, build, compiler, cpu_vendor, runnable, unsupported
 
 HEADER = Path(__file__).with_name("api.h")
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
@@ -89,6 +89,7 @@ class Library:
 
     def __init__(self, path: Path, header: str, variant: str = ""):
         self.path, self.variant = path, variant
+        self.next_tile_min_chunks = 1  # what load() sets
         self.lib = ctypes.CDLL(str(path))  # torch is loaded, so its OpenMP is the one the library uses
         struct_fields, functions, names = parse_header(header)
         for name in ("tpl_struct_size", "tpl_field_offset", "tpl_constant"):
@@ -135,10 +136,30 @@ def load() -> tuple[Library | None, str]:
         if cc is None:
             return None, "no C compiler (gcc) to build tp_llama's C kernels"
         try:
-            return Library(build(variant, cc), HEADER.read_text(), variant), ""
+            library = Library(build(variant, cc), HEADER.read_text(), variant)
         except (OSError, subprocess.SubprocessError) as exc:
             reasons.append(f"{variant}: could not build or load tp_llama's C kernels: {exc}")
+            continue
+        library.next_tile_min_chunks = next_tile_min_chunks(cpu_vendor())
+        library.set_next_tile_min_chunks(library.next_tile_min_chunks)
+        return library, ""
     return None, "; ".join(reasons)
+
+
+def next_tile_min_chunks(vendor: str) -> int:
+    """How many chunks of rows a tile call needs before it prefetches the next tile (api.h).
+
+    On Intel those prefetches keep more lines in flight than the core's own fill buffers; on a
+    Zen 5 EPYC they cut a one-row pass from 69 to 40 GB/s in float32 and from 51 to 38 in
+    bfloat16, and still help from 2 chunks (bench/bench_matmul.py, BENCHMARKS.md).
+    TP_LLAMA_NEXT_TILE_MIN_CHUNKS sets it instead, to compare.
+    """
+    forced = os.environ.get("TP_LLAMA_NEXT_TILE_MIN_CHUNKS") or None  # set but empty: as if unset
+    if forced is None:
+        return 2 if vendor == "AuthenticAMD" else 1
+    if not forced.isdigit() or int(forced) < 1:
+        raise ValueError(f"TP_LLAMA_NEXT_TILE_MIN_CHUNKS={forced!r}: a whole number of chunks, 1 or more")
+    return int(forced)
 
 
 @functools.cache

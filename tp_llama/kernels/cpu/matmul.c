@@ -34,6 +34,11 @@
 #define X_BLOCK_BYTES (1 << 20) /* the rows of x that share one pass over the weights, kept in L2 */
 #define MIN_BLOCK_ROWS 64       /* a decode step's rows always share one pass */
 
+/* The fewest chunks of rows at which a tile call asks for the next tile (set_next_tile_min_chunks). */
+static int next_tile_min_chunks = 1;
+
+void set_next_tile_min_chunks(int chunks) { next_tile_min_chunks = chunks; }
+
 /* What one tile call asks for of the next tile: per_step cache lines each step, from line
  * number `first` on. A call with all the rows (VECS lines a step) numbers them across STREAMS
  * runs of `run` lines in turn: the L2's hardware streamer follows each run, so more lines are in
@@ -198,7 +203,7 @@ WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
                                TYPE *y, int gated) {                                               \
         int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
         int64_t chunks = (M + ROWS - 1) / ROWS;                                                    \
-        int per_step = (int)((VECS + chunks - 1) / chunks);                                        \
+        int per_step = chunks < next_tile_min_chunks ? 0 : (int)((VECS + chunks - 1) / chunks);   \
         int64_t tile_bytes = K * TILE_COLS * (int64_t)sizeof(TYPE), steps = tile_bytes / (VECS * 64); \
         int64_t run = (tile_bytes / 64 + STREAMS - 1) / STREAMS; /* a short last run asks past the tile */ \
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < tiles; t++) {                  \
