@@ -15,7 +15,14 @@ import re
 import subprocess
 from pathlib import Path
 
-from tp_llama.kernels.cpu.build import VARIANTS, build, compiler, cpu_vendor, runnable, unsupported
+from tp_llama.kernels.cpu.build import (
+    VARIANTS,
+    build,
+    compiler,
+    cpu_vendor,
+    runnable,
+    unsupported,
+)
 
 HEADER = Path(__file__).with_name("api.h")
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
