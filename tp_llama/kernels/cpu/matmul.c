@@ -125,36 +125,40 @@ static inline void put_bf16_row(uint16_t *y, vec lo, vec hi, int64_t cols, int g
  * products into its float32 sum: x comes as pairs broadcast from memory, nothing is widened, and
  * one instruction does what takes two FMAs and a widening below. CPUs with avx512_bf16 and no AMX
  * (AMD's Zen 4 and 5) run this at every row count, so a row's bits do not depend on its batch. */
-#define BF16_TILE(MT)                                                                              \
-    static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
-        const uint16_t *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,  \
-        int gated, struct Ahead ahead, const int per_step) {                                       \
-        __m512 acc[MT][VECS];                                                                      \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = vzero();            \
-        for (int64_t k = 0; k < K; k += 2) {                                                       \
-            const uint16_t *wk = wt + k * TILE_COLS;                                               \
-            prefetch(ahead, k / 2, per_step);                                                      \
-            _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
-                _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 32 * j), _MM_HINT_T0);    \
-                const __m512bh w = (__m512bh)_mm512_loadu_si512(wk + 32 * j);                      \
-                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                             \
-                    int32_t pair;                                                                  \
-                    memcpy(&pair, x + m * K + k, sizeof(pair));                                    \
-                    acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)_mm512_set1_epi32(pair), w); \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            put_bf16_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                          \
-    }                                                                                              \
-    BY_PREFETCH(bf16, uint16_t, uint16_t, MT)
 #define BF16_X uint16_t
+typedef __m512bh bf16_weights;
+
+static inline bf16_weights load_bf16_weights(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
+
+/* acc += the pair x[0], x[1] times each column's pair of weights. */
+static inline vec bf16_step(vec acc, const BF16_X *x, bf16_weights w) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof(pair));
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), w);
+}
 #else
-/* x here is float32 (tiled_matmul widens it once per call). */
+/* x here is float32 (tiled_matmul widens it once per call), the weights' pairs widened in
+ * registers (a shift and a mask) and multiplied by FMA. */
+#define BF16_X float
+typedef struct {
+    vec even, odd;
+} bf16_weights;
+
+static inline bf16_weights load_bf16_weights(const uint16_t *w) {
+    bf16_weights pairs;
+    bf16_pairs(w, &pairs.even, &pairs.odd);
+    return pairs;
+}
+
+static inline vec bf16_step(vec acc, const BF16_X *x, bf16_weights w) {
+    return vfmadd(vset1(x[1]), w.odd, vfmadd(vset1(x[0]), w.even, acc));
+}
+#endif
+
+/* The bfloat16 tile: pairs along k, each loaded once per step for all MT rows. */
 #define BF16_TILE(MT)                                                                              \
     static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
-        const float *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,     \
+        const BF16_X *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,    \
         int gated, struct Ahead ahead, const int per_step) {                                       \
         vec acc[MT][VECS];                                                                         \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
@@ -164,20 +168,15 @@ static inline void put_bf16_row(uint16_t *y, vec lo, vec hi, int64_t cols, int g
             prefetch(ahead, k / 2, per_step);                                                      \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
                 _mm_prefetch((const char *)(wk + NEAR_ROWS * TILE_COLS + 32 * j), _MM_HINT_T0);    \
-                vec even, odd;                                                                     \
-                bf16_pairs(wk + 32 * j, &even, &odd);                                              \
-                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                             \
-                    acc[m][j] = vfmadd(vset1(x[m * K + k]), even, acc[m][j]);                      \
-                    acc[m][j] = vfmadd(vset1(x[m * K + k + 1]), odd, acc[m][j]);                   \
-                }                                                                                  \
+                bf16_weights w = load_bf16_weights(wk + 32 * j);                                   \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                               \
+                    acc[m][j] = bf16_step(acc[m][j], x + m * K + k, w);                            \
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             put_bf16_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                          \
     }                                                                                              \
-    BY_PREFETCH(bf16, float, uint16_t, MT)
-#define BF16_X float
-#endif
+    BY_PREFETCH(bf16, BF16_X, uint16_t, MT)
 
 /* A tile function for every chunk size up to each dtype's rows, and their tables by rows - 1. */
 #define TILES_3(D) D(1) D(2) D(3)
