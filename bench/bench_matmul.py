@@ -38,11 +38,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 1024])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--skip-plain", action="store_true",
+                        help="leave out PyTorch's default F.linear (most of a run at few rows on the 1B shape)")
     a = parser.parse_args(argv)
     best_kind, why = choose(torch.device("cpu"), torch.float32)
     if best_kind not in ("amx", "tiles"):
         raise SystemExit(f"no tiled kernel here: {why}")
     kinds = ("plain", "onednn", "tiles", "amx") if best_kind == "amx" else ("plain", "onednn", "tiles")
+    kinds = tuple(kind for kind in kinds if kind != "plain" or not a.skip_plain)
     shapes = weight_shapes(a.preset)
     print(f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s; {torch.get_num_threads()} threads; "
           f"{len(shapes)} weights of {a.preset}", flush=True)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             ours = min(best["tiles"], best.get("amx", float("inf")))
             rows_out.append([
                 str(dtype).removeprefix("torch."), rows, *(1e3 * best[k] for k in kinds),
-                *(nbytes / best[k] / 1e9 for k in kinds), ours / best["onednn"], ours / best["plain"],
+                *(nbytes / best[k] / 1e9 for k in kinds), ours / best["onednn"], ours / best.get("plain", float("nan")),
             ])
             print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in here), flush=True)
         del weights, plain  # before the next dtype's: the 1B shape's float32 copies fill most of 24 GiB
