@@ -157,8 +157,8 @@ def next_tile_min_chunks(vendor: str) -> int:
     """How many chunks of rows a tile call needs before it prefetches the next tile (api.h).
 
     On Intel those prefetches keep more lines in flight than the core's own fill buffers; on a
-    Zen 5 EPYC they cut a one-row pass from 69 to 40 GB/s in float32 and from 51 to 38 in
-    bfloat16, and still help from 2 chunks (bench/bench_matmul.py, BENCHMARKS.md).
+    Zen 5 EPYC they made a one-row pass over the 1B shape's weights take 1.07-1.37x oneDNN's time
+    instead of 0.85-0.98x, and still help from 2 chunks (bench/bench_matmul.py, BENCHMARKS.md).
     TP_LLAMA_NEXT_TILE_MIN_CHUNKS sets it instead, to compare.
     """
     forced = os.environ.get("TP_LLAMA_NEXT_TILE_MIN_CHUNKS") or None  # set but empty: as if unset

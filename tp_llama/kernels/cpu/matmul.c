@@ -191,8 +191,8 @@ WITH_ROWS(TILES_, F32_ROWS)(F32_TILE)
 WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
 
 /* Rows go in near-equal chunks of at most ROWS (10 rows: 5 + 5, not 8 + 2), so every
- * chunk has enough independent sums; the tile stays in cache between chunks. Each chunk
- * prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
+ * chunk has enough independent sums; the tile stays in cache between chunks. In a call of
+ * next_tile_min_chunks chunks or more, each chunk prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
  * all), so memory keeps streaming while the later chunks compute from cache. The threads of
  * the enclosing parallel region split the tiles. */
 #define TILED(XTYPE, TYPE, PREFIX, ROWS)                                                           \
