@@ -287,15 +287,26 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
     }
 }
 
+/* Whether tiled_matmul reads x from `wide`: AMX packs bfloat16 rows there, and FMA tiles read
+ * them widened there, but vdpbf16ps tiles read bfloat16 x as it is. */
+static int reads_wide(int bf16, int amx) {
+#ifdef __AVX512BF16__
+    return bf16 && amx;
+#else
+    return bf16;
+#endif
+}
+
 /* The entry point: tiled_matmul on this call's own threads; 0 on success, -1 when memory for
- * the widened bfloat16 rows cannot be had. gated = 1: w is a SwiGLU's w1 and w3 interleaved in
- * runs of GATE_RUN rows (ops.py), N a multiple of TILE_COLS, and y [M][N / 2] gets
+ * the widened or packed bfloat16 rows cannot be had. gated = 1: w is a SwiGLU's w1 and w3
+ * interleaved in runs of GATE_RUN rows (ops.py), N a multiple of TILE_COLS, and y [M][N / 2] gets
  * silu(x w1^T) * (x w3^T). */
 int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                  int amx) {
     float *wide = NULL;
     int64_t wide_rows = M < WIDE_MIN_ROWS ? WIDE_MIN_ROWS : M;
-    if (bf16 && (wide = malloc((size_t)(wide_rows * K) * sizeof(float))) == NULL) return TPL_NO_MEMORY;
+    if (reads_wide(bf16, amx) && (wide = malloc((size_t)(wide_rows * K) * sizeof(float))) == NULL)
+        return TPL_NO_MEMORY;
 #pragma omp parallel
     tiled_matmul(x, M, K, w, N, y, gated, bf16, wide, amx);
     free(wide);
