@@ -142,10 +142,10 @@ def _penalize_in_c(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
         p = row.params
         if not p.penalized:
             continue
-        shifted = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        reads_output = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
         prompt = row.prompt_ids if p.repetition_penalty != 1.0 else []
         tokens = array("q", prompt)
-        tokens.extend(row.output if shifted else [])
+        tokens.extend(row.output if reads_output else [])
         ids, values = array("q", [t for t, _ in p.logit_bias]), array("f", [v for _, v in p.logit_bias])
         held += [tokens, ids, values]
         specs.append((r, tokens.buffer_info()[0], len(prompt), len(tokens) - len(prompt), ids.buffer_info()[0],
