@@ -165,14 +165,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(rows, heads * head_dim)
 
 
-@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (amx_tile, amx_bf16) and the kernels built for it")
+@NEEDS_TILES
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 64), (8, 2, 128), (4, 4, 64)],
                          ids=["llama3-1b", "head-dim-128", "no-gqa"])
-def test_amx_prompt_attention_matches_float64(heads: int, kv_heads: int, head_dim: int):
-    """A prompt chunk on AMX (kernels/cpu/prompt_attention.c) against a float64 causal softmax: chunks
-    from position 0 and after earlier keys (a long prompt's later chunk, a cached prefix), keys and
-    values read through a shuffled block table; one row, a ragged last 16-row block, four 16-key
-    blocks and a rest, several 32-key steps; out and qkv row slices of wider tensors."""
+def test_prompt_attention_matches_float64(heads: int, kv_heads: int, head_dim: int):
+    """A prompt chunk in C (kernels/cpu/prompt_attention.c: AMX tiles, vdpbf16ps or FMAs, by the build)
+    against a float64 causal softmax: chunks from position 0 and after earlier keys (a long prompt's
+    later chunk, a cached prefix), keys and values read through a shuffled block table; one row, a
+    ragged last 16-row block, an odd number of 16-key blocks, four and a rest, several 32-key steps;
+    out and qkv row slices of wider tensors."""
     gen = torch.Generator().manual_seed(3)
     block_size, n_blocks = 16, 64
     width = (heads + 2 * kv_heads) * head_dim

@@ -93,12 +93,12 @@ void set_next_tile_min_chunks(int chunks);
 /* amx_enable asks Linux for AMX's tile state, once per process, before any AMX call. */
 int amx_enable(void);
 
-/* A prompt chunk's causal attention on AMX (prompt_attention.c): rows at positions start .. of one
- * sequence, its q heads at the start of each row of qkv [rows][ld] bfloat16 (rotated), against the
- * sequence's keys and values 0 .. start + rows - 1 in cache_k/v [n_kv_heads][n_blocks * block_size]
- * [head_dim] through its block table; out [rows][ld_out] gets each row's n_heads * head_dim outputs.
- * TPL_OK, TPL_NO_MEMORY, TPL_OFF_CACHE (a block outside the cache), or TPL_NO_AMX (no AMX build, or
- * head_dim not a multiple of 64). */
+/* A prompt chunk's causal attention (prompt_attention.c; AMX tiles in the AMX build, vdpbf16ps or
+ * FMAs in the others): rows at positions start .. of one sequence, its q heads at the start of each
+ * row of qkv [rows][ld] bfloat16 (rotated), against the sequence's keys and values 0 .. start +
+ * rows - 1 in cache_k/v [n_kv_heads][n_blocks * block_size][head_dim] through its block table; out
+ * [rows][ld_out] gets each row's n_heads * head_dim outputs. TPL_OK, TPL_NO_MEMORY, TPL_OFF_CACHE
+ * (a block outside the cache), or TPL_HEAD_DIM (head_dim not a multiple of 64, or over MAX_HEAD_DIM). */
 int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                      const void *cache_k, const void *cache_v, int64_t n_blocks, int64_t block_size,
                      const int64_t *table, int64_t start, void *out, int64_t ld_out);

@@ -120,41 +120,6 @@ static inline void put_bf16_row(uint16_t *y, vec lo, vec hi, int64_t cols, int g
     }                                                                                              \
     BY_PREFETCH(f32, float, float, MT)
 
-#ifdef __AVX512BF16__
-/* bfloat16 x against the tile's pairs along k by vdpbf16ps, which adds a column's two exact
- * products into its float32 sum: x comes as pairs broadcast from memory, nothing is widened, and
- * one instruction does what takes two FMAs and a widening below. CPUs with avx512_bf16 and no AMX
- * (AMD's Zen 4 and 5) run this at every row count, so a row's bits do not depend on its batch. */
-#define BF16_X uint16_t
-typedef __m512bh bf16_weights;
-
-static inline bf16_weights load_bf16_weights(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
-
-/* acc += the pair x[0], x[1] times each column's pair of weights. */
-static inline vec bf16_step(vec acc, const BF16_X *x, bf16_weights w) {
-    int32_t pair;
-    memcpy(&pair, x, sizeof(pair));
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), w);
-}
-#else
-/* x here is float32 (tiled_matmul widens it once per call), the weights' pairs widened in
- * registers (a shift and a mask) and multiplied by FMA. */
-#define BF16_X float
-typedef struct {
-    vec even, odd;
-} bf16_weights;
-
-static inline bf16_weights load_bf16_weights(const uint16_t *w) {
-    bf16_weights pairs;
-    bf16_pairs(w, &pairs.even, &pairs.odd);
-    return pairs;
-}
-
-static inline vec bf16_step(vec acc, const BF16_X *x, bf16_weights w) {
-    return vfmadd(vset1(x[1]), w.odd, vfmadd(vset1(x[0]), w.even, acc));
-}
-#endif
-
 /* The bfloat16 tile: pairs along k, each loaded once per step for all MT rows. */
 #define BF16_TILE(MT)                                                                              \
     static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \

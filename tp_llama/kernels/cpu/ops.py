@@ -185,22 +185,25 @@ def rope_prompt_rows(qkv: torch.Tensor, rotation: torch.Tensor, locations: torch
 
 def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: torch.Tensor, cache_v: torch.Tensor,
                      block_size: int, table: torch.Tensor, start: int, out: torch.Tensor) -> bool:
-    """One sequence's prompt chunk on AMX (causal): out [rows, heads * head_dim] for its rows at positions
+    """One sequence's prompt chunk in C (causal): out [rows, heads * head_dim] for its rows at positions
     start .., their rotated q heads at the start of each row of qkv, against the sequence's keys and values
     0 .. start + rows - 1 in cache_k / cache_v [kv_heads, blocks * block_size, head_dim] through its block
-    table (int64). False where AMX cannot (no AMX here, float32, a head_dim it does not take, no memory
-    for the keys' layout); nothing is written then."""
+    table (int64). False where the kernel cannot (float32, a head_dim it does not take, an AMX build
+    without the tile state, no memory for the keys' layout); nothing is written then."""
     rows = qkv.shape[0]
-    if not (amx_ready() and qkv.dtype == out.dtype == cache_k.dtype == torch.bfloat16
-            and qkv.stride(1) == out.stride(1) == 1 and table.dtype == torch.long and table.is_contiguous()):
+    lib = library()
+    if not (qkv.dtype == out.dtype == cache_k.dtype == torch.bfloat16 and qkv.stride(1) == out.stride(1) == 1
+            and table.dtype == torch.long and table.is_contiguous()):
+        return False
+    if lib.variant.endswith("-amx") and not amx_ready():
         return False
     if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
         raise ValueError("prompt_attention needs contiguous caches")
     n_kv_heads, pool, _ = cache_k.shape
-    status = library().prompt_attention(qkv.data_ptr(), rows, qkv.stride(0), n_heads, n_kv_heads, head_dim,
-                                        cache_k.data_ptr(), cache_v.data_ptr(), pool // block_size, block_size,
-                                        table.data_ptr(), start, out.data_ptr(), out.stride(0))
-    if status in (library().constants["TPL_NO_AMX"], library().constants["TPL_NO_MEMORY"]):
+    status = lib.prompt_attention(qkv.data_ptr(), rows, qkv.stride(0), n_heads, n_kv_heads, head_dim,
+                                  cache_k.data_ptr(), cache_v.data_ptr(), pool // block_size, block_size,
+                                  table.data_ptr(), start, out.data_ptr(), out.stride(0))
+    if status in (lib.constants["TPL_HEAD_DIM"], lib.constants["TPL_NO_MEMORY"]):
         return False  # no memory for its layout of a long sequence's keys: flash attention needs none
     _raise_for(status, cache_k)
     return True

@@ -1,23 +1,23 @@
-/* A prompt chunk's causal attention on AMX: its rows at positions start .. start + rows - 1 of a
- * sequence against the sequence's keys and values up to each row, read from the paged cache (where
+/* A prompt chunk's causal attention: its rows at positions start .. start + rows - 1 of a sequence
+ * against the sequence's keys and values up to each row, read from the paged cache (where
  * rope_prompt_rows has written the chunk's own).
  *
- * PyTorch's flash kernel ran 270-370 GFLOPS on prompts of 200-256 tokens here (0.76-1.05 ms a layer
- * of the 1B shape; this kernel 0.41-0.54). Every KV head's keys and values are laid out once as
- * AMX B operands, then each 16-row block of a query head scores its visible keys in float32 tiles
- * (the products of bfloat16 exact), takes the exact softmax of each row in registers, and
- * multiplies the probabilities, rounded to bfloat16 as PyTorch's kernel rounds them, by the values.
- * A block's scores are all kept (16 rows x the chunk's keys), so there is no running rescale.
+ * PyTorch's flash kernel ran 270-370 GFLOPS on prompts of 200-256 tokens on an AMX Xeon (0.76-1.05
+ * ms a layer of the 1B shape; AMX tiles here 0.41-0.54), and 63-81 GFLOPS on a Zen 5 EPYC without
+ * AMX, where it was 8% of a prefill step. Every KV head's keys and values are laid out once as pairs
+ * along the dot product, 16 keys (or dims) a row: the B operands of AMX tiles, or the operands of
+ * vdpbf16ps (bf16_step in simd.h: FMAs on widened pairs in the builds without it). Then each
+ * 16-row block of a query head scores its visible keys in float32 (the products of bfloat16
+ * exact), takes the exact softmax of each row in registers, and multiplies the probabilities,
+ * rounded to bfloat16 as PyTorch's kernel rounds them, by the values. A block's scores are all
+ * kept (16 rows x the chunk's keys), so there is no running rescale.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "api.h"
-
-#ifdef __AMX_BF16__
-#include <omp.h>
-
 #include "simd.h"
 
 /* Where key j of a KV head's cache (cache [n_blocks * block_size][hd]) lies, by the row's block table. */
@@ -26,13 +26,14 @@ static inline const uint16_t *cached(const uint16_t *cache, const int64_t *table
     return cache + (table[j / block_size] * block_size + j % block_size) * hd;
 }
 
-/* One KV head's `keys` keys as B tiles of S = Q K^T: per 16 keys and 32 dims, [16 pairs of dims][16 keys][2],
- * and its values as B tiles of O = P V: per 32 keys and 16 dims, [16 pairs of keys][16 dims][2].
- * Keys past the last are zeros (a probability of 0 times a zero value). */
+/* One KV head's `keys` keys, per 16 keys and 32 dims: [16 pairs of dims][16 keys][2] (so a 16-key
+ * block's pairs follow each other, hd * 16 elements a block), and its values, per 32 keys and 16
+ * dims: [16 pairs of keys][16 dims][2]. Keys past the last are zeros (a probability of 0 times a
+ * zero value). */
 static void lay_out_head(const uint16_t *cache_k, const uint16_t *cache_v, const int64_t *table, int64_t block_size,
                          int64_t keys, int64_t hd, uint16_t *kt, uint16_t *vv, int64_t padded) {
     memset(kt, 0, (size_t)padded * hd * 2);
-    memset(vv + keys / 32 * 32 * hd, 0, (size_t)(padded - keys / 32 * 32) * hd * 2); /* the last 32 keys' tiles */
+    memset(vv + keys / 32 * 32 * hd, 0, (size_t)(padded - keys / 32 * 32) * hd * 2); /* the last 32 keys' */
     for (int64_t j = 0; j < keys; j++) {
         const uint16_t *key = cached(cache_k, table, block_size, j, hd);
         for (int64_t d = 0; d < hd; d += 2) { /* pair d/2 of key j */
@@ -40,60 +41,32 @@ static void lay_out_head(const uint16_t *cache_k, const uint16_t *cache_v, const
             memcpy(tile + ((d % 32) / 2) * 32 + (j % 16) * 2, key + d, 4);
         }
     }
-    /* values two keys at a time: 16 dims of key j and of key j + 1, interleaved, are a row of a tile */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* values two keys at a time: 16 dims of key j and of key j + 1, interleaved, are a row */
+    const __m256i none = _mm256_setzero_si256();
     for (int64_t j = 0; j < keys; j += 2) {
         const uint16_t *first = cached(cache_v, table, block_size, j, hd);
         const uint16_t *second = j + 1 < keys ? cached(cache_v, table, block_size, j + 1, hd) : NULL;
         for (int64_t d = 0; d < hd; d += 16) {
-            const __m512i both = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + d))),
-                second != NULL ? _mm256_loadu_si256((const __m256i *)(second + d)) : _mm256_setzero_si256(), 1);
-            _mm512_storeu_si512(vv + ((j / 32) * (hd / 16) + d / 16) * 512 + ((j % 32) / 2) * 32,
-                                _mm512_permutexvar_epi16(pairs, both));
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(first + d));
+            const __m256i b = second != NULL ? _mm256_loadu_si256((const __m256i *)(second + d)) : none;
+            /* unpack interleaves within 128-bit lanes: dims 0-3 and 8-11, then 4-7 and 12-15 */
+            const __m256i low = _mm256_unpacklo_epi16(a, b), high = _mm256_unpackhi_epi16(a, b);
+            uint16_t *row = vv + ((j / 32) * (hd / 16) + d / 16) * 512 + ((j % 32) / 2) * 32;
+            _mm256_storeu_si256((__m256i *)row, _mm256_permute2x128_si256(low, high, 0x20));
+            _mm256_storeu_si256((__m256i *)(row + 16), _mm256_permute2x128_si256(low, high, 0x31));
         }
     }
 }
 
-/* Four 16-dim column tiles of O (C tiles 0-3) over the block's ks 32-key steps, from dims w0 on. */
-static void values_times(const uint16_t *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, int64_t w0,
-                         float *o, int64_t ldo) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < ks; s++) {
-        const uint16_t *b = vv + (s * (hd / 16) + w0) * 512;
-        _tile_loadd(4, p + s * 32, ldp * 2);
-        _tile_loadd(6, b, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b + 512, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, b + 1024, 64);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(7, b + 1536, 64);
-        _tile_dpbf16ps(3, 4, 7);
-    }
-    _tile_stored(0, o + w0 * 16, ldo * 4);
-    _tile_stored(1, o + w0 * 16 + 16, ldo * 4);
-    _tile_stored(2, o + w0 * 16 + 32, ldo * 4);
-    _tile_stored(3, o + w0 * 16 + 48, ldo * 4);
-}
+#ifdef __AMX_BF16__
+typedef uint16_t q_type; /* what q and the probabilities are multiplied as */
 
-/* Rows r0 .. r0 + 15 (those under `rows`) of query head h against KV head g's laid-out keys and values;
- * row r is at position start + r. */
-static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t start, int64_t h, int64_t hd,
-                         int64_t r0, const uint16_t *kt, const uint16_t *vv, uint16_t *out, int64_t ld_out,
-                         uint16_t *q, float *s, uint16_t *p, float *o) {
-    const int64_t n = rows - r0 < 16 ? rows - r0 : 16, keys = start + r0 + n, kb = (keys + 15) / 16;
-    const int64_t ks = (keys + 31) / 32;
-    const int64_t lds = kb * 16, ldp = ks * 32;
-    memset(q, 0, 16 * hd * 2);
-    for (int64_t r = 0; r < n; r++) memcpy(q + r * hd, qkv + (r0 + r) * ld + h * hd, hd * 2);
-    const int64_t next_block = hd / 32 * 512; /* elements from one 16-key block's tiles to the next's */
+/* Scores s [16][lds] of the block's q [16][hd] against 16-key blocks 0 .. kb - 1, in tiles: four
+ * blocks at once, four independent sums for the tile unit. */
+static void scores(const q_type *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
+    const int64_t next_block = hd * 16;
     int64_t b = 0;
-    for (; b + 4 <= kb; b += 4) { /* four blocks at once: four independent sums for the tile unit */
+    for (; b + 4 <= kb; b += 4) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -124,11 +97,127 @@ static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t 
         }
         _tile_stored(0, s + b * 16, lds * 4);
     }
+}
+
+/* O [16][hd] = P [16][ldp] V over ks 32-key steps: four 16-dim column tiles at a time. */
+static void values(const q_type *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
+    for (int64_t w0 = 0; w0 < hd / 16; w0 += 4) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < ks; s++) {
+            const uint16_t *b = vv + (s * (hd / 16) + w0) * 512;
+            _tile_loadd(4, p + s * 32, ldp * 2);
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, b + 1024, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, b + 1536, 64);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+        _tile_stored(0, o + w0 * 16, hd * 4);
+        _tile_stored(1, o + w0 * 16 + 16, hd * 4);
+        _tile_stored(2, o + w0 * 16 + 32, hd * 4);
+        _tile_stored(3, o + w0 * 16 + 48, hd * 4);
+    }
+}
+
+static void start_thread(void) { amx_configure(); }
+static void end_thread(void) { _tile_release(); }
+
+#else
+typedef BF16_X q_type;
+
+#ifdef __AVX512F__
+#define SCORE_ROWS 8 /* 8 rows x 2 key blocks of sums, and 4 x 4 for the values: 16 of 32 registers */
+#define VALUE_ROWS 4
+#else
+#define SCORE_ROWS 2 /* AVX2's 16 registers: a sum is two, a pair of widened weights four */
+#define VALUE_ROWS 1
+#endif
+
+/* The same by bf16_step, SCORE_ROWS rows at a time against two 16-key blocks (the keys are laid
+ * out to a multiple of 32, and lds holds them). */
+static void scores(const q_type *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
+    const int64_t next_block = hd * 16;
+    for (int64_t r0 = 0; r0 < 16; r0 += SCORE_ROWS)
+        for (int64_t b = 0; b < kb; b += 2) {
+            const uint16_t *t = kt + b * next_block;
+            vec acc[SCORE_ROWS][2];
+            _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++) acc[r][0] = acc[r][1] = vzero();
+            for (int64_t d = 0; d < hd; d += 2) {
+                const bf16_weights k0 = load_bf16_weights(t + d * 16), k1 = load_bf16_weights(t + next_block + d * 16);
+                _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++) {
+                    acc[r][0] = bf16_step(acc[r][0], q + (r0 + r) * hd + d, k0);
+                    acc[r][1] = bf16_step(acc[r][1], q + (r0 + r) * hd + d, k1);
+                }
+            }
+            _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++) {
+                vstore(s + (r0 + r) * lds + b * 16, acc[r][0]);
+                vstore(s + (r0 + r) * lds + b * 16 + 16, acc[r][1]);
+            }
+        }
+}
+
+static void values(const q_type *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
+    for (int64_t r0 = 0; r0 < 16; r0 += VALUE_ROWS)
+        for (int64_t w0 = 0; w0 < hd / 16; w0 += 4) {
+            vec acc[VALUE_ROWS][4];
+            _Pragma("GCC unroll 8") for (int r = 0; r < VALUE_ROWS; r++) acc[r][0] = acc[r][1] = acc[r][2] =
+                acc[r][3] = vzero();
+            for (int64_t j = 0; j < ks * 32; j += 2) { /* a pair of keys */
+                const uint16_t *b = vv + ((j / 32) * (hd / 16) + w0) * 512 + (j % 32) * 16;
+                _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++) {
+                    const bf16_weights pair = load_bf16_weights(b + w * 512);
+                    _Pragma("GCC unroll 8") for (int r = 0; r < VALUE_ROWS; r++)
+                        acc[r][w] = bf16_step(acc[r][w], p + (r0 + r) * ldp + j, pair);
+                }
+            }
+            _Pragma("GCC unroll 8") for (int r = 0; r < VALUE_ROWS; r++)
+                _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++) vstore(o + (r0 + r) * hd + (w0 + w) * 16, acc[r][w]);
+        }
+}
+
+static void start_thread(void) {}
+static void end_thread(void) {}
+#endif
+
+/* Up to 16 elements of bfloat16 `from` as q_type: as they are, or widened to float32. */
+static inline void put_q(q_type *to, const uint16_t *from, int64_t n) {
+#ifdef __AVX512BF16__
+    memcpy(to, from, (size_t)n * 2);
+#else
+    for (int64_t i = 0; i < n; i += 16) vstorem(to + i, lanes(n - i), load16(from, i, 1, lanes(n - i)));
+#endif
+}
+
+/* 16 probabilities rounded to bfloat16, stored as q_type. */
+static inline void put_probs(q_type *to, vec e) {
+#ifdef __AVX512BF16__
+    store16(to, 0, e, 1, 0xFFFF);
+#else
+    vstore(to, as_stored(e, 1));
+#endif
+}
+
+/* Rows r0 .. r0 + 15 (those under `rows`) of query head h against KV head g's laid-out keys and values;
+ * row r is at position start + r. */
+static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t start, int64_t h, int64_t hd,
+                         int64_t r0, const uint16_t *kt, const uint16_t *vv, uint16_t *out, int64_t ld_out,
+                         q_type *q, float *s, q_type *p, float *o) {
+    const int64_t n = rows - r0 < 16 ? rows - r0 : 16, keys = start + r0 + n, kb = (keys + 15) / 16;
+    const int64_t ks = (keys + 31) / 32, ldp = ks * 32;
+    memset(q + n * hd, 0, (size_t)(16 - n) * hd * sizeof(q_type));
+    for (int64_t r = 0; r < n; r++) put_q(q + r * hd, qkv + (r0 + r) * ld + h * hd, hd);
+    scores(q, hd, kt, kb, s, ldp);
     const vec scale = vset1(1.0f / sqrtf((float)hd));
     float total[16];
     for (int64_t r = 0; r < 16; r++) {
         const int64_t seen = r < n ? start + r0 + r + 1 : 0; /* causal: key j <= its position */
-        float *row = s + r * lds;
+        float *row = s + r * ldp;
         vec top = vset1(-INFINITY);
         for (int64_t j = 0; j < seen; j += 16) {
             const mask16 m = lanes(seen - j);
@@ -140,27 +229,27 @@ static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t 
             const mask16 m = lanes(seen - j);
             const vec e = vkeep(m, exp16(vsub(vmul(vloadz(m, row + j), scale), high)));
             sum = vadd(sum, e);
-            store16(p + r * ldp, j, e, 1, 0xFFFF);
+            put_probs(p + r * ldp + j, e);
         }
         total[r] = vsum(sum);
     }
-    for (int64_t w0 = 0; w0 < hd / 16; w0 += 4) values_times(p, ldp, vv, hd, ks, w0, o, hd);
+    values(p, ldp, vv, hd, ks, o);
     for (int64_t r = 0; r < n; r++) {
         const vec inv = vset1(1.0f / total[r]);
         uint16_t *row = out + (r0 + r) * ld_out + h * hd;
-        for (int64_t d = 0; d < hd; d += 16) store16(row, d, vmul(vloadz(0xFFFF, o + r * hd + d), inv), 1, 0xFFFF);
+        for (int64_t d = 0; d < hd; d += 16) store16(row, d, vmul(vload(o + r * hd + d), inv), 1, 0xFFFF);
     }
 }
 
 int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                      const void *cache_k, const void *cache_v, int64_t n_blocks, int64_t block_size,
                      const int64_t *table, int64_t start, void *out, int64_t ld_out) {
-    if (head_dim % 64 || head_dim > MAX_HEAD_DIM || n_heads % n_kv_heads) return TPL_NO_AMX;
+    if (head_dim % 64 || head_dim > MAX_HEAD_DIM || n_heads % n_kv_heads) return TPL_HEAD_DIM;
     if (rows <= 0) return TPL_OK;
     const int64_t keys = start + rows;
     if (start < 0 || blocks_in_cache(table, keys - 1, block_size, n_blocks)) return TPL_OFF_CACHE;
     const int64_t hd = head_dim, rep = n_heads / n_kv_heads, padded = (keys + 31) / 32 * 32, blocks = (rows + 15) / 16;
-    const int64_t per_thread = 16 * hd * 2 + 16 * padded * 4 + 16 * padded * 2 + 16 * hd * 4 + 256;
+    const int64_t per_thread = (16 * hd + 16 * padded) * (int64_t)sizeof(q_type) + 16 * padded * 4 + 16 * hd * 4 + 256;
     const int threads = omp_get_max_threads();
     char *heads = aligned_alloc(64, (size_t)(n_kv_heads * 2 * padded * hd * 2));
     char *scratch = aligned_alloc(64, (size_t)(threads * per_thread));
@@ -172,7 +261,7 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
     const uint16_t *x = qkv;
 #pragma omp parallel
     {
-        amx_configure();
+        start_thread();
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < n_kv_heads; g++) {
             uint16_t *kt = (uint16_t *)heads + g * 2 * padded * hd;
@@ -181,10 +270,10 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
                          hd, kt, kt + padded * hd, padded);
         }
         char *mine = scratch + omp_get_thread_num() * per_thread;
-        uint16_t *q = (uint16_t *)mine;
-        float *s = (float *)(mine + 16 * hd * 2);
-        uint16_t *p = (uint16_t *)((char *)s + 16 * padded * 4);
-        float *o = (float *)((char *)p + 16 * padded * 2);
+        q_type *q = (q_type *)mine;
+        float *s = (float *)(q + 16 * hd);
+        q_type *p = (q_type *)((char *)s + 16 * padded * 4);
+        float *o = (float *)(p + 16 * padded);
         /* later blocks see more keys: dealt out one at a time, so each thread gets early and late ones */
 #pragma omp for schedule(static, 1)
         for (int64_t item = 0; item < n_heads * blocks; item++) {
@@ -192,21 +281,9 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
             const uint16_t *kt = (const uint16_t *)heads + g * 2 * padded * hd;
             attend_block(x, rows, ld, start, h, hd, b * 16, kt, kt + padded * hd, out, ld_out, q, s, p, o);
         }
-        _tile_release();
+        end_thread();
     }
     free(heads);
     free(scratch);
     return TPL_OK;
 }
-
-#else
-
-int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                     const void *cache_k, const void *cache_v, int64_t n_blocks, int64_t block_size,
-                     const int64_t *table, int64_t start, void *out, int64_t ld_out) {
-    (void)qkv, (void)rows, (void)ld, (void)n_heads, (void)n_kv_heads, (void)head_dim, (void)out, (void)ld_out;
-    (void)cache_k, (void)cache_v, (void)n_blocks, (void)block_size, (void)table, (void)start;
-    return TPL_NO_AMX;
-}
-
-#endif

@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
 
@@ -334,5 +335,41 @@ static inline vec swiglu16(vec gate, vec up, int bf16) {
     vec silu = vdiv(gate, vadd(vset1(1.0f), exp16(vsub(vzero(), gate))));
     return vmul(as_stored(silu, bf16), as_stored(up, bf16));
 }
+
+/* bfloat16 x times pairs of bfloat16 weights along k, 16 columns a pair (a matmul tile's, an
+ * attention's keys or values), into float32 sums. With avx512_bf16 by vdpbf16ps, which adds a
+ * column's two exact products into its sum: x comes as pairs broadcast from memory, nothing is
+ * widened, and one instruction does what takes two FMAs and a widening below. CPUs with
+ * avx512_bf16 and no AMX (AMD's Zen 4 and 5) run it at every row count, so a row's bits do not
+ * depend on its batch. Elsewhere x is float32 (the caller widens it once), the weights' pairs are
+ * widened in registers (a shift and a mask) and multiplied by FMA: the same exact products. */
+#ifdef __AVX512BF16__
+#define BF16_X uint16_t
+typedef __m512bh bf16_weights;
+
+static inline bf16_weights load_bf16_weights(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
+
+/* acc += the pair x[0], x[1] times each column's pair of weights. */
+static inline vec bf16_step(vec acc, const BF16_X *x, bf16_weights w) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof(pair));
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), w);
+}
+#else
+#define BF16_X float
+typedef struct {
+    vec even, odd;
+} bf16_weights;
+
+static inline bf16_weights load_bf16_weights(const uint16_t *w) {
+    bf16_weights pairs;
+    bf16_pairs(w, &pairs.even, &pairs.odd);
+    return pairs;
+}
+
+static inline vec bf16_step(vec acc, const BF16_X *x, bf16_weights w) {
+    return vfmadd(vset1(x[1]), w.odd, vfmadd(vset1(x[0]), w.even, acc));
+}
+#endif
 
 #endif
