@@ -235,9 +235,7 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
 #ifndef __AVX512BF16__
     if (bf16) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t k = 0; k < K; k += 16)
-                store16(wide, r * K + k, load16(x, r * K + k, 1, lanes(K - k)), 0, lanes(K - k));
+        for (int64_t r = 0; r < M; r++) put_bf16_x(wide + r * K, (const uint16_t *)x + r * K, K);
         bf16_rows = rows = wide;
     }
 #endif
@@ -258,6 +256,7 @@ static int reads_wide(int bf16, int amx) {
 #ifdef __AVX512BF16__
     return bf16 && amx;
 #else
+    (void)amx;
     return bf16;
 #endif
 }

@@ -59,11 +59,9 @@ static void lay_out_head(const uint16_t *cache_k, const uint16_t *cache_v, const
 }
 
 #ifdef __AMX_BF16__
-typedef uint16_t q_type; /* what q and the probabilities are multiplied as */
-
 /* Scores s [16][lds] of the block's q [16][hd] against 16-key blocks 0 .. kb - 1, in tiles: four
  * blocks at once, four independent sums for the tile unit. */
-static void scores(const q_type *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
+static void scores(const BF16_X *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
     const int64_t next_block = hd * 16;
     int64_t b = 0;
     for (; b + 4 <= kb; b += 4) {
@@ -100,7 +98,7 @@ static void scores(const q_type *q, int64_t hd, const uint16_t *kt, int64_t kb, 
 }
 
 /* O [16][hd] = P [16][ldp] V over ks 32-key steps: four 16-dim column tiles at a time. */
-static void values(const q_type *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
+static void values(const BF16_X *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
     for (int64_t w0 = 0; w0 < hd / 16; w0 += 4) {
         _tile_zero(0);
         _tile_zero(1);
@@ -129,8 +127,6 @@ static void start_thread(void) { amx_configure(); }
 static void end_thread(void) { _tile_release(); }
 
 #else
-typedef BF16_X q_type;
-
 #ifdef __AVX512F__
 #define SCORE_ROWS 8 /* 8 rows x 2 key blocks of sums, and 4 x 4 for the values: 16 of 32 registers */
 #define VALUE_ROWS 4
@@ -141,7 +137,7 @@ typedef BF16_X q_type;
 
 /* The same by bf16_step, SCORE_ROWS rows at a time against two 16-key blocks (the keys are laid
  * out to a multiple of 32, and lds holds them). */
-static void scores(const q_type *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
+static void scores(const BF16_X *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
     const int64_t next_block = hd * 16;
     for (int64_t r0 = 0; r0 < 16; r0 += SCORE_ROWS)
         for (int64_t b = 0; b < kb; b += 2) {
@@ -162,7 +158,7 @@ static void scores(const q_type *q, int64_t hd, const uint16_t *kt, int64_t kb, 
         }
 }
 
-static void values(const q_type *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
+static void values(const BF16_X *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
     for (int64_t r0 = 0; r0 < 16; r0 += VALUE_ROWS)
         for (int64_t w0 = 0; w0 < hd / 16; w0 += 4) {
             vec acc[VALUE_ROWS][4];
@@ -185,17 +181,8 @@ static void start_thread(void) {}
 static void end_thread(void) {}
 #endif
 
-/* Up to 16 elements of bfloat16 `from` as q_type: as they are, or widened to float32. */
-static inline void put_q(q_type *to, const uint16_t *from, int64_t n) {
-#ifdef __AVX512BF16__
-    memcpy(to, from, (size_t)n * 2);
-#else
-    for (int64_t i = 0; i < n; i += 16) vstorem(to + i, lanes(n - i), load16(from, i, 1, lanes(n - i)));
-#endif
-}
-
-/* 16 probabilities rounded to bfloat16, stored as q_type. */
-static inline void put_probs(q_type *to, vec e) {
+/* 16 probabilities rounded to bfloat16, stored as BF16_X. */
+static inline void put_probs(BF16_X *to, vec e) {
 #ifdef __AVX512BF16__
     store16(to, 0, e, 1, 0xFFFF);
 #else
@@ -204,14 +191,14 @@ static inline void put_probs(q_type *to, vec e) {
 }
 
 /* Rows r0 .. r0 + 15 (those under `rows`) of query head h against KV head g's laid-out keys and values;
- * row r is at position start + r. */
+ * row r is at position start + r. q and the probabilities are held as bf16_step reads its x (BF16_X). */
 static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t start, int64_t h, int64_t hd,
                          int64_t r0, const uint16_t *kt, const uint16_t *vv, uint16_t *out, int64_t ld_out,
-                         q_type *q, float *s, q_type *p, float *o) {
+                         BF16_X *q, float *s, BF16_X *p, float *o) {
     const int64_t n = rows - r0 < 16 ? rows - r0 : 16, keys = start + r0 + n, kb = (keys + 15) / 16;
     const int64_t ks = (keys + 31) / 32, ldp = ks * 32;
-    memset(q + n * hd, 0, (size_t)(16 - n) * hd * sizeof(q_type));
-    for (int64_t r = 0; r < n; r++) put_q(q + r * hd, qkv + (r0 + r) * ld + h * hd, hd);
+    memset(q + n * hd, 0, (size_t)(16 - n) * hd * sizeof(BF16_X));
+    for (int64_t r = 0; r < n; r++) put_bf16_x(q + r * hd, qkv + (r0 + r) * ld + h * hd, hd);
     scores(q, hd, kt, kb, s, ldp);
     const vec scale = vset1(1.0f / sqrtf((float)hd));
     float total[16];
@@ -249,7 +236,7 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
     const int64_t keys = start + rows;
     if (start < 0 || blocks_in_cache(table, keys - 1, block_size, n_blocks)) return TPL_OFF_CACHE;
     const int64_t hd = head_dim, rep = n_heads / n_kv_heads, padded = (keys + 31) / 32 * 32, blocks = (rows + 15) / 16;
-    const int64_t per_thread = (16 * hd + 16 * padded) * (int64_t)sizeof(q_type) + 16 * padded * 4 + 16 * hd * 4 + 256;
+    const int64_t per_thread = (16 * hd + 16 * padded) * (int64_t)sizeof(BF16_X) + 16 * padded * 4 + 16 * hd * 4 + 256;
     const int threads = omp_get_max_threads();
     char *heads = aligned_alloc(64, (size_t)(n_kv_heads * 2 * padded * hd * 2));
     char *scratch = aligned_alloc(64, (size_t)(threads * per_thread));
@@ -270,9 +257,9 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
                          hd, kt, kt + padded * hd, padded);
         }
         char *mine = scratch + omp_get_thread_num() * per_thread;
-        q_type *q = (q_type *)mine;
+        BF16_X *q = (BF16_X *)mine;
         float *s = (float *)(q + 16 * hd);
-        q_type *p = (q_type *)((char *)s + 16 * padded * 4);
+        BF16_X *p = (BF16_X *)((char *)s + 16 * padded * 4);
         float *o = (float *)(p + 16 * padded);
         /* later blocks see more keys: dealt out one at a time, so each thread gets early and late ones */
 #pragma omp for schedule(static, 1)

@@ -372,4 +372,13 @@ static inline vec bf16_step(vec acc, const BF16_X *x, bf16_weights w) {
 }
 #endif
 
+/* n bfloat16 values as bf16_step reads its x: as they are for vdpbf16ps, widened for the FMAs. */
+static inline void put_bf16_x(BF16_X *to, const uint16_t *from, int64_t n) {
+#ifdef __AVX512BF16__
+    memcpy(to, from, (size_t)n * sizeof(uint16_t));
+#else
+    for (int64_t i = 0; i < n; i += 16) vstorem(to + i, lanes(n - i), load16(from, i, 1, lanes(n - i)));
+#endif
+}
+
 #endif
