@@ -153,8 +153,9 @@ def test_concurrent_requests_each_get_their_own_result(server: TorchServe) -> No
         greedy(f"Request number {i}: tell me about {word}", max_new_tokens=6 + i, ignore_eos=True)
         for i, word in enumerate(["cats", "Zürich", "rivers", "日本", "tea", "stars"])
     ]
+    before = len(server.finishes())
     alone = [server.predict(p).json() for p in payloads]
-    seen = len(server.finishes())
+    seen = len(server.wait_for_finishes(before + len(payloads)))  # the last one's line may trail its reply
     calls = [
         (lambda p=p: server.predict_stream({**p, "stream": True})) if i % 2 else (lambda p=p: server.predict(p))
         for i, p in enumerate(payloads)
@@ -174,10 +175,7 @@ def test_concurrent_requests_each_get_their_own_result(server: TorchServe) -> No
         assert got_ids == expected["token_ids"], i
         assert got_text == expected["text"], i
         assert expected["usage"]["completion_tokens"] == payloads[i]["max_new_tokens"]
-    deadline = time.monotonic() + 20  # the frontend writes the workers' log lines behind their replies
-    while len(server.finishes()) < seen + len(payloads) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    ended = server.finishes()[seen:]
+    ended = server.wait_for_finishes(seen + len(payloads))[seen:]
     assert len(ended) == len(payloads) and all(e["how"] == "length" for e in ended), ended
     assert max(e["busy"] for e in ended) >= 1, "every request ran alone: none shared a step with another"
 

@@ -248,6 +248,14 @@ class TorchServe:
             for m in FINISH_LINE.finditer(self.model_log())
         ]
 
+    def wait_for_finishes(self, count: int, timeout: float = 20.0) -> list[dict]:
+        """finishes() once it holds `count` requests, or as it stands at the deadline: the frontend
+        writes the workers' log lines behind their replies."""
+        deadline = time.monotonic() + timeout
+        while len(ended := self.finishes()) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return ended
+
     def stop(self, timeout: float = 60.0) -> dict[str, object]:
         """torchserve --stop, then wait; anything of ours still alive afterwards is killed.
 
