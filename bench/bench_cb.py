@@ -6,7 +6,8 @@
         [--concurrency 1 4 16 32] [--requests 2] [--prompt-len 128] [--new-tokens 128] [--quick]
     .venv/bin/python -m bench.bench_cb --report bench/out/bench_cb.json   # tables and plot again
 
-Servers, one at a time (only one is up while another is measured, the machine has few cores):
+Servers, one at a time (only one is up while another is measured, the machine has few cores), or with
+--rounds R all up at once, taking turns (below):
 - "ours": TorchServe with the handler built from this checkout (deploy/make_archive.build_archive),
   TP --tp ranks of --omp-threads OpenMP threads each, dtype --dtype; --yaml KEY=VALUE sets any key
   of the archive's model-config.yaml (e.g. continuousBatching=true, handler.max_batch_size=32).
@@ -26,6 +27,13 @@ Per concurrency level, each of C clients sends --requests streaming requests bac
 tokens ignored, --new-tokens each): greedy, or with --sampling default the yaml's default
 temperature 0.6 and top_p 0.9, each request with its own seed (the same seeds for every server). Output tokens/s = all output tokens / wall time of the
 level; TTFT = first streamed chunk; TPOT = (latency - TTFT) / (tokens - 1).
+--rounds R (R > 1): every server starts first and waits while another is measured; each level then
+runs R times per server, the servers taking turns (ours, vllm, then vllm, ours, ...), so each round's
+runs are minutes apart at most. A cloud VM's memory bandwidth can change by half between runs
+minutes apart; a ratio of two runs side by side in time is what stays. The report gives each
+level's median over the rounds and the ratio per round (its median and range), and the CPU seconds
+the waiting servers used meanwhile (idle_cpu_s: near zero, or the turns disturb each other). Each
+turn starts once the servers are quiet (vLLM's OpenMP threads spin on for a second after a run).
 Latency scenarios, for ours and before:
 - short behind long: an 8-token request sent 0.5 s after a 256-token one, vs the 8-token one alone;
 - disconnects: 8 streaming clients start 512-token requests and disconnect after their first chunk;
@@ -37,6 +45,7 @@ bench/requirements.txt).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import itertools
 import json
@@ -44,12 +53,15 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from bench.bench_serve import percentile, prompt_text
 from bench.checkpoint import PRESETS, ensure_checkpoint
@@ -237,8 +249,9 @@ def archive(root: Path, ckpt: Path, store: Path, tp: int, overrides: list[str]) 
     return store / NAME
 
 
-def measure_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace, overrides: list[str],
-                       ids: list[int], text: str) -> dict:
+def start_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace, overrides: list[str],
+                     ids: list[int], text: str, stack: contextlib.ExitStack) -> tuple[dict, Send, TorchServe]:
+    """Our server from `root`, up and warmed (stopped when `stack` closes): its result so far and its sender."""
     work = WORK / label
     shutil.rmtree(work, ignore_errors=True)
     common = [
@@ -250,32 +263,33 @@ def measure_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace
     folder = archive(root, ckpt, work / "model_store", a.tp, common + overrides)
     result: dict = {"root": str(root), "overrides": common + overrides,
                     "commit": git_describe(root)}
-    with TorchServe(work, folder.parent, NAME) as server:
-        result["ready_s"] = start_ready(server)
-        print(f"[{label}] ready after {result['ready_s']:.0f} s ({root})", flush=True)
-        fields = sampling_fields(a.sampling)
-        send = lambda p, n: torchserve_stream(server, p, n, a.timeout, fields=fields())  # noqa: E731
-        if label == "ours" and a.api == "openai":  # the same prompt ids through /v1/completions
-            auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
-            path = f"/predictions/{NAME}/1.0/v1/completions"
-            send = lambda p, n: openai_stream(server.inference_port, path, ids, n, auth, fields(), a.timeout)  # noqa: E731
-        warm = torchserve_stream(server, text, a.check_tokens, a.timeout)  # greedy: compared with vLLM's
-        result["prompt_tokens"] = warm["prompt_tokens"]
-        result["first_tokens"] = warm["token_ids"]
-        if warm["prompt_tokens"] != len(ids):
-            print(f"[{label}] WARNING: the server counts {warm['prompt_tokens']} prompt tokens, vLLM gets {len(ids)}",
-                  flush=True)
-        result["levels"] = levels(label, send, text, a)
-        if not a.skip_scenarios:
-            for key, scenario in (("short_behind_long", short_behind_long), ("disconnects", disconnects)):
-                try:  # a failed scenario still leaves the levels' numbers
-                    result[key] = scenario(server, text, a.timeout)
-                    print(f"[{label}] {key}: x{result[key]['ratio']:.2f}", flush=True)
-                except Exception as exc:
-                    result[key] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
-                    print(f"[{label}] {key} FAILED: {result[key]['error']}", flush=True)
-        result["stop"] = server.stop()
-    return result
+    server = stack.enter_context(TorchServe(work, folder.parent, NAME))
+    stack.callback(lambda: result.update(stop=server.stop()))
+    result["ready_s"] = start_ready(server)
+    print(f"[{label}] ready after {result['ready_s']:.0f} s ({root})", flush=True)
+    fields = sampling_fields(a.sampling)
+    send = lambda p, n: torchserve_stream(server, p, n, a.timeout, fields=fields())  # noqa: E731
+    if label == "ours" and a.api == "openai":  # the same prompt ids through /v1/completions
+        auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
+        path = f"/predictions/{NAME}/1.0/v1/completions"
+        send = lambda p, n: openai_stream(server.inference_port, path, ids, n, auth, fields(), a.timeout)  # noqa: E731
+    warm = torchserve_stream(server, text, a.check_tokens, a.timeout)  # greedy: compared with vLLM's
+    result["prompt_tokens"] = warm["prompt_tokens"]
+    result["first_tokens"] = warm["token_ids"]
+    if warm["prompt_tokens"] != len(ids):
+        print(f"[{label}] WARNING: the server counts {warm['prompt_tokens']} prompt tokens, vLLM gets {len(ids)}",
+              flush=True)
+    return result, send, server
+
+
+def scenarios(label: str, server: TorchServe, text: str, a: argparse.Namespace, result: dict) -> None:
+    for key, scenario in (("short_behind_long", short_behind_long), ("disconnects", disconnects)):
+        try:  # a failed scenario still leaves the levels' numbers
+            result[key] = scenario(server, text, a.timeout)
+            print(f"[{label}] {key}: x{result[key]['ratio']:.2f}", flush=True)
+        except Exception as exc:
+            result[key] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            print(f"[{label}] {key} FAILED: {result[key]['error']}", flush=True)
 
 
 def start_ready(server: TorchServe, timeout: float = 900) -> float:
@@ -298,7 +312,9 @@ def worker_errors(server: TorchServe, lines: int = 4) -> str:
     return " | ".join(found[-lines:])
 
 
-def measure_vllm(ckpt_mp1: Path, a: argparse.Namespace, ids: list[int]) -> dict:
+def start_vllm(ckpt_mp1: Path, a: argparse.Namespace, ids: list[int],
+               stack: contextlib.ExitStack) -> tuple[dict, Send, VLLMServer]:
+    """vLLM on the same weights, up and warmed (stopped when `stack` closes): its result so far and its sender."""
     work = WORK / "vllm"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -306,20 +322,93 @@ def measure_vllm(ckpt_mp1: Path, a: argparse.Namespace, ids: list[int]) -> dict:
     hf_dir = convert_in_venv(ckpt_mp1, OUT / "hf" / ckpt_mp1.name, max_len)
     port = free_ports(1)[0]
     result: dict = {"hf_dir": str(hf_dir), "venv": str(VLLM_VENV)}
-    with VLLMServer(hf_dir, port, work, a.dtype, max_len, cores=a.vllm_cores, kv_gib=a.vllm_kv_gib,
-                    extra_args=a.vllm_arg) as server:
-        server.start()
-        result["ready_s"] = server.wait_ready(timeout=900)
-        result["version"] = vllm_version()
-        print(f"[vllm] ready after {result['ready_s']:.0f} s", flush=True)
-        fields = sampling_fields(a.sampling)
-        send = lambda p, n: vllm_stream(port, p, n, a.timeout, fields())  # noqa: E731
-        warm = vllm_stream(port, ids, a.check_tokens, a.timeout)  # greedy: compared with ours
-        result["prompt_tokens"] = warm["prompt_tokens"]
-        result["first_tokens"] = warm["token_ids"]
-        result["levels"] = levels("vllm", send, ids, a)
-        result["stop_returncode"] = server.stop()
-    return result
+    server = stack.enter_context(VLLMServer(hf_dir, port, work, a.dtype, max_len, cores=a.vllm_cores,
+                                            kv_gib=a.vllm_kv_gib, extra_args=a.vllm_arg))
+    stack.callback(lambda: result.update(stop_returncode=server.stop()))
+    server.start()
+    result["ready_s"] = server.wait_ready(timeout=900)
+    result["version"] = vllm_version()
+    print(f"[vllm] ready after {result['ready_s']:.0f} s", flush=True)
+    fields = sampling_fields(a.sampling)
+    send = lambda p, n: vllm_stream(port, p, n, a.timeout, fields())  # noqa: E731
+    warm = vllm_stream(port, ids, a.check_tokens, a.timeout)  # greedy: compared with ours
+    result["prompt_tokens"] = warm["prompt_tokens"]
+    result["first_tokens"] = warm["token_ids"]
+    return result, send, server
+
+
+def start(name: str, a: argparse.Namespace, roots: dict[str, Path], ids: list[int], text: str,
+          stack: contextlib.ExitStack) -> tuple[dict, Send, TorchServe | VLLMServer]:
+    """Server `name` up and warmed; ours runs with prefix caching off, as vLLM (one prompt for all)."""
+    if name == "vllm":
+        return start_vllm(ensure_checkpoint(PRESETS[a.preset], mp=1), a, ids, stack)
+    ckpt = ensure_checkpoint(PRESETS[a.preset], mp=a.tp)
+    overrides = ["handler.prefix_caching=false", *a.yaml] if name == "ours" else a.yaml_before
+    return start_torchserve(name, roots[name], ckpt, a, overrides, ids, text, stack)
+
+
+def cpu_seconds(process: subprocess.Popen | None) -> float:
+    """User and system CPU seconds of a server's process tree so far (its live processes')."""
+    if process is None:
+        return 0.0
+    try:
+        root = psutil.Process(process.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def settle(processes: dict[str, subprocess.Popen | None], quiet_cpu_s: float = 0.02, window_s: float = 0.5,
+           timeout_s: float = 30.0) -> float:
+    """Seconds until the servers together use under quiet_cpu_s of CPU in window_s: a server's threads
+    can spin on for a second after its turn (vLLM's OpenMP), eating into the next server's."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        before = sum(cpu_seconds(p) for p in processes.values())
+        time.sleep(window_s)
+        if sum(cpu_seconds(p) for p in processes.values()) - before < quiet_cpu_s:
+            break
+    return time.monotonic() - started
+
+
+def taking_turns(sends: dict[str, Send], processes: dict[str, subprocess.Popen | None],
+                 prompts: dict[str, list[int] | str], a: argparse.Namespace) -> dict[str, list[dict]]:
+    """Each level a.rounds times per server, the servers taking turns, order reversed every round."""
+    names = list(sends)
+    out: dict[str, list[dict]] = {name: [] for name in names}
+    for clients in a.concurrency:
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for r in range(a.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                waiting = [n for n in names if n != name]
+                settled_s = settle(processes)
+                idle_before = sum(cpu_seconds(processes[n]) for n in waiting)
+                level = run_level(sends[name], prompts[name], clients, a.requests, a.new_tokens)
+                level["idle_cpu_s"] = sum(cpu_seconds(processes[n]) for n in waiting) - idle_before
+                level["round"], level["settled_s"] = r, settled_s
+                runs[name].append(level)
+                print(f"[{name}] {clients} client(s), round {r + 1}: {level['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                      f"{level.get('ttft_p50_s', float('nan')):.2f} s, errors {level['errors']}, the waiting "
+                      f"servers' CPU {level['idle_cpu_s']:.2f} s", flush=True)
+        for name in names:
+            out[name].append(median_level(runs[name]))
+    return out
+
+
+def median_level(rounds: list[dict]) -> dict:
+    """One level's rounds as one: each number their median, the rounds kept under "rounds"."""
+    level = {key: value for key, value in rounds[0].items() if key not in ("round", "settled_s")}
+    for key, value in level.items():
+        values = [r.get(key) for r in rounds]
+        if isinstance(value, (int, float)) and key != "clients" and None not in values:
+            level[key] = statistics.median(values)
+    return dict(level, rounds=rounds)
 
 
 def levels(label: str, send: Send, prompt: list[int] | str, a: argparse.Namespace) -> list[dict]:
@@ -380,6 +469,8 @@ def report(data: dict) -> str:
             rows.append(row)
         heads = ["clients"] + [f"{a_}/{b_} {m}" for a_, b_ in pairs for m in ("tok/s", "TTFT p50", "latency p50")]
         parts.append("### ratios\n\n" + table(heads, rows))
+        if data.get("rounds", 1) > 1:
+            parts.append("### ratios per round (the two runs side by side in time)\n\n" + paired(servers, pairs))
     scen = [(name, res) for name, res in servers.items() if "short_behind_long" in res]
     if scen:
         rows = []
@@ -419,6 +510,24 @@ def report(data: dict) -> str:
     for name, err in data.get("failed", {}).items():
         notes.append(f"- {name}: not measured: {err}")
     return "\n\n".join(parts) + "\n\n" + "\n".join(notes)
+
+
+def paired(servers: dict[str, dict], pairs: list[tuple[str, str]]) -> str:
+    """Per level and pair: the median and range of each round's ratio, and the waiting servers' CPU seconds."""
+    rows = []
+    for a_, b_ in pairs:
+        for lv in servers[a_]["levels"]:
+            other = next((x for x in servers[b_]["levels"] if x["clients"] == lv["clients"]), None)
+            if other is None or "rounds" not in lv or "rounds" not in other:
+                continue
+            row = [f"{a_}/{b_}", lv["clients"]]
+            for key in ("tokens_per_s", "ttft_p50_s"):
+                ratios = [x[key] / y[key] for x, y in zip(lv["rounds"], other["rounds"]) if x.get(key) and y.get(key)]
+                row += [statistics.median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}"] if ratios else ["-", "-"]
+            idle = [r["idle_cpu_s"] for r in lv["rounds"] + other["rounds"]]
+            rows.append([*row, len(lv["rounds"]), max(idle)])
+    return table(["pair", "clients", "tok/s ratio, median", "range", "TTFT p50 ratio, median", "range", "rounds",
+                  "waiting servers' CPU s, most"], rows)
 
 
 def plot(data: dict, path: Path) -> Path | None:
@@ -484,6 +593,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-max-model-len", type=int, default=1024)
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     parser.add_argument("--timeout", type=float, help="seconds one request may take (default 600; 120 with --quick)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each level per server, all servers up and taking turns (1: one server at a time)")
     parser.add_argument("--quick", action="store_true", help="smoke test: concurrency 1 and 4, 1 request each")
     parser.add_argument("--out", default="bench_cb", help="name of the JSON and plot under bench/out/")
     parser.add_argument("--report", type=Path, help="print the tables and plot from a JSON of an earlier run")
@@ -494,6 +605,8 @@ def main(argv: list[str] | None = None) -> None:
         print(report(data))
         print(f"plot: {plot(data, a.report.with_suffix('.png'))}")
         return
+    if a.rounds < 1:
+        parser.error("--rounds: 1 or more")
     if a.quick:
         a.concurrency, a.requests = [1, 4], 1
     a.timeout = a.timeout or (120.0 if a.quick else 600.0)
@@ -505,31 +618,48 @@ def main(argv: list[str] | None = None) -> None:
     if "before" in a.servers and not a.before:
         print("no --before: the older checkout is skipped", flush=True)
 
-    before = before_root(a.before) if "before" in servers else None
+    roots = {"ours": REPO, **({"before": before_root(a.before)} if "before" in servers else {})}
     ckpt = ensure_checkpoint(PRESETS[a.preset], mp=a.tp)
-    ckpt_mp1 = ensure_checkpoint(PRESETS[a.preset], mp=1) if "vllm" in servers else None
     tokenizer = load_tokenizer(ckpt / "tokenizer.model")
     text = prompt_text(ckpt, a.prompt_len)
     ids = tokenizer.encode(text, bos=True, eos=False)  # exactly what the handler feeds the model
     if len(ids) != a.prompt_len:
         print(f"note: the prompt text re-encodes to {len(ids)} tokens (asked {a.prompt_len})", flush=True)
+    prompts = {name: ids if name == "vllm" else text for name in servers}
 
     data: dict = {"preset": a.preset, "dtype": a.dtype, "sampling": a.sampling, "tp": a.tp, "omp_threads": a.omp_threads,
                   "prompt_len": len(ids), "prompt_ids": ids, "new_tokens": a.new_tokens, "requests": a.requests,
                   "concurrency": a.concurrency, "check_tokens": a.check_tokens, "vllm_cores": a.vllm_cores,
-                  "ckpt": str(ckpt), "servers": {}, "failed": {}}
-    for name in servers:
-        try:
-            if name == "ours":
-                overrides = ["handler.prefix_caching=false", *a.yaml]  # one prompt for all: no cache, as vLLM
-                data["servers"][name] = measure_torchserve("ours", REPO, ckpt, a, overrides, ids, text)
-            elif name == "before":
-                data["servers"][name] = measure_torchserve("before", before, ckpt, a, a.yaml_before, ids, text)
-            else:
-                data["servers"][name] = measure_vllm(ckpt_mp1, a, ids)
-        except Exception as exc:  # one server failing still leaves the others' numbers
-            data["failed"][name] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
-            print(f"[{name}] FAILED: {data['failed'][name]}", flush=True)
+                  "rounds": a.rounds, "ckpt": str(ckpt), "servers": {}, "failed": {}}
+    if a.rounds == 1:
+        for name in servers:
+            try:
+                with contextlib.ExitStack() as stack:
+                    result, send, server = start(name, a, roots, ids, text, stack)
+                    data["servers"][name] = result
+                    result["levels"] = levels(name, send, prompts[name], a)
+                    if name != "vllm" and not a.skip_scenarios:
+                        scenarios(name, server, text, a, result)
+            except Exception as exc:  # one server failing still leaves the others' numbers
+                data["servers"].pop(name, None)
+                data["failed"][name] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+                print(f"[{name}] FAILED: {data['failed'][name]}", flush=True)
+    else:
+        with contextlib.ExitStack() as stack:
+            up = {}
+            for name in servers:
+                try:
+                    up[name] = start(name, a, roots, ids, text, stack)
+                except Exception as exc:  # the others still take turns
+                    data["failed"][name] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+                    print(f"[{name}] FAILED: {data['failed'][name]}", flush=True)
+            turns = taking_turns({n: u[1] for n, u in up.items()}, {n: u[2].process for n, u in up.items()},
+                                 prompts, a)
+            for name, (result, _, server) in up.items():
+                result["levels"] = turns[name]
+                data["servers"][name] = result
+                if name != "vllm" and not a.skip_scenarios:
+                    scenarios(name, server, text, a, result)
     path = write_json(a.out, data)
     print(report(data))
     print(f"raw numbers: {path}")
