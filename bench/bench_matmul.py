@@ -32,7 +32,7 @@ from bench.common import before_root, copy_bandwidth_gbs, table
 from tp_llama.checkpoint.params import read_params
 from tp_llama.kernels import choose, linear, onednn, prepare
 from tp_llama.kernels.cpu.ffi import HEADER, Library, library, parse_header
-from tp_llama.kernels.cpu.ops import MKL_ROWS, Tiled
+from tp_llama.kernels.cpu.ops import GEMM_ROWS, Tiled
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
             xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
             best = dict.fromkeys(kinds, float("inf"))
             repeats = a.repeats if rows <= 32 else max(2, a.repeats // 4)
-            # float32 calls of MKL_ROWS rows go to MKL, not the tiles: nothing of the older tiles to time
-            timed = [k for k in here if k != "before" or dtype == torch.bfloat16 or rows < MKL_ROWS]
+            # float32 calls of GEMM_ROWS rows go to oneDNN's GEMM, not the tiles: nothing of the older tiles to time
+            timed = [k for k in here if k != "before" or dtype == torch.bfloat16 or rows < GEMM_ROWS]
             for _ in range(repeats):
                 for kind in timed:  # taking turns, so a change in the machine's load hits all of them
                     started = time.perf_counter()

@@ -369,12 +369,16 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
 
 
 @NEEDS_TILES
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "torch.mm"])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_prefill_rows_through_mkl_in_slices_of_the_weight(monkeypatch, gated: bool):
-    """float32 calls of MKL_ROWS or more lay the tiles out plainly a slice at a time (here two tiles,
-    so a weight of five takes three slices, the last one short) and place each product."""
-    rows = ops.MKL_ROWS + 44
+def test_prefill_rows_through_the_gemm_in_slices_of_the_weight(monkeypatch, gated: bool, onednn: bool):
+    """float32 calls of GEMM_ROWS or more lay the tiles out plainly a slice at a time (here two tiles,
+    so a weight of five takes three slices, the last one short) and place each product; by oneDNN,
+    or by torch.mm in a PyTorch without it."""
+    rows = ops.GEMM_ROWS + 44
     monkeypatch.setattr(ops, "PLAIN_FLOATS", rows * 32 * 2)  # the rows outnumber the inputs
+    if not onednn:
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     gen = torch.Generator().manual_seed(2)
     out_features = 160 if gated else 130  # five tiles either way
     w = torch.randn(out_features, 96, generator=gen) / 96**0.5

@@ -39,7 +39,7 @@ def test_rms_norm_matches_float64(dtype: torch.dtype):
 
 @DTYPES
 def test_gated_matmul_gives_swiglu_of_w1_and_w3(dtype: torch.dtype):
-    """silu(x w1^T) * (x w3^T) from one tiled weight, decode sizes and prefill blocks (and MKL's, float32)."""
+    """silu(x w1^T) * (x w3^T) from one tiled weight, decode sizes and prefill blocks (and the GEMM's, float32)."""
     gen = torch.Generator().manual_seed(1)
     for ffn, dim in ((16, 64), (96, 250), (2816, 512)):
         w1, w3 = (torch.randn(ffn, dim, generator=gen).div(dim**0.5).to(dtype) for _ in range(2))

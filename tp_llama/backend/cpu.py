@@ -94,8 +94,8 @@ class DecodeLayers(Layers):
 
     def forward(self, h: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         structs = self._structs()
-        # float32 prompt steps of MKL_ROWS rows or more run MKL's GEMM (ops.tiled_linear), not the tiles.
-        if structs is None or h.dtype == torch.float32 and len(h) >= ops.MKL_ROWS:
+        # float32 prompt steps of GEMM_ROWS rows or more run oneDNN's GEMM (ops.tiled_linear), not the tiles.
+        if structs is None or h.dtype == torch.float32 and len(h) >= ops.GEMM_ROWS:
             return super().forward(h, rotation, batch)
         scratch = ops.decode_scratch(structs[0], len(h))
         h = h.contiguous()

@@ -281,8 +281,8 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
     return TPL_OK;
 }
 
-/* Tiles t0 .. t0 + n - 1 of a float32 weight as one plain matrix [K][n * TILE_COLS], the layout
- * MKL's GEMM runs fastest on: the prefill path (ops.py) multiplies many rows by it. */
+/* Tiles t0 .. t0 + n - 1 of a float32 weight as one plain matrix [K][n * TILE_COLS], a layout
+ * GEMM libraries run at full speed: the prefill path (ops.py) multiplies many rows by it. */
 void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out) {
     _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < K; k++) {
         for (int64_t t = 0; t < n; t++) {
