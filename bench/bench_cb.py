@@ -263,8 +263,8 @@ def start_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace, 
     folder = archive(root, ckpt, work / "model_store", a.tp, common + overrides)
     result: dict = {"root": str(root), "overrides": common + overrides,
                     "commit": git_describe(root)}
-    server = stack.enter_context(TorchServe(work, folder.parent, NAME))
-    stack.callback(lambda: result.update(stop=server.stop()))
+    server = TorchServe(work, folder.parent, NAME)
+    stack.callback(lambda: result.update(stop=server.stop()))  # the stop, and what it left
     result["ready_s"] = start_ready(server)
     print(f"[{label}] ready after {result['ready_s']:.0f} s ({root})", flush=True)
     fields = sampling_fields(a.sampling)
@@ -322,8 +322,8 @@ def start_vllm(ckpt_mp1: Path, a: argparse.Namespace, ids: list[int],
     hf_dir = convert_in_venv(ckpt_mp1, OUT / "hf" / ckpt_mp1.name, max_len)
     port = free_ports(1)[0]
     result: dict = {"hf_dir": str(hf_dir), "venv": str(VLLM_VENV)}
-    server = stack.enter_context(VLLMServer(hf_dir, port, work, a.dtype, max_len, cores=a.vllm_cores,
-                                            kv_gib=a.vllm_kv_gib, extra_args=a.vllm_arg))
+    server = VLLMServer(hf_dir, port, work, a.dtype, max_len, cores=a.vllm_cores, kv_gib=a.vllm_kv_gib,
+                        extra_args=a.vllm_arg)
     stack.callback(lambda: result.update(stop_returncode=server.stop()))
     server.start()
     result["ready_s"] = server.wait_ready(timeout=900)

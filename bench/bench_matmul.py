@@ -32,7 +32,7 @@ from bench.common import before_root, copy_bandwidth_gbs, table
 from tp_llama.checkpoint.params import read_params
 from tp_llama.kernels import choose, linear, onednn, prepare
 from tp_llama.kernels.cpu.ffi import HEADER, Library, library, parse_header
-from tp_llama.kernels.cpu.ops import GEMM_ROWS, Tiled
+from tp_llama.kernels.cpu.ops import GEMM_ROWS, tiled_linear
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -58,14 +58,6 @@ def before_tiles(root: Path) -> Library:
         raise SystemExit(f"{root}: its tiled_linear or tile width differ from ours; nothing to compare")
     lib.set_next_tile_min_chunks(ours.next_tile_min_chunks)
     return lib
-
-
-def tiles_of(lib: Library, x: torch.Tensor, weight: Tiled) -> None:
-    """x times the tiled weight by `lib`'s tiled_linear (rows for which ops.tiled_linear takes the tiles)."""
-    out_features, in_features = weight.shape
-    y = torch.empty(x.shape[0], out_features // 2 if weight.gated else out_features, dtype=x.dtype)
-    lib.tiled_linear(x.data_ptr(), x.shape[0], in_features, weight.data.data_ptr(), out_features, y.data_ptr(),
-                     weight.gated, x.dtype == torch.bfloat16, weight.amx)
 
 
 @torch.inference_mode()
@@ -107,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                     started = time.perf_counter()
                     for w in weights[kind]:
                         if kind == "before":
-                            tiles_of(before, xs[w.shape[1]].view(rows, -1), w)
+                            tiled_linear(xs[w.shape[1]], w, before)
                         else:
                             linear(xs[w.shape[1]], w)
                     best[kind] = min(best[kind], time.perf_counter() - started)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tp_llama.kernels.cpu.ffi import amx_ready, library
+from tp_llama.kernels.cpu.ffi import Library, amx_ready, library
 from tp_llama.pages import huge_empty
 
 GEMM_ROWS = 256  # float32 calls with this many rows are compute-bound, where a GEMM library's kernel is faster
@@ -66,15 +66,19 @@ def prepare_swiglu_tiles(w1: torch.Tensor, w3: torch.Tensor, amx: bool = False) 
     return dataclasses.replace(prepare_tiles(torch.stack(runs, dim=1).reshape(2 * ffn, cols), amx), gated=True)
 
 
-def tiled_linear(x: torch.Tensor, weight: Tiled) -> torch.Tensor:
-    """x [..., in] @ weight.T (or the gated product)."""
+def tiled_linear(x: torch.Tensor, weight: Tiled, lib: Library | None = None) -> torch.Tensor:
+    """x [..., in] @ weight.T (or the gated product).
+
+    lib: the kernels whose tiles multiply, the loaded ones by default (bench_matmul --before passes
+    an older checkout's build; float32 calls of GEMM_ROWS rows or more go to the GEMM either way).
+    """
     if x.dtype != weight.dtype or x.device.type != "cpu":
         raise TypeError(f"a {weight.dtype} CPU weight got {x.dtype} input on {x.device}")
     out_features, in_features = weight.shape
     x = x.contiguous()
     rows = x.numel() // in_features
     y = torch.empty((*x.shape[:-1], out_features // 2 if weight.gated else out_features), dtype=x.dtype)
-    lib = library()
+    lib = lib or library()
     if x.dtype == torch.float32 and rows >= GEMM_ROWS:
         _gemm_linear(x.view(rows, in_features), weight, y)
         return y
