@@ -12,9 +12,9 @@ best of the repeats. GB/s = weight bytes / time: at few rows a pass can stream n
 --before COMMIT_OR_FOLDER adds that checkout's tiles ("tiles before"): its own C sources, built by
 its own build.py for the same build variant and loaded into this process beside ours, multiply the
 same packed weights (AMX's layout for bfloat16 on AMX CPUs, so its AMX kernel runs; "ours / before"
-compares it with the kind that layout is ours for), taking turns with the other kinds. A kernel change is so compared within
-seconds, where this VM's memory speed can change by half between runs minutes apart. Refused when
-that checkout's tile layout or tiled_linear differ from ours.
+compares it with the kind that layout is ours for), taking turns with the other kinds. A kernel
+change is so compared within seconds, where this VM's memory speed can change by half between runs
+minutes apart. Refused when that checkout's tile layout or tiled_linear differ from ours.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
     if best_kind not in ("amx", "tiles"):
         raise SystemExit(f"no tiled kernel here: {why}")
     kinds = ("plain", "onednn", "tiles", "amx") if best_kind == "amx" else ("plain", "onednn", "tiles")
-    base = "amx" if best_kind == "amx" else "tiles"  # the tiles this CPU's bfloat16 calls run: "before" runs those
     kinds = tuple(kind for kind in kinds if kind != "plain" or not a.skip_plain) + (("before",) if a.before else ())
     before = before_tiles(before_root(a.before)) if a.before else None
     shapes = weight_shapes(a.preset)
@@ -88,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         plain = [torch.randn(shape, generator=gen).mul_(0.02).to(dtype) for shape in shapes]
         here = [kind for kind in kinds if kind != "onednn" or onednn.available(dtype)]  # AVX2: no bf16 oneDNN
         weights = {kind: [prepare(w, kind) for w in plain] for kind in here if kind != "before"}
-        weights["before"] = weights[base] if dtype == torch.bfloat16 else weights["tiles"]
+        mine = "amx" if best_kind == "amx" and dtype == torch.bfloat16 else "tiles"  # the tiles "before" runs too
+        weights["before"] = weights[mine]
         nbytes = sum(w.numel() * w.element_size() for w in plain)
         for rows in a.rows:
             xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             rows_out.append([
                 str(dtype).removeprefix("torch."), rows, *(1e3 * best[k] for k in kinds),
                 *(nbytes / best[k] / 1e9 for k in kinds), ours / best["onednn"], ours / best.get("plain", float("nan")),
-                *([best[base if dtype == torch.bfloat16 else "tiles"] / best["before"]] if before else []),
+                *([best[mine] / best["before"]] if before else []),
             ])
             print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in timed), flush=True)
         del weights, plain  # before the next dtype's: the 1B shape's float32 copies fill most of 24 GiB
