@@ -38,8 +38,9 @@ Latency scenarios, for ours and before:
 - short behind long: an 8-token request sent 0.5 s after a 256-token one, vs the 8-token one alone;
 - disconnects: 8 streaming clients start 512-token requests and disconnect after their first chunk;
   0.5 s after the last one has gone, a 16-token request, vs the same request alone.
-Raw numbers: bench/out/bench_cb.json; plot: bench/out/bench_cb.png (needs matplotlib, from
-bench/requirements.txt).
+Raw numbers: bench/out/bench_cb.json (each level's "timeline": every request's send time from
+the level's start, TTFT and latency, seconds, to see the waves); plot: bench/out/bench_cb.png
+(needs matplotlib, from bench/requirements.txt).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def run_level(send: Send, prompt: list[int] | str, clients: int, per_client: int
 
     def client() -> None:
         for _ in range(per_client):
+            sent = time.perf_counter() - started
             try:
                 reply = send(prompt, new_tokens)
             except Exception as exc:  # counted and reported
@@ -143,11 +145,12 @@ def run_level(send: Send, prompt: list[int] | str, clients: int, per_client: int
                     errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
                 continue
             reply.pop("token_ids", None)
+            reply["sent_s"] = sent
             with lock:
                 replies.append(reply)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    started = time.perf_counter()
+    started = time.perf_counter()  # read by the clients: set before they start
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -165,6 +168,8 @@ def run_level(send: Send, prompt: list[int] | str, clients: int, per_client: int
             "tpot_p50_s": percentile(tpot, 50) if tpot else None,
             "short_replies": sum(r["tokens"] != new_tokens for r in replies),
             "prompt_tokens": sorted({r["prompt_tokens"] for r in replies}),
+            "timeline": sorted([round(r["sent_s"], 3), round(r["ttft_s"], 3), round(r["latency_s"], 3)]
+                               for r in replies),
         })
     return level
 
