@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,19 @@ def test_a_header_and_library_that_disagree_are_refused(tmp_path: Path, edit: di
     library, header = build_edited(tmp_path, edit)
     with pytest.raises(ffi.LayoutError, match=message):
         ffi.Library(library, header)
+
+
+@pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
+@pytest.mark.parametrize("optimise", ["-O0", COMMON_FLAGS[0]])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_compiles_on_any_x86_64(tmp_path: Path, variant: str, optimise: str):
+    """Compiling needs no CPU support, so each variant must compile here, at -O0 (where no constant is
+    folded into an intrinsic's immediate) and at its build flags, whatever this CPU runs."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the variants are x86-64 code")
+    run = subprocess.run([COMPILER, optimise, *COMMON_FLAGS[1:], *VARIANTS[variant][1], "-o", str(tmp_path / "k.so"),
+                          *(str(HERE / s) for s in SOURCES)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @needs_build

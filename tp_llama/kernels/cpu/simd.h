@@ -259,10 +259,10 @@ static inline __m256 scale2_8(__m256 x, __m256 n) {
     return _mm256_mul_ps(_mm256_mul_ps(x, first), _mm256_castsi256_ps(_mm256_slli_epi32(rest, 23)));
 }
 static inline vec vscale2(vec x, vec n) { return BOTH(scale2_8(x.lo, n.lo), scale2_8(x.hi, n.hi)); }
-static inline vec vround(vec v) {
-    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    return BOTH(_mm256_round_ps(v.lo, mode), _mm256_round_ps(v.hi, mode));
-}
+/* The rounding mode is an immediate: a macro, so an unoptimised build (-O0) compiles it too. */
+#define ROUND_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline vec vround(vec v) { return BOTH(_mm256_round_ps(v.lo, ROUND_NEAREST), _mm256_round_ps(v.hi, ROUND_NEAREST)); }
+#undef ROUND_NEAREST
 
 static inline __m256 rotate8(__m256 x, __m256 cs) {
     return _mm256_fmaddsub_ps(x, _mm256_moveldup_ps(cs), _mm256_mul_ps(_mm256_permute_ps(x, 0xB1), _mm256_movehdup_ps(cs)));
