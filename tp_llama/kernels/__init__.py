@@ -72,9 +72,9 @@ def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
     weight = weight.detach()
     if kind in ("amx", "tiles") and tileable(weight):
         return prepare_tiles(weight, amx=kind == "amx")
-    if kind in ("amx", "tiles", "onednn"):
+    if kind in ("amx", "tiles", "onednn") and onednn.available(weight.dtype):
         return onednn.prepare(weight)
-    return weight
+    return weight  # e.g. an odd-width bfloat16 weight on a CPU where oneDNN packs no bfloat16
 
 
 def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | None:
