@@ -128,3 +128,22 @@ def test_exception_in_the_converter_on_one_rank_ends_the_group(ckpt, tmp_path):
     env = _fault_env(tmp_path, {"point": "convert", "kind": "exception", "rank": 1})
     run = failed_run(ckpt, 2, "fsdp", env)
     assert re.search(r"rank 1\] error: injected fault at convert on rank 1", run.stderr), run.stderr[-3000:]
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused_at_load(tmp_path):
+    """A checkpoint converted from another format (SmolLM2's): an embedding with a row per BPE rank and
+    none for the 256 special ids Llama 3's layout appends, so <|begin_of_text|> is one past the last row.
+    Every rank refuses it at load, naming the files, the counts and the fix, instead of serving until
+    the first text request kills the worker."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", vocab_size=512, model_vocab=256)
+    fails_on_every_rank(ckpt, 2, r"tokenizer\.model: the tokenizer makes 512 ids \(llama3 format\) but .*params\.json "
+                                 r"has vocab_size 256.*ids 256 to 511 have no row \(256 of its special ids among them: "
+                                 r"<\|begin_of_text\|> \(256\), <\|end_of_text\|> \(257\).*padded to 512 rows")
+
+
+def test_a_tokenizer_with_fewer_ids_than_the_embedding_serves_text(tmp_path):
+    """The other side of the rule: an embedding padded past the tokenizer's ids (as some of Meta's are)
+    loads and answers a text prompt."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", vocab_size=512, model_vocab=640)
+    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hello there", "--max-new-tokens", "3"], 2)
+    assert run.returncode == 0, run.stderr[-3000:]

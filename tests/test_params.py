@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from tp_llama.errors import CheckpointError
-from tp_llama.checkpoint.params import read_params
+from tp_llama.checkpoint.params import check_tokenizer_fits, read_params
+from tp_llama.testing.tokenizer_train import build_tokenizer
+from tp_llama.tokenizer import load_tokenizer
 
 LLAMA2_7B = {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}
 LLAMA3_8B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,
@@ -79,3 +82,23 @@ def test_the_device_follows_the_yaml_and_one_gpu_per_rank():
         pick_device("cuda", 0, 1, gpus=0)
     with pytest.raises(ValueError, match="deviceType must be one of"):
         device_of("tpu")
+
+
+@pytest.mark.parametrize("family", ["llama2", "llama3"])
+def test_a_tokenizer_must_fit_the_embedding(tmp_path, family):
+    """Ids past vocab_size have no embedding row: refused naming both files and the counts; fewer ids
+    than rows (an embedding padded, as some of Meta's are) or exactly as many pass."""
+    build_tokenizer(family, tmp_path / "tokenizer.model", 512)
+    tokenizer = load_tokenizer(tmp_path / "tokenizer.model")
+    args = read_params(write(tmp_path, LLAMA3_8B | {"vocab_size": 512}))
+    check_tokenizer_fits(tokenizer, args, tmp_path)
+    check_tokenizer_fits(tokenizer, dataclasses.replace(args, vocab_size=600), tmp_path)
+    short = dataclasses.replace(args, vocab_size=500)
+    with pytest.raises(CheckpointError) as info:
+        check_tokenizer_fits(tokenizer, short, tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'tokenizer.model'}: the tokenizer makes 512 ids ({family} format)")
+    assert f"{tmp_path / 'params.json'} has vocab_size 500" in message and "ids 500 to 511 have no row" in message
+    # Llama 3's reserved specials sit at the end; SentencePiece's BOS/EOS at 1 and 2, inside.
+    assert ("12 of its special ids among them: <|reserved_special_token_" in message) == (family == "llama3")
+    assert ("none of them special" in message) == (family == "llama2")

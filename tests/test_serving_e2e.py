@@ -21,6 +21,7 @@ import pytest
 
 from deploy.make_archive import build_archive
 from tests.support.serving_util import VENV_BIN, TorchServe, free_ports, live_server, port_is_open, without_cache
+from tp_llama.testing.synthetic import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Grüße aus Köln: the quick brown fox"
@@ -29,6 +30,7 @@ MAX_SEQ_LEN = 256
 NEW_TOKENS_LIMIT = 200
 MAX_BODY = 4096
 STARTUP_TIMEOUT = 240
+RESTART_WATCH_S = 10  # longer than TorchServe's first restart back-off
 CLI_TIMEOUT = 300
 # Exact comparisons (REST = CLI, together = alone) need float32: bfloat16 rounding depends on the
 # batch a row runs in (tests/test_bf16.py checks bfloat16 against float32 within its rounding).
@@ -320,16 +322,32 @@ def test_server_stops_cleanly(server: TorchServe) -> None:
     assert not port_is_open(port)
 
 
-def test_a_bad_checkpoint_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
+def _missing_shard(ckpt: Path) -> str:
     _run([sys.executable, "-m", "tp_llama.synthetic", str(ckpt), "--family", "llama2", "--mp", "2"], 120)
     (ckpt / "consolidated.01.pth").unlink()
+    return "1 consolidated.NN.pth file(s) were found"
+
+
+def _tokenizer_past_the_embedding(ckpt: Path) -> str:
+    """SmolLM2 converted: a row per BPE rank, none for the special ids Llama 3's layout appends."""
+    write_checkpoint(ckpt, family="llama3", vocab_size=512, model_vocab=256)
+    return "the tokenizer makes 512 ids (llama3 format) but"
+
+
+@pytest.mark.parametrize("broken", [_missing_shard, _tokenizer_past_the_embedding], ids=["shard", "tokenizer"])
+def test_a_bad_checkpoint_fails_fast_with_a_clear_message(tmp_path: Path, broken) -> None:
+    """The load fails with the cause in the log, once: no worker restarted into it again and again."""
+    ckpt = tmp_path / "ckpt"
+    cause = broken(ckpt)
     (rdzv_port,) = free_ports(1)
     build_archive(ckpt, tmp_path / "model_store", overrides=[f"torchrun.rdzv-endpoint=127.0.0.1:{rdzv_port}"])
     with TorchServe(tmp_path, tmp_path / "model_store", "llama") as ts:
         ts.start()
-        with pytest.raises(RuntimeError, match="failed to load") as info:
+        with pytest.raises(RuntimeError, match="failed to load"):
             ts.wait_ready(STARTUP_TIMEOUT)
-        assert "1 consolidated.NN.pth file(s) were found" in str(info.value)
+        time.sleep(RESTART_WATCH_S)
+        log = ts.model_log()
         outcome = ts.stop()
+    assert cause in log
+    assert log.count("rank 0] loading ") == 1, f"the worker was started again:\n{log[-4000:]}"
     assert outcome["leftover"] == []

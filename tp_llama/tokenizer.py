@@ -101,6 +101,10 @@ class Tokenizer(abc.ABC):
             ids.append(self.eos_id)
         return ids
 
+    def special_names(self) -> dict[int, str]:
+        """Id -> name of the tokens the tokenizer adds around text (BOS, EOS, chat markers)."""
+        return {}
+
     def decode(self, ids: list[int]) -> str:
         """Decode ``ids``; an id outside the vocabulary is a caller bug, so it raises."""
         ids = [int(i) for i in ids]
@@ -124,6 +128,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _encode_text(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
+
+    def special_names(self) -> dict[int, str]:
+        return {i: self._sp.id_to_piece(i) for i in (self.bos_id, self.eos_id) if i >= 0}
 
     def _decode_ids(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
@@ -183,6 +190,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def _decode_ids(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
+
+    def special_names(self) -> dict[int, str]:
+        return {i: name for name, i in self.special_ids.items()}
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Llama 3 header format, ending with an open assistant header."""

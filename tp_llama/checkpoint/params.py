@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tp_llama.errors import CheckpointError
 from tp_llama.model.args import ModelArgs, ffn_hidden_dim
+
+if TYPE_CHECKING:
+    from tp_llama.tokenizer import Tokenizer
 
 _REQUIRED = {"dim": int, "n_layers": int, "n_heads": int, "norm_eps": (int, float)}
 _OPTIONAL = {
@@ -91,3 +95,21 @@ def read_params(ckpt_dir: str | os.PathLike, tokenizer_vocab: int | None = None)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return parse_params(raw, path, tokenizer_vocab)
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, args: ModelArgs, ckpt_dir: str | os.PathLike) -> None:
+    """Every id the tokenizer makes must have a row in the embedding and the output layer (both
+    vocab_size rows, checked against params.json when the shards are read), or the first request
+    that meets one kills the worker. Fewer ids than rows is fine: Meta pads some embeddings."""
+    if tokenizer.n_words <= args.vocab_size:
+        return
+    folder, v, n = Path(ckpt_dir), args.vocab_size, tokenizer.n_words
+    specials = sorted((i, name) for i, name in tokenizer.special_names().items() if i >= v)
+    named = ", ".join(f"{name} ({i:,})" for i, name in specials[:4]) + (", ..." if len(specials) > 4 else "")
+    outside = f"{len(specials)} of its special ids among them: {named}" if specials else "none of them special"
+    raise CheckpointError(
+        f"{folder / 'tokenizer.model'}: the tokenizer makes {n:,} ids ({tokenizer.family} format) but "
+        f"{folder / 'params.json'} has vocab_size {v:,}, the rows of tok_embeddings and output: ids {v:,} to "
+        f"{n - 1:,} have no row ({outside}). Serve it with a tokenizer.model whose ids fit in {v:,}, or give "
+        f"the model a row for every id: tok_embeddings.weight and output.weight padded to {n:,} rows and "
+        f"vocab_size {n:,} in params.json")

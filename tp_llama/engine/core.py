@@ -21,7 +21,7 @@ from torch import nn
 
 from tp_llama import backend
 from tp_llama.checkpoint.loader import load_fsdp_model, load_tp_model
-from tp_llama.checkpoint.params import read_params
+from tp_llama.checkpoint.params import check_tokenizer_fits, read_params
 from tp_llama.config import EngineConfig, resolve_dtype
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.decode_step import DecodeStep
@@ -106,6 +106,7 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
         dtype = resolve_dtype(config.dtype, info.device)
         tokenizer = load_tokenizer(Path(config.ckpt_dir) / "tokenizer.model")
         args = read_params(config.ckpt_dir, tokenizer.n_words)
+        check_tokenizer_fits(tokenizer, args, config.ckpt_dir)
         setup = (dtype, tokenizer, args)
     except Exception as exc:  # every rank must hear of it, or the others wait in the next collective
         error = exc
