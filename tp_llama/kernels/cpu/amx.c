@@ -4,19 +4,18 @@
  * (pack_tiles with amx): AMX B operands, 16 pairs of k of 16 columns of 2 values, 64 bytes a row,
  * for the tile's two halves. The FMA tiles' layout ([K / 2][TILE_COLS][2]) holds the same 2 KiB
  * with the halves' rows interleaved, and AMX's tile loads read that (a row stride of 128 bytes)
- * every other line, which the hardware prefetchers follow badly: in a standalone loop such loads
- * streamed at 30-31 GB/s, loads of the contiguous runs at 33-35, as a plain read does. Each thread
- * takes whole weight tiles and multiplies every 32-row block of x by each (by_pieces, or by_panels
- * for a call of one block):
+ * every other line, which the hardware prefetchers follow badly; the contiguous runs stream as a
+ * plain read does (bench/bench_matmul.py's GB/s). Each thread takes whole weight tiles and
+ * multiplies every 32-row block of x by each (by_pieces, or by_panels for a call of one block):
  * C[32][32] in four float32 tiles, A (two 16-row blocks of x) and B (the tile's two halves) in
  * the other four, TDPBF16PS over k 32 at a time. The epilogue is the decode kernel's: rounded to
  * bfloat16, or SwiGLU of a gated tile. So prefill needs no second copy of the weights.
  *
  * Built into the library only by the avx512-amx variant (build.py); elsewhere amx_matmul answers
  * TPL_NO_AMX and the decode tiles do the work. tiled_matmul (matmul.c) calls it for every bfloat16
- * call when the caller asks: at 1-4 rows it streams the weights 2-3% slower than the FMA tiles,
- * but a row then gets the same bits in any batch (AMX's sums round differently from the FMAs'),
- * so seeded sampling draws the same tokens alone and under load.
+ * call when the caller asks: at a few rows it streams the weights a little slower than the FMA
+ * tiles (bench/bench_matmul.py), but a row then gets the same bits in any batch (AMX's sums round
+ * differently from the FMAs'), so seeded sampling draws the same tokens alone and under load.
  */
 #include <stdlib.h>
 
@@ -120,16 +119,15 @@ static inline void finish(struct Rows *r) {
  * runs that the L2's streamer follows: a prefill call reads each tile once per row block, from L2
  * after the first (by_pieces). streams: a one-block call reads its tile once, straight from
  * memory, and asks only for the tile's lines NEAR_K ahead into L1 (by_panels); it also asks to own
- * the lines of y that its epilogue writes a block later. Without that, those stores missed while
- * the weights streamed: the 1B shape's output layer took 19.8 ms at 16 rows against 17.3 at 1 (17.8
- * with it), and its decode steps at 8 and 16 rows run 0.7-1.2% shorter with it (steps taking turns
- * in one process). Prefill's blocks (by_pieces) do not ask: a 512-row prompt took 2.5% longer.
+ * the lines of y that its epilogue writes a block later: without that, those stores miss while
+ * the weights stream, and a decode step of several rows pays for them (bench/bench_step.py).
+ * Prefill's blocks (by_pieces) do not ask: there the asks cost more than the misses
+ * (bench/bench_generate.py's prefill).
  * The epilogue runs a block late: the rows of the block before (`before`) go out one every other
  * k step, beside the AMX work, and all of them before acc is stored to (so one acc can serve both);
  * a last block leaves its own rows in `before`, for the next block or the caller (finish). Run after
- * the sums, SwiGLU's exp and the stores into y's rows (16 KiB apart for w1/w3) had held AMX idle:
- * 512 rows of the 1B shape's w1/w3 (a standalone C loop over 8 copies, both cores) 2.33-2.45 ->
- * 3.02-3.16 TFLOPS, as fast as with no epilogue at all; wqkv 2.57-2.68 -> 2.69-2.73. */
+ * the sums, SwiGLU's exp and the stores into y's rows (16 KiB apart for w1/w3) had held AMX idle;
+ * beside the AMX work they cost about nothing (bench/bench_matmul.py at prefill's rows). */
 static inline __attribute__((always_inline)) void
 block(const uint16_t *packed, const char *wt, const char *ahead, int64_t per_step, int streams, int64_t k0, int64_t k1,
       int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated,
@@ -194,13 +192,12 @@ static uint16_t *tile_out(void *y, int64_t b, int64_t t, int64_t width, int gate
 /* Several row blocks: k in pieces of at most PIECE_K, rows in chunks whose packed x of one piece
  * stays in L2 (X_L2_BYTES). Every row block of a chunk meets each tile over the piece's k, the sums
  * in the tile registers from its first k to its last (a store and reload of the sums every 256 k
- * cost a quarter of AMX's rate), while the tile comes from L2 after its first block; the next tile
- * is asked for in shares, one per row block, and each block's epilogue runs during the next
+ * stalls AMX), while the tile comes from L2 after its first block; the next tile is asked for in
+ * shares, one per row block, and each block's epilogue runs during the next
  * block's k steps (block). Each chunk after the first is one more pass over the weights (from L3
  * while they fit). Where k takes several pieces (w2's 8,192), the sums of each (block, tile) wait
- * in memory between pieces: w2 at 64 / 128 / 200 / 512 rows (a standalone C loop, both cores)
- * 1.16 / 1.46 / 1.69 / 2.2 -> 1.58 / 2.13 / 2.09 / 2.3-2.5 TFLOPS against panels of 8 tiles in k
- * slabs of 256. Without memory for those sums, k goes in one piece. */
+ * in memory between pieces, which beats panels of 8 tiles in k slabs of 256 at prefill's row counts
+ * (bench/bench_matmul.py). Without memory for those sums, k goes in one piece. */
 static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
                       int packed_y) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, width = gated ? N / 2 : N, blocks = (M + 31) / 32;
@@ -240,7 +237,7 @@ static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *
  * of tiles that each slab of x serves while the weights stream from memory once a call. Nothing of
  * the next tile is asked for ahead, only the own tile's lines just ahead (NEAR_K): on the
  * contiguous runs the hardware streams the rest, and asking for the next tile into L2 (which
- * prefill's calls need, by_pieces) took a standalone stream from 34.6 to 30.5 GB/s. */
+ * prefill's calls need, by_pieces) slows that stream (bench/bench_matmul.py at 1-32 rows). */
 static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
                       int packed_y) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, width = gated ? N / 2 : N;
