@@ -86,8 +86,9 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
                  int amx);
 
 /* How many chunks of rows (of up to 8 on AVX-512) a tile call must have before it asks for the
- * thread's next tile while it computes: 1, every call (Intel: 8-15% faster at 8 rows), or 2 (AMD's
- * Zen 5, where those asks cost one-row passes 10-40%). ffi.py sets it at load, before any call. */
+ * thread's next tile while it computes: 1, every call (Intel, where they keep more lines in flight),
+ * or 2 (AMD's Zen 5, where they slow one-row passes; bench/bench_matmul.py). ffi.py sets it at
+ * load, before any call. */
 void set_next_tile_min_chunks(int chunks);
 
 /* amx_enable asks Linux for AMX's tile state, once per process, before any AMX call. */
