@@ -2,15 +2,14 @@
  * against the sequence's keys and values up to each row, read from the paged cache (where
  * rope_prompt_rows has written the chunk's own).
  *
- * PyTorch's flash kernel ran 270-370 GFLOPS on prompts of 200-256 tokens on an AMX Xeon (0.76-1.05
- * ms a layer of the 1B shape; AMX tiles here 0.41-0.54), and 63-81 GFLOPS on a Zen 5 EPYC without
- * AMX, where it was 8% of a prefill step. Every KV head's keys and values are laid out once as pairs
- * along the dot product, 16 keys (or dims) a row: the B operands of AMX tiles, or the operands of
- * vdpbf16ps (bf16_step in simd.h: FMAs on widened pairs in the builds without it). Then each
- * 16-row block of a query head scores its visible keys in float32 (the products of bfloat16
- * exact), takes the exact softmax of each row in registers, and multiplies the probabilities,
- * rounded to bfloat16 as PyTorch's kernel rounds them, by the values. A block's scores are all
- * kept (16 rows x the chunk's keys), so there is no running rescale.
+ * PyTorch's flash kernel, built for long queries, runs prompts of a few hundred tokens far below the
+ * CPU's matmul rate, with AMX and without (bench/bench_attention.py). Every KV head's keys and values
+ * are laid out once as pairs along the dot product, 16 keys (or dims) a row: the B operands of AMX
+ * tiles, or the operands of vdpbf16ps (bf16_step in simd.h: FMAs on widened pairs in the builds
+ * without it). Then each 16-row block of a query head scores its visible keys in float32 (the
+ * products of bfloat16 exact), takes the exact softmax of each row in registers, and multiplies the
+ * probabilities, rounded to bfloat16 as PyTorch's kernel rounds them, by the values. A block's
+ * scores are all kept (16 rows x the chunk's keys), so there is no running rescale.
  */
 #include <math.h>
 #include <omp.h>
