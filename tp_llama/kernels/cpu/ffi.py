@@ -157,8 +157,8 @@ def next_tile_min_chunks(vendor: str) -> int:
     """How many chunks of rows a tile call needs before it prefetches the next tile (api.h).
 
     On Intel those prefetches keep more lines in flight than the core's own fill buffers; on a
-    Zen 5 EPYC they made a one-row pass over the 1B shape's weights take 1.07-1.37x oneDNN's time
-    instead of 0.85-0.98x, and still help from 2 chunks (bench/bench_matmul.py, BENCHMARKS.md).
+    Zen 5 EPYC they slow a one-row pass past oneDNN's and still help from 2 chunks
+    (bench/bench_matmul.py).
     TP_LLAMA_NEXT_TILE_MIN_CHUNKS sets it instead, to compare.
     """
     forced = os.environ.get("TP_LLAMA_NEXT_TILE_MIN_CHUNKS") or None  # set but empty: as if unset

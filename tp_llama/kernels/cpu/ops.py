@@ -91,10 +91,9 @@ def tiled_linear(x: torch.Tensor, weight: Tiled, lib: Library | None = None) -> 
 def _gemm_linear(x: torch.Tensor, weight: Tiled, y: torch.Tensor) -> None:
     """Many float32 rows: oneDNN's matmul on the weight laid out plainly again, a slice of tiles at a time.
 
-    A GEMM on the [in, TILE_COLS] tiles themselves (a batch of narrow ones) runs 10-35% slower.
-    oneDNN rather than MKL's sgemm (torch.mm): on a Zen 5 EPYC, MKL ran the 1B shape's layers at
-    180-200 GFLOPS and oneDNN at 360-390 (MKL takes a slower path on AMD CPUs). A PyTorch built
-    without oneDNN gets torch.mm.
+    A GEMM on the [in, TILE_COLS] tiles themselves (a batch of narrow ones) is slower. oneDNN
+    rather than MKL's sgemm (torch.mm), which takes a slower path on AMD CPUs (bench/bench_matmul.py
+    at 1024 rows). A PyTorch built without oneDNN gets torch.mm.
     """
     lib = library()
     tiles, in_features, cols = weight.data.shape
