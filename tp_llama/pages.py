@@ -1,14 +1,14 @@
 """Memory for the tiled weights on 2 MiB pages, where Linux gives them.
 
 A decode step streams every weight from memory once. On 4 KiB pages that stream crosses a page,
-and misses the TLB, every 64 cache lines; on this project's 2-core AMX Xeon a 2 GiB read by both
-cores ran at 28 GB/s on 4 KiB pages and 32 GB/s on 2 MiB ones. Linux gives an anonymous mapping
-2 MiB pages when transparent huge pages are `always`, or `madvise` and the mapping asks
-(MADV_HUGEPAGE, as here); with `never`, or where the request fails, the memory is ordinary.
+and misses the TLB, every 64 cache lines; 2 MiB pages take those misses out of the stream
+(bench/bench_step.py). Linux gives an anonymous mapping 2 MiB pages when transparent huge pages
+are `always`, or `madvise` and the mapping asks (MADV_HUGEPAGE, as here); with `never`, or where
+the request fails, the memory is ordinary.
 
-The cost is at load: on this VM a fresh 2 MiB page took ~1.3 s a GiB to touch first (against
-~0.2 s for 4 KiB pages, which reuse the memory the checkpoint was just read into), so the 1B
-shape loads in ~5.5 s instead of ~2.9 s, for decode steps ~3% faster (bench_step).
+The cost is at load: a fresh 2 MiB page is slow to touch first, where 4 KiB pages reuse the
+memory the checkpoint was just read into (bench/bench_load.py), paid once for every decode step
+after (bench/bench_step.py).
 """
 
 from __future__ import annotations

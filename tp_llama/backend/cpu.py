@@ -71,8 +71,8 @@ class CAttention(FusedAttention):
     def _attend_prompts(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int,
                         out: torch.Tensor) -> None:
         """Prompt rows into out: RoPE and the cache write in C, then each chunk against its sequence's
-        keys so far, in C in bfloat16 (0.16-0.39x the time of PyTorch's flash kernel at 200-2,048 rows on
-        AVX-512, 0.60-0.96x on AVX2, 0.54-0.78x on AMX), else through PyTorch's flash attention."""
+        keys so far, in C in bfloat16 (faster than PyTorch's flash kernel at prompt lengths on every build,
+        bench/bench_attention.py), else through PyTorch's flash attention."""
         n_q, n_kv = self.widths
         cache = self.cache
         ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, cache.k, cache.v)
