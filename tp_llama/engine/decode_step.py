@@ -42,8 +42,8 @@ class DecodeStep:
                     torch._dynamo.mark_static_address(cache.k)
                     torch._dynamo.mark_static_address(cache.v)
             # One graph per bucket, and dynamo counts every engine's graphs of this function against
-            # one limit (8 by default): past it, steps fall back to eager (on an H100, a 32-row 8B step
-            # took 720 ms so, against 8.3 ms captured).
+            # one limit (8 by default): past it, steps fall back to eager, far slower than captured
+            # (bench/gpu_check.py's decode speed).
             torch._dynamo.config.recompile_limit += len(self.sizes)
             torch._dynamo.config.accumulated_recompile_limit += len(self.sizes)
             mode = "reduce-overhead" if device.type == "cuda" else None

@@ -9,8 +9,9 @@ A step holds every sequence that is decoding (one token each) plus prompt chunks
 or half-prefilled sequences, up to `prefill_budget` rows in all (decode rows included, as vLLM's
 max_num_batched_tokens), so a long prompt is prefilled over several steps while the others keep
 decoding, and a step that cuts a prompt is exactly the budget's size: on CPU a matmul's cost goes
-by 32-row blocks, and 512 prompt rows beside three decode rows had cost a 17th block (8% of the
-step). Prompts get at least half the budget however many sequences decode.
+by 32-row blocks, and 512 prompt rows beside three decode rows had cost a 17th block
+(bench/bench_rounds.py's mixed steps). Prompts get at least half the budget however many
+sequences decode.
 
 Memory decides how many run: a sequence is admitted when the blocks its prompt still needs (after
 the prefix cache's hits) are free, and grows a block at a time; when the pool runs dry mid-decode
