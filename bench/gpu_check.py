@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from tests.support.reference import Config, ReferenceModel, greedy
 from tp_llama.checkpoint.loader import build_local_model
 from tp_llama.config import EngineConfig
-from tp_llama.engine.core import Engine, ready_to_serve
+from tp_llama.engine.core import Engine
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import Row
 from tp_llama.engine.scheduler import SamplingParams, Sequence
@@ -80,9 +80,9 @@ def reference_of(args: ModelArgs, state: dict) -> ReferenceModel:
     return ReferenceModel(cfg, {key: value.double() for key, value in state.items()})
 
 
-def served_model(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int,
-                 max_seq_len: int) -> tuple[torch.nn.Module, EngineConfig, bool]:
-    """The model the CLI and the handler serve, on weights from memory (this rank's shards of `state`)."""
+def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,
+                  max_seq_len: int = 256) -> Engine:
+    """The engine the CLI and the handler serve, on weights from memory (this rank's shards of `state`)."""
     tp = info.world_size
     local = {}
     for key, tensor in state.items():
@@ -94,13 +94,7 @@ def served_model(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compi
     config = EngineConfig("-", "tp", dtype, max_seq_len, max_rows, prefill_budget=max_seq_len,
                           device=info.device.type, compile=compile_,
                           kv_cache_memory_gb=(max_rows + 1) * (max_seq_len + 16) * token_bytes / 2**30)
-    return model, config, ready_to_serve(model, config, info, args)
-
-
-def engine_of(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,
-              max_seq_len: int = 256) -> Engine:
-    model, config, compiled = served_model(args, state, info, dtype, compile_, max_rows, max_seq_len)
-    return Engine.around(config, model, NoText(), args, info, compiled, time.perf_counter())
+    return Engine.around(config, model, NoText(), args, info, time.perf_counter())
 
 
 def greedy_tokens(engine: Engine) -> list[list[int]]:
@@ -157,7 +151,7 @@ def parity(device: str, expected: Expected) -> None:
     info = DistInfo(0, 1, 0, torch.device(device), "none")
     for dtype in ("float32", "bfloat16"):
         for compile_ in ("off", "on"):
-            engine = engine_of(SMALL, expected.state, info, dtype, compile_)
+            engine = served_engine(SMALL, expected.state, info, dtype, compile_)
             prefill, decode = step_logits(engine, ids)
             error = max((prefill - want[:-1]).abs().max().item(), (decode[0] - want[-1]).abs().max().item())
             setting = f"{device} {dtype} decode {'compiled' if compile_ == 'on' else 'eager'}"
@@ -177,7 +171,7 @@ def _tp_rank(rank: int, port: int, device: str, out: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(0)
     info = DistInfo(rank, 2, rank, torch.device(device, 0) if device == "cuda" else torch.device(device), "gloo")
-    engine = engine_of(SMALL, random_state(SMALL, 0), info, "float32", "off")
+    engine = served_engine(SMALL, random_state(SMALL, 0), info, "float32", "off")
     tokens = greedy_tokens(engine)
     if rank == 0:
         Path(out).write_text(json.dumps(tokens))
@@ -209,7 +203,7 @@ def nccl_world_one(expected: Expected) -> None:
                       and torch.equal(all_gather_last_dim(x, None), x) and torch.equal(gather_last_dim_to_rank0(x, None), x))
     record("NCCL world 1", "all_reduce, all_gather, gather", f"backend {info.backend}", collectives_ok)
     record_tokens("NCCL world 1", "float32, compiled decode",
-                  greedy_tokens(engine_of(SMALL, expected.state, info, "float32", "on")), expected.tokens)
+                  greedy_tokens(served_engine(SMALL, expected.state, info, "float32", "on")), expected.tokens)
     dist.destroy_process_group()
 
 
@@ -232,7 +226,8 @@ def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> None:
     info = DistInfo(0, 1, 0, device, "none")
     state = random_state(LLAMA3_8B, 0, device="cuda", dtype=torch.bfloat16)
     weight_bytes = sum(t.numel() * 2 for key, t in state.items() if key != "tok_embeddings.weight")
-    model, _, _ = served_model(LLAMA3_8B, state, info, "bfloat16", "on", max(sizes), context + 8)
+    # Eager here ("off"): the captured step below is built on the same model and cache, for the sizes asked.
+    model = served_engine(LLAMA3_8B, state, info, "bfloat16", "off", max(sizes), context + 8).model
     del state
     started = time.perf_counter()
     cache = model.layers[0].attention.cache

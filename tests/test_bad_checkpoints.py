@@ -143,7 +143,11 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_at_load(tmp_path):
 
 def test_a_tokenizer_with_fewer_ids_than_the_embedding_serves_text(tmp_path):
     """The other side of the rule: an embedding padded past the tokenizer's ids (as some of Meta's are)
-    loads and answers a text prompt."""
+    loads and answers a text prompt, picking only ids the tokenizer can decode (random weights would
+    pick a padded row's id about one time in five)."""
     ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", vocab_size=512, model_vocab=640)
-    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hello there", "--max-new-tokens", "3"], 2)
+    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hello there", "--max-new-tokens", "24", "--ignore-eos",
+                      "--temperature", "1.0", "--seed", "3"], 2)
     assert run.returncode == 0, run.stderr[-3000:]
+    ids = json.loads(run.stdout.splitlines()[0])["token_ids"]
+    assert len(ids) == 24 and max(ids) < 512, ids

@@ -20,7 +20,7 @@ from tests.support.cli_util import launch_cli
 from tests.support.run_model import BLOCK, setup_slots, slot_batch, slot_blocks
 from tp_llama.backend import fused
 from tp_llama.config import EngineConfig
-from tp_llama.engine.core import compiles_decode
+from tp_llama.engine.runner import compiles_decode
 from tp_llama.engine.decode_step import DecodeStep, bucket_sizes
 from tp_llama.engine.plan import Row
 from tp_llama.model import ModelArgs, Transformer

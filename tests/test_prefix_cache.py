@@ -15,7 +15,8 @@ import torch
 
 from tests.support.cli_util import launch_cli
 from tp_llama.config import EngineConfig
-from tp_llama.engine.core import Engine, pool_blocks
+from tp_llama.engine.core import Engine
+from tp_llama.engine.runner import pool_blocks
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.model import Batch

@@ -19,7 +19,7 @@ from tp_llama.checkpoint.reader import Piece, ShardFiles, local_shape, plan_loca
 from tp_llama.checkpoint.shards import check_keys, find_shards, load_shard
 from tp_llama.errors import CheckpointError
 from tp_llama.model import ModelArgs, Transformer
-from tp_llama.parallel.distributed import DistInfo, log, raise_if_any_rank_failed
+from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, log
 from tp_llama.parallel.layout import check_tp_size, full_shapes, shard_dim
 from tp_llama.parallel.modules import local_module
 
@@ -62,8 +62,7 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
     expected = full_shapes(args)
     start = time.perf_counter()
     state: dict[str, torch.Tensor] = {}
-    error = None
-    try:
+    with every_rank_agrees():
         check_tp_size(args, tp)
         files = ShardFiles(find_shards(ckpt_dir), expected)
         pieces: list[tuple[int, Piece]] = []
@@ -77,9 +76,6 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         log(f"read {nbytes / 1e6:.0f} MB from {len(files.files_read())} of {len(files)} shard files "
             f"{[p.name for p in files.files_read()]} in {time.perf_counter() - start:.1f} s", rank)
-    except Exception as exc:  # forwarded to every rank below
-        error = exc
-    raise_if_any_rank_failed(error)
     return build_local_model(args, state, tp, dist.group.WORLD if tp > 1 else None)
 
 
@@ -101,16 +97,12 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
         )
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
-    error, consolidated = None, {}
-    try:
+    with every_rank_agrees():
         path = paths[info.rank % mp]
         consolidated = load_shard(path)
         check_keys(consolidated, full_shapes(args), path)
         for key, tensor in consolidated.items():
             consolidated[key] = tensor.to(dtype)
-    except Exception as exc:  # forwarded to every rank below
-        error = exc
-    raise_if_any_rank_failed(error)
     start = time.perf_counter()
     state = build_distributed_state_dict_from_consolidated(model, consolidated, mp, use_dtensor=True)
     del consolidated

@@ -15,11 +15,12 @@ import sys
 import torch.distributed as dist
 
 from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, EngineConfig
-from tp_llama.engine.core import CPU_DEFAULT_SEQUENCES, Engine
+from tp_llama.engine.core import Engine
+from tp_llama.engine.runner import CPU_DEFAULT_SEQUENCES
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence, check_sequence
 from tp_llama.errors import CheckpointError
-from tp_llama.parallel.distributed import leave_group, log, raise_if_any_rank_failed
+from tp_llama.parallel.distributed import every_rank_agrees, leave_group, log
 
 SERVER = EngineConfig(ckpt_dir="-")  # the server's defaults, which bound a run's own
 
@@ -94,13 +95,9 @@ def run(a: argparse.Namespace) -> None:
     params = SamplingParams(a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                             repetition_penalty=a.repetition_penalty, seed=a.seed, ignore_eos=a.ignore_eos)
     sequences = [Sequence(str(i), engine.tokenizer.encode(p, bos=True), params) for i, p in enumerate(a.prompt)]
-    error = None
-    try:  # every rank checks the same prompts, so a bad one stops all of them before any step
+    with every_rank_agrees():  # every rank checks the same prompts, so a bad one stops all of them before any step
         for seq in sequences:
             check_sequence(seq.prompt_ids, params, engine.config.max_seq_len)
-    except ValueError as exc:
-        error = exc
-    raise_if_any_rank_failed(error)
     engine.generate(sequences)
     stats = engine.stats
     timings = {

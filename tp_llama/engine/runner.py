@@ -1,22 +1,154 @@
-"""Each rank's side of a step: rank 0's plan sent to every rank, the batch built, the forward run."""
+"""One rank's model, made ready to serve and then run step by step.
+
+Getting ready, in order: in `tp` mode the serving modules swapped in for the matmul backend this
+CPU or GPU runs best and the model moved to its device; the KV-cache pool sized and allocated
+(every rank the same number of blocks); the kernels warmed up; the decode step compiled where it
+runs compiled. Each step then sends rank 0's plan to every rank, builds the batch and runs the
+forward.
+"""
 
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 from torch import nn
 
+from tp_llama import backend
+from tp_llama.config import EngineConfig
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import PlanWire, StepPlan
-from tp_llama.model import Batch
-from tp_llama.parallel.distributed import DistInfo, broadcast_from_rank0
+from tp_llama.kernels import warm_up
+from tp_llama.kernels.cpu.ffi import library
+from tp_llama.model import Batch, KVCache, ModelArgs
+from tp_llama.pages import huge_page_bytes
+from tp_llama.parallel.distributed import DistInfo, broadcast_from_rank0, every_rank_agrees, log, smallest_across_ranks
+
+CPU_DEFAULT_SEQUENCES = 16  # the CPU pool's default: this many sequences of max_seq_len
+GPU_FREE_FRACTION = 0.85  # of the memory free after the weights; the rest for activations and graphs
+GPU_MOST_BATCHES = 4  # the GPU pool's default holds at most this many full batches of max_seq_len
+INDEX_LIMIT = 2**31  # elements of one layer's keys that 32-bit offsets (Triton's kernels) reach
+
+
+def wants_compile(config: EngineConfig, device: torch.device) -> bool:
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
+def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None) -> tuple[bool, str]:
+    """(whether decode steps run compiled at static shapes, why not where they do not).
+
+    kind: the matmuls of the `tp` mode (None under FSDP, which runs eagerly).
+    """
+    if not wants_compile(config, device):
+        return False, f"compile={config.compile}"
+    if kind is None:
+        return False, "fsdp mode runs eagerly"
+    if kind in ("amx", "tiles"):
+        return False, "the C kernels already run a decode step in one call"
+    return True, ""
+
+
+def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int) -> int:
+    """This rank's KV-cache pool: handler.kv_cache_memory_gb, or by default most of the GPU's free
+    memory, or on CPU (where the pool is touched at load) the memory of CPU_DEFAULT_SEQUENCES full
+    sequences, at most a quarter of RAM across the node's ranks.
+
+    The GPU default stops at GPU_MOST_BATCHES full batches: past that, blocks only keep old prefixes,
+    and every decode step's block mask grows with the pool (a small model would otherwise take a
+    pool of 10^8 positions).
+    """
+    if config.kv_cache_memory_gb:
+        return int(config.kv_cache_memory_gb * 2**30)
+    if info.device.type == "cuda":
+        most = GPU_MOST_BATCHES * config.max_batch_size * config.max_seq_len * token_bytes
+        return min(int(torch.cuda.mem_get_info(info.device)[0] * GPU_FREE_FRACTION), most)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return min(CPU_DEFAULT_SEQUENCES * config.max_seq_len * token_bytes, ram // (4 * ranks_here))
+
+
+def pool_blocks(config: EngineConfig, info: DistInfo, kv_width: int, block_bytes: int) -> int:
+    """Blocks in this rank's pool: kv_pool_bytes' worth; on CUDA no more than 32-bit offsets reach with
+    the spare block (kv_width: this rank's kv_heads * head_dim). Not on CPU: a pool too big for RAM
+    must fail its allocation with a message, not be cut to a size Linux's OOM killer then ends."""
+    blocks = kv_pool_bytes(config, info, block_bytes // config.kv_block_size) // block_bytes
+    if info.device.type == "cuda":
+        blocks = min(blocks, INDEX_LIMIT // (kv_width * config.kv_block_size) - 1)
+    return blocks
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, info: DistInfo, max_rows: int, max_tokens: int, max_blocks: int,
-                 decode_step: DecodeStep | None = None):
-        self.model, self.info, self.decode_step = model, info, decode_step
-        self.cache = model.layers[0].attention.cache
-        self.wire = PlanWire(max_rows, max_tokens, max_blocks)
+    """A rank's model ready to serve (built by `__init__`, see the module's docstring) and its steps."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs):
+        self.model, self.info = model, info
+        kind = self._choose_backend(config) if config.mode == "tp" else None
+        compiled, why = compiles_decode(config, info.device, kind)
+        log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
+        self.cache = self._allocate_pool(config, args)
+        model.eval()
+        if config.mode == "tp":
+            warm_up(backend.matmul_weights(model), config.max_batch_size, self.dtype)
+        self.decode_step = self._capture(config) if compiled else None
+        self.wire = PlanWire(config.max_batch_size, config.prefill_budget + config.max_batch_size,
+                             config.max_batch_size * config.blocks_per_sequence)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _choose_backend(self, config: EngineConfig) -> str:
+        """Swap the serving modules in on the host, then move the model to its device; the matmul kind."""
+        info = self.info
+        with every_rank_agrees():
+            kind, why = backend.optimize(self.model, info.device, traced=wants_compile(config, info.device))
+            if kind in ("amx", "tiles"):
+                chunks = library().next_tile_min_chunks
+                ahead = "every call" if chunks == 1 else f"calls of {chunks} chunks of rows or more"
+                why = f"{library().variant} build of the C kernels; the next tile prefetched in {ahead}"
+            log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
+            self.model.to(info.device)
+        return kind
+
+    def _allocate_pool(self, config: EngineConfig, args: ModelArgs) -> KVCache:
+        """The KV-cache pool, every rank the same number of blocks (the fewest any rank has room for)."""
+        info, dtype = self.info, self.dtype
+        kv_heads = args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
+        block_bytes = 2 * args.n_layers * kv_heads * config.kv_block_size * args.head_dim * dtype.itemsize
+        n_blocks = 0
+        with every_rank_agrees():
+            try:
+                n_blocks = smallest_across_ranks(pool_blocks(config, info, kv_heads * args.head_dim, block_bytes),
+                                                 info.device)
+                needed = config.blocks_per_sequence
+                if n_blocks < needed:
+                    raise MemoryError(f"a KV-cache pool of {n_blocks} blocks of {config.kv_block_size} positions "
+                                      f"cannot hold one sequence of max_seq_len {config.max_seq_len} ({needed} blocks, "
+                                      f"{needed * block_bytes / 2**30:.2f} GiB per rank); raise "
+                                      "handler.kv_cache_memory_gb or lower handler.max_seq_len")
+                self.model.setup_caches(config.max_seq_len, n_blocks, config.kv_block_size, dtype, info.device,
+                                        kv_heads)
+            except RuntimeError as exc:  # more than this machine's memory
+                raise MemoryError(f"the KV-cache pool of {n_blocks} blocks x {config.kv_block_size} positions does "
+                                  f"not fit ({exc}); lower handler.kv_cache_memory_gb") from exc
+        log(f"KV cache: {n_blocks} blocks of {config.kv_block_size} positions ({n_blocks * config.kv_block_size} "
+            f"tokens, {n_blocks * block_bytes / 2**30:.2f} GiB per rank), prefix caching "
+            f"{'on' if config.prefix_caching else 'off'}", info.rank)
+        huge = huge_page_bytes() if info.device.type == "cpu" else None
+        if huge is not None:
+            log(f"memory on 2 MiB pages: {huge / 2**30:.2f} GiB (the tiled weights ask for them)", info.rank)
+        return self.model.layers[0].attention.cache
+
+    def _capture(self, config: EngineConfig) -> DecodeStep:
+        """The decode step compiled for every bucket of rows now, not when the first request meets it."""
+        step = DecodeStep(self.model, config.max_batch_size, config.blocks_per_sequence, self.info.device,
+                          compiled=True)
+        started = time.perf_counter()
+        step.warm_up()
+        log(f"compiled {len(step.sizes)} decode-step sizes {step.sizes} in {time.perf_counter() - started:.1f} s",
+            self.info.rank)
+        return step
 
     @torch.inference_mode()
     def run(self, plan: StepPlan | None = None) -> tuple[StepPlan, torch.Tensor | None]:

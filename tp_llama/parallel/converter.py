@@ -21,7 +21,7 @@ from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chu
 from torch.distributed.tensor import DTensor
 
 from tp_llama.errors import CheckpointError
-from tp_llama.parallel.distributed import raise_if_any_rank_failed
+from tp_llama.parallel.distributed import every_rank_agrees
 from tp_llama.parallel.layout import IGNORED_KEYS, is_sharded, source_split_dim
 
 
@@ -118,12 +118,8 @@ def build_distributed_state_dict_from_consolidated(
     grp_gloo = dist.new_group(backend="gloo")
     model_parallel_group, _ = dist.new_subgroups(group_size=mp)
     compute_device = _group_device(None)
-    try:
+    with every_rank_agrees(grp_gloo):
         _check_shards(ref_state_dict, consolidated_state_dict, mp)
-        error = None
-    except CheckpointError as exc:
-        error = exc
-    raise_if_any_rank_failed(error, grp_gloo)
 
     chunk_group = grp_gloo if offload_to_cpu else dist.group.WORLD
     chunk_device = torch.device("cpu") if offload_to_cpu else compute_device

@@ -6,9 +6,11 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NoReturn
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -104,12 +106,27 @@ def log(message: str, rank: int | None = None) -> None:
     os.write(sys.stderr.fileno(), f"[tp_llama rank {rank}] {message}\n".encode())
 
 
-def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
-    """Every rank calls this at the same point; if any rank failed, every rank raises its message.
+@contextmanager
+def every_rank_agrees(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Run the block on every rank, then meet: if the block raised on any rank, every rank raises
+    (a CheckpointError where each failure was one, naming each rank's cause); else all go on.
 
-    A rank that failed alone (a file only it reads is missing) would otherwise leave the others
-    waiting in the next collective until the timeout.
+        with every_rank_agrees():
+            state = read_my_slices()   # a file only this rank reads may be missing
+
+    A rank that failed alone would otherwise leave the others waiting in their next collective
+    until its timeout. Every rank must enter the block at the same point.
     """
+    error = None
+    try:
+        yield
+    except Exception as exc:  # forwarded to every rank below
+        error = exc
+    _raise_if_any_rank_failed(error, group)
+
+
+def _raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+    """every_rank_agrees' meeting: each rank's error (or None) gathered, every rank raising if any failed."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
@@ -130,7 +147,7 @@ def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGro
 def leave_group(error: BaseException | None) -> None:
     """Shut this rank's process group down after a run, successful or not.
 
-    Ranks that fail together (raise_if_any_rank_failed) or finish together meet at a barrier
+    Ranks that fail together (every_rank_agrees) or finish together meet at a barrier
     first, so no rank tears the group down under another. A rank that failed alone leaves at
     once without any teardown: its peers are inside a collective it will never join, and its
     exit closes their connections so they fail now rather than at the collective timeout.
