@@ -1,4 +1,5 @@
-"""The GPU check: `python -m bench.gpu_check` from the repository root, on a machine with one GPU.
+"""The GPU check: `python -m bench.gpu_check` from the repository root, on a machine with one GPU
+(bench/gpu_check.py runs this file; `python -m checks.gpu_check` is the same).
 
 Needs only PyTorch (2.11 or newer) and this folder: no install, no TorchServe, no Java, no
 network, nothing written to disk. Random weights are made in memory. It checks, and prints one
