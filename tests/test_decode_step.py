@@ -158,7 +158,8 @@ def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path, world: int):
 
 
 def test_the_gpu_check_runs_here_on_cpu():
-    """bench/gpu_check.py runs for the first time on a lent GPU: keep it working meanwhile."""
+    """The GPU check (checks/gpu_check.py, run as `python -m bench.gpu_check`) runs for the first time on a
+    lent GPU: keep it working meanwhile."""
     run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu"], check=False,
                          capture_output=True, text=True,
                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
