@@ -1,1 +1,2 @@
-"""Benchmarks: loading, generation and serving, against the floor and the alternatives."""
+"""Benchmarks: serving/ (TorchServe and its peers), engine/ (the offline engine), kernels/ (the C
+kernels and the CPU's limits), on helpers from lib/; bench/README.md says how to run each."""

@@ -16,8 +16,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench import bench_generate, bench_load, bench_serve
-from bench.common import BENCH, OUT, REPO, table
+from bench.engine import generate, load
+from bench.serving import versus_cli
+from bench.lib.common import BENCH, OUT, REPO, table
 
 DOC = REPO / "BENCHMARKS.md"
 PLOT = BENCH / "benchmarks.png"
@@ -82,7 +83,7 @@ def results_section(results: dict[str, dict]) -> str:
     m = results["load"]["machine"]
     loads = "; ".join(f"{name} {r['machine']['load_avg']}" for name, r in results.items())
     rows = []
-    for module, name in ((bench_load, "load"), (bench_generate, "generate"), (bench_serve, "serve")):
+    for module, name in ((load, "load"), (generate, "generate"), (versus_cli, "serve")):
         rows += [[target, measured, "met" if met else "**missed**"] for target, measured, met in module.targets(
             results[name])]
     return "\n".join([
@@ -99,15 +100,15 @@ def results_section(results: dict[str, dict]) -> str:
         "",
         "### 1. Loading",
         "",
-        bench_load.report(results["load"]),
+        load.report(results["load"]),
         "",
         "### 2. Generation",
         "",
-        bench_generate.report(results["generate"]),
+        generate.report(results["generate"]),
         "",
         "### 3. Serving",
         "",
-        bench_serve.report(results["serve"]),
+        versus_cli.report(results["serve"]),
         END,
     ])
 

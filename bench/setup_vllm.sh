@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM's CPU build in a virtualenv of its own, for bench/bench_cb.py (a peer server on the same weights).
+# vLLM's CPU build in a virtualenv of its own, for bench/serving/serve.py (a peer server on the same weights).
 #
 #     bash bench/setup_vllm.sh          # idempotent: does only what is missing
 #
@@ -8,7 +8,7 @@
 # `import transformers` on a CPU torch; a text Llama needs none of them, so they are removed.
 # vLLM's CPU backend wants tcmalloc and Intel OpenMP preloaded: tcmalloc comes from Debian,
 # libiomp5.so from the venv (intel-openmp). The last line printed is the LD_PRELOAD to use;
-# bench/vllm_peer.py finds the same files by itself.
+# bench/serving/vllm_peer.py finds the same files by itself.
 set -euo pipefail
 
 BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

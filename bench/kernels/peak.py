@@ -1,6 +1,6 @@
 """This CPU's arithmetic peak for the matmuls' instructions, the ceiling every server's prefill meets.
 
-    python -m bench.bench_peak [--threads 2]
+    python -m bench.kernels.peak [--threads 2]
 
 A loop of 12 independent sums in registers (no memory traffic) per thread, compiled with gcc for
 each instruction the CPU has: float32 FMA (AVX-512 or AVX2) and bfloat16 pairs by vdpbf16ps
@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import table
+from bench.lib.common import table
 from tp_llama.kernels.cpu.build import compiler, cpu_flags
 
 SOURCE = r"""

@@ -1,7 +1,7 @@
 """Generation benchmark: prefill and decode tokens/s of our engine (TP 1, TP 2) and of transformers.
 
-    python -m bench.bench_generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
-                                   [--rounds 3] [--repeats 1] [--engines ...] [--before COMMIT_OR_PATH]
+    python -m bench.engine.generate [--preset quarter] [--batches 1 8] [--prompt-len 128] [--new-tokens 128]
+                                    [--rounds 3] [--repeats 1] [--engines ...] [--before COMMIT_OR_PATH]
 
 float32 (or --dtype bfloat16) on CPU, greedy ("ours TP1 sampled": the yaml's default temperature
 0.6 and top_p 0.9, a seed per row), stop tokens ignored, the same random prompts for every engine. Both
@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import REPO, before_root, last_json, stream_bandwidth_gbs, table, torchrun, write_json
-from bench.hf_convert import hf_config, meta_to_hf
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import REPO, before_root, last_json, module_in, stream_bandwidth_gbs, table, torchrun, write_json
+from bench.lib.generation import agreement, pooled, prompts
+from bench.lib.hf_convert import hf_config, meta_to_hf
 from tp_llama.checkpoint.shards import find_shards, load_shard
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
@@ -45,12 +46,6 @@ ENGINES = {"ours TP1": ("ours", 1, {}, []), "ours TP2": ("ours", 2, {}, []),
            "ours oneDNN": ("ours", 1, {"TP_LLAMA_MATMUL": "onednn"}, []), "transformers": ("hf", 1, {}, []),
            "ours TP1 sampled": ("ours", 1, {}, ["--sample"])}
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}  # the yaml's defaults
-
-
-def prompts(args: ModelArgs, batch: int, length: int) -> list[list[int]]:
-    """Fixed random ids below the special tokens, different for every row."""
-    gen = torch.Generator().manual_seed(1234)
-    return torch.randint(3, args.vocab_size - 256, (batch, length), generator=gen).tolist()
 
 
 def rates(batch: int, prompt_len: int, new_tokens: int, started: float, first: float, last: float) -> dict:
@@ -75,20 +70,6 @@ def measure(run_once: Callable[[int], tuple[float, float, float, list[list[int]]
             "tokens": runs[-1][3],
         })
     return results
-
-
-def pooled(launches: list[dict]) -> dict:
-    """One engine's launches merged: medians over every generation of every launch, per batch size."""
-    results = []
-    for i, first in enumerate(launches[0]["results"]):
-        samples = [s for launch in launches for s in launch["results"][i]["samples"]]
-        results.append({
-            "batch": first["batch"],
-            **{key: statistics.median(s[key] for s in samples) for key in samples[0]},
-            "samples": samples,
-            "tokens": first["tokens"],
-        })
-    return {"load_s": [launch["load_s"] for launch in launches], "threads": launches[0]["threads"], "results": results}
 
 
 def decode_weight_bytes(args: ModelArgs, elt: int = 4) -> int:
@@ -168,16 +149,6 @@ def run_hf(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, rep
     return {"load_s": load_s, "threads": torch.get_num_threads(), "results": results}
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> int:
-    """Shortest common prefix over the rows: how long two greedy runs produce the same tokens."""
-    def common(x: list[int], y: list[int]) -> int:
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        return n
-    return min(common(x, y) for x, y in zip(a, b))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quarter")
@@ -223,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(a.rounds):  # engines take turns, so a change in the machine's load hits all of them
         for name, worker, nproc, env, extra, root in engines_run:
             bandwidths.append(stream_bandwidth_gbs())
-            out = last_json(torchrun("bench.bench_generate", ["--worker", worker, *common, *extra], nproc, timeout=900,
+            out = last_json(torchrun(module_in(root, "bench.engine.generate", "bench.bench_generate"), ["--worker", worker, *common, *extra], nproc, timeout=900,
                                      env=env, repo=root))
             launches[name].append(out)
             print(f"{name}: " + ", ".join(f"batch {r['batch']} prefill {r['prefill_tok_s']:.0f} decode "

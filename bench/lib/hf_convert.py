@@ -1,7 +1,7 @@
 """Meta-layout Llama weights as a Hugging Face LlamaForCausalLM: names, rotary row order, config.
 
-Used by the transformers baseline (bench/bench_generate.py) and by the vLLM peer
-(bench/vllm_peer.py), which writes the result as a Hugging Face folder.
+Used by the transformers baseline (bench/engine/generate.py) and by the vLLM peer
+(bench/serving/vllm_peer.py), which writes the result as a Hugging Face folder.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Prefix caching and the paged KV cache, side by side with vLLM's CPU build (its prefix caching on).
+"""Prefix caching and the paged KV cache (`--scenario prefix`), side by side with vLLM's CPU build (its
+prefix caching on).
 
-    .venv/bin/python -m bench.bench_prefix [--preset llama3.2-1b] [--dtype float32 bfloat16]
+    .venv/bin/python -m bench.serving.serve --scenario prefix [--preset llama3.2-1b] [--dtype float32 bfloat16]
         [--tp 1] [--omp-threads 2] [--kv-gib 2] [--skip-vllm] [--quick]
-    .venv/bin/python -m bench.bench_prefix --report bench/out/bench_prefix.json
+    .venv/bin/python -m bench.serving.serve --scenario prefix --report bench/out/bench_prefix.json
 
 One server at a time on the same weights (vLLM gets them converted to a Hugging Face folder),
 the same KV-cache memory, the same token ids: every request goes as token ids to
@@ -19,6 +20,7 @@ Ours alone:
   short of the previous answer's last full block (its text re-encoded to other ids there).
 - capacity: the KV memory of 16 sequences of 2,048 positions, 64 clients of 192-token prompts
   and 64 new tokens at once: the most sequences running together and the preemptions (metrics).
+Raw numbers: bench/out/bench_prefix.json.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench.bench_cb import NAME, archive, git_describe, start_ready, vllm_version
-from bench.bench_serve import percentile
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import OUT, REPO, machine, table, write_json
-from bench.vllm_peer import VLLM_VENV, VLLMServer, convert_in_venv, openai_stream, vllm_stream
-from tests.support.serving_util import TorchServe, free_ports
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import OUT, REPO, machine, table, write_json
+from bench.serving.clients import in_threads, openai_stream, percentile
+from bench.serving.servers import NAME, archive, git_describe, own_rendezvous, start_ready, vllm_folder, vllm_version
+from bench.serving.vllm_peer import VLLM_VENV, VLLMServer, vllm_stream
+from tests.support.serving_util import TorchServe
 from tp_llama.kernels import cpu_flags
 from tp_llama.testing.tokenizer_train import CORPUS_PATH
 from tp_llama.tokenizer import load_tokenizer
@@ -70,7 +72,7 @@ def clients(count: int, work) -> tuple[list[dict], float]:
     """`count` threads running work(client) -> list of replies; all replies and the wall time."""
     replies, errors, lock = [], [], threading.Lock()
 
-    def run(c: int) -> None:
+    def run(c: int, _: float) -> None:
         try:
             got = work(c)
         except Exception as exc:  # reported with the level
@@ -80,15 +82,10 @@ def clients(count: int, work) -> tuple[list[dict], float]:
         with lock:
             replies.extend(got)
 
-    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in range(count)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    wall = in_threads(count, run)
     if errors:
         raise RuntimeError(f"{len(errors)} client(s) failed: {errors[:2]}")
-    return replies, time.perf_counter() - started
+    return replies, wall
 
 
 def summary(replies: list[dict], wall: float) -> dict:
@@ -190,7 +187,7 @@ def capacity(server: TorchServe, ids: Ids, a: argparse.Namespace) -> dict:
 def measure_ours(ckpt: Path, dtype: str, a: argparse.Namespace, ids: Ids, kv_gb: float, scenarios: bool) -> dict:
     work = WORK / f"ours-{dtype}"
     shutil.rmtree(work, ignore_errors=True)
-    overrides = [f"torchrun.rdzv-endpoint=127.0.0.1:{free_ports(1)[0]}", f"torchrun.OMP_NUMBER_THREADS={a.omp_threads}",
+    overrides = [own_rendezvous(), f"torchrun.OMP_NUMBER_THREADS={a.omp_threads}",
                  f"handler.dtype={dtype}", f"handler.max_seq_len={MAX_LEN}", f"handler.kv_cache_memory_gb={kv_gb}",
                  "handler.max_batch_size=64", "batchSize=80", "maxBatchDelay=5", "responseTimeout=900"]
     folder = archive(REPO, ckpt, work / "model_store", a.tp, overrides)
@@ -220,10 +217,7 @@ def measure_ours(ckpt: Path, dtype: str, a: argparse.Namespace, ids: Ids, kv_gb:
 
 def measure_vllm(ckpt: Path, dtype: str, a: argparse.Namespace, ids: Ids) -> dict:
     work = WORK / f"vllm-{dtype}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    hf_dir = convert_in_venv(ckpt, OUT / "hf" / ckpt.name, MAX_LEN)
-    port = free_ports(1)[0]
+    hf_dir, port = vllm_folder(ckpt, work, MAX_LEN)
     result: dict = {"version": vllm_version(), "venv": str(VLLM_VENV)}
     with VLLMServer(hf_dir, port, work, dtype, MAX_LEN, cores=a.vllm_cores, kv_gib=a.kv_gib, prefix_caching=True,
                     extra_args=["--enable-prompt-tokens-details"]) as server:
@@ -276,8 +270,7 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama3.2-1b", choices=sorted(PRESETS))
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(PER_TOKEN))
     parser.add_argument("--tp", type=int, default=1)
@@ -295,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-capacity", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a 256-token system prompt, 1 and 4 clients, 3 turns")
     parser.add_argument("--report", type=Path, help="print the tables of an earlier run's JSON")
-    a = parser.parse_args(argv)
+
+
+def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if a.report:
         print(report(json.loads(a.report.read_text())))
         return
@@ -318,6 +313,3 @@ def main(argv: list[str] | None = None) -> None:
         write_json("bench_prefix", data)
     print(report(data))
 
-
-if __name__ == "__main__":
-    main()

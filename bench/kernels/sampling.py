@@ -1,6 +1,6 @@
 """What picking the next tokens costs per decode step, by rows, vocabulary and settings.
 
-    python -m bench.bench_sampling [--rows 1 16 64] [--vocabs 32000 128256] [--repeats 20]
+    python -m bench.kernels.sampling [--rows 1 16 64] [--vocabs 32000 128256] [--repeats 20]
 
 One process, this machine's threads, tp_llama.engine.sampling.sample_rows on float32 logits as
 the model returns them: greedy, and the yaml's default (temperature 0.6, top_p 0.9), also with
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.common import table
+from bench.lib.common import table
 from tp_llama.engine.sampling import SamplingParams, sample_rows
 from tp_llama.kernels.cpu import ffi
 from tp_llama.kernels.cpu.build import cpu_flags

@@ -1,6 +1,6 @@
 """The CPU matmul kinds of tp_llama.kernels on one model's weight shapes, side by side in one run.
 
-    python -m bench.bench_matmul [--preset quarter] [--rows 1 2 4 8 16 32 128 1024] [--repeats 10]
+    python -m bench.kernels.matmul [--preset quarter] [--rows 1 2 4 8 16 32 128 1024] [--repeats 10]
 
 For each dtype and row count: the time of one pass of x [rows, in] over every matmul weight of the
 preset's layers (what a forward with that many tokens multiplies), for PyTorch's default
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import before_root, copy_bandwidth_gbs, table
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import before_root, copy_bandwidth_gbs, table
 from tp_llama.checkpoint.params import read_params
 from tp_llama.kernels import choose, linear, onednn, prepare
 from tp_llama.kernels.cpu.ffi import HEADER, Library, library, parse_header

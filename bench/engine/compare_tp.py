@@ -1,9 +1,9 @@
 """Generation speed of two checkouts side by side: TP 1 and TP 2 prefill/decode tokens/s, before vs after.
 
-    python -m bench.compare_tp --before /path/to/other/checkout [--after .] [--ckpt DIR]
-                               [--batches 1 8] [--prompt-len 128] [--new-tokens 64] [--rounds 2]
+    python -m bench.engine.compare_tp --before /path/to/other/checkout [--after .] [--ckpt DIR]
+                                      [--batches 1 8] [--prompt-len 128] [--new-tokens 64] [--rounds 2]
 
-Each launch is `bench.bench_generate --worker ours` run from one checkout's code (PYTHONPATH and
+Each launch is `bench.engine.generate --worker ours` run from one checkout's code (PYTHONPATH and
 working directory), so both are timed by the same worker; the four engines (before/after x
 TP 1/TP 2) take turns in every round, and medians over the rounds are shown.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.bench_generate import agreement, pooled
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import REPO, last_json, table, torchrun, write_json
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import REPO, last_json, module_in, table, torchrun, write_json
+from bench.lib.generation import agreement, pooled
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     launches: dict[tuple[str, int], list[dict]] = {e: [] for e in engines}
     for r in range(a.rounds):
         for tree, tp in engines[r % 4:] + engines[: r % 4]:  # a different engine first each round
-            out = last_json(torchrun("bench.bench_generate", common, tp, timeout=900, repo=roots[tree]))
+            worker = module_in(roots[tree], "bench.engine.generate", "bench.bench_generate")
+            out = last_json(torchrun(worker, common, tp, timeout=900, repo=roots[tree]))
             launches[(tree, tp)].append(out)
             print(f"round {r + 1} {tree} TP{tp}: " + ", ".join(
                 f"batch {x['batch']} prefill {x['prefill_tok_s']:.0f} decode {x['decode_tok_s']:.1f} tok/s"

@@ -1,6 +1,6 @@
 """Bring-up as a whole process: torchrun, load and 2 generated tokens, against a floor process.
 
-    python -m bench.bench_bringup [--preset 1b-half] [--pairs 2:2 4:2 1:2 1:1] [--repeats 3]
+    python -m bench.engine.bringup [--preset 1b-half] [--pairs 2:2 4:2 1:2 1:1] [--repeats 3]
 
 floor: torchrun of TP ranks that import torch, join a gloo group (none for TP 1) and pread their share of the
 checkpoint's bytes (1/TP of the total, from the files their slices live in): what any loader
@@ -16,8 +16,8 @@ import os
 import statistics
 import time
 
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import drop_file_cache, table, torchrun, write_json
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import drop_file_cache, table, torchrun, write_json
 from tp_llama.checkpoint.shards import find_shards
 
 CHUNK = 8 << 20
@@ -56,7 +56,7 @@ def timed(ckpt, tp: int, floor: bool) -> float:
     drop_file_cache(find_shards(ckpt))
     started = time.perf_counter()
     if floor:
-        torchrun("bench.bench_bringup", ["--floor-worker", str(ckpt)], tp, timeout=900)
+        torchrun("bench.engine.bringup", ["--floor-worker", str(ckpt)], tp, timeout=900)
     else:
         torchrun("tp_llama.generate", ["--ckpt-dir", str(ckpt), "--prompt", "Hello", "--max-new-tokens", "2",
                                        "--ignore-eos"], tp, timeout=900)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]
 REPO = BENCH.parent
 OUT = BENCH / "out"
 
@@ -184,3 +184,8 @@ def before_root(spec: str) -> Path:
         OUT.mkdir(parents=True, exist_ok=True)
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=REPO, check=True)
     return tree
+
+
+def module_in(root: Path, module: str, old: str) -> str:
+    """`module` as the checkout at `root` names it: one from before bench/ was split by purpose has it as `old`."""
+    return module if (root / Path(*module.split("."))).with_suffix(".py").is_file() else old

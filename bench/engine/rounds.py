@@ -1,15 +1,16 @@
-"""Where a serving level's time goes: bench_cb's closed-loop clients on the offline engine, by kind of step.
+"""Where a serving level's time goes: the serving benchmark's closed-loop clients on the offline engine, by
+kind of step.
 
-    python -m bench.bench_rounds [--preset llama3.2-1b] [--dtype bfloat16] [--clients 8 32]
-                                 [--requests 2] [--prompt-len 200] [--new-tokens 64]
+    python -m bench.engine.rounds [--preset llama3.2-1b] [--dtype bfloat16] [--clients 8 32]
+                                  [--requests 2] [--prompt-len 200] [--new-tokens 64]
 
 One process, TP 1, no HTTP: each of --clients clients sends --requests requests one after the other
 (prompt of --prompt-len random ids, --new-tokens greedy tokens, prefix caching off), the next as
-soon as the last ends, as bench_cb's clients do. The table splits the run's steps into prompt-only
+soon as the last ends, as `bench.serving.serve --scenario levels`'s clients do. The table splits the run's steps into prompt-only
 steps, mixed steps (prompt chunks beside decode rows) and decode steps, with their count, median
 and total seconds, so a level measured through the server can be told apart into prefill compute,
 decode's weight passes and what is neither. To compare checkouts, run this file from each in turn
-(an older one: copy it into that checkout's bench/).
+(an older one: copy this file and bench/lib/ into that checkout, at the same paths).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import argparse
 import statistics
 import time
 
-from bench.bench_generate import prompts
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import table
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import table
+from bench.lib.generation import prompts
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.scheduler import SamplingParams, Scheduled, Sequence

@@ -1,6 +1,6 @@
 """A prompt chunk's attention: the C kernel (kernels/cpu/prompt_attention.c) against PyTorch's flash kernel.
 
-    python -m bench.bench_attention [--preset llama3.2-1b] [--chunks 0:200 0:512 312:200] [--builds ...]
+    python -m bench.kernels.attention [--preset llama3.2-1b] [--chunks 0:200 0:512 312:200] [--builds ...]
 
 One layer of the preset's heads (bfloat16), each chunk given as START:ROWS (rows at positions
 START .., against the keys before them too, read through a block table as a long prompt's later
@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import parse_table, table, torchrun
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import parse_table, table, torchrun
 from tp_llama.checkpoint.params import read_params
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.build import runnable
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for build in a.builds or runnable():
-        stdout = torchrun("bench.bench_attention", ["--preset", a.preset, "--repeats", str(a.repeats), "--chunks",
-                                                    *a.chunks], 1, timeout=1800, env={"TP_LLAMA_KERNELS": build})
+        stdout = torchrun("bench.kernels.attention", ["--preset", a.preset, "--repeats", str(a.repeats), "--chunks",
+                                                      *a.chunks], 1, timeout=1800, env={"TP_LLAMA_KERNELS": build})
         rows += [list(row.values()) for row in parse_table(stdout)]
         print(f"{build}: done", flush=True)
     print(table(HEADERS, rows))

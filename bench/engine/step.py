@@ -1,7 +1,7 @@
 """Where a decode step's time goes: matmuls, attention, norms, C layers and the rest, per engine.
 
-    python -m bench.bench_step [--preset quarter] [--dtypes float32 bfloat16] [--batches 1 8] [--steps 64]
-                               [--before COMMIT_OR_PATH] [--rounds 2]
+    python -m bench.engine.step [--preset quarter] [--dtypes float32 bfloat16] [--batches 1 8] [--steps 64]
+                                [--before COMMIT_OR_PATH] [--rounds 2]
 
 One process, TP 1, the offline engine: for each dtype, engine and batch size, a 128-token prompt
 per row, then --steps decode steps. The engines: this checkout's C kernels with a decode step's
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_generate import prompts
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import REPO, before_root, parse_table, run_module, table
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import REPO, before_root, module_in, parse_table, run_module, table
+from bench.lib.generation import prompts
 from tp_llama.backend import cpu, fused
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
@@ -138,7 +138,8 @@ def compare(a: argparse.Namespace, before: Path) -> None:
     for dtype in a.dtypes:
         for _ in range(a.rounds):
             for name, root in (("ours", REPO), ("before", before)):
-                stdout = run_module("bench.bench_step", [*args, "--dtypes", dtype], root, timeout=1800)
+                module = module_in(root, "bench.engine.step", "bench.bench_step")
+                stdout = run_module(module, [*args, "--dtypes", dtype], root, timeout=1800)
                 for row in parse_table(stdout):
                     key = (row["dtype"], row["batch"], row["engine"], name)
                     steps.setdefault(key, []).append(float(row["step ms"]))

@@ -1,6 +1,6 @@
 """Soak: a real TorchServe with a 2-rank worker under hostile input and minutes of mixed load.
 
-    python -m bench.soak [--minutes 5] [--clients 9]
+    python -m bench.serving.soak [--minutes 5] [--clients 9]
 
 The long version of tests/test_reliability.py's first two tests. It sends the hostile corpus
 (500+ bodies), then runs plain, streaming and disconnect-mid-stream clients for --minutes,
@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 
-from bench.common import OUT, table, write_json
+from bench.lib.common import OUT, table, write_json
 from tp_llama.testing.synthetic import write_checkpoint
 from tp_llama.tokenizer import load_tokenizer
 

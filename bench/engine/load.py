@@ -1,7 +1,7 @@
 """Loading benchmark: per-rank wall seconds, bytes read from disk and peak memory, four ways.
 
-    python -m bench.bench_load [--preset 1b-half] [--pairs 1:1 2:2 4:2 1:2] [--repeats 3]
-                               [--methods floor direct] [--repo OTHER_CHECKOUT]
+    python -m bench.engine.load [--preset 1b-half] [--pairs 1:1 2:2 4:2 1:2] [--repeats 3]
+                                [--methods floor direct] [--repo OTHER_CHECKOUT]
 
 For each MP:TP pair (checkpoint files : tensor-parallel ranks), one launch of TP ranks per repeat
 runs every method in turn, each after evicting the checkpoint from the page cache (cold reads)
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from bench.checkpoint import PRESETS, ensure_checkpoint
-from bench.common import drop_file_cache, last_json, read_bytes, table, torchrun, write_json
+from bench.lib.checkpoint import PRESETS, ensure_checkpoint
+from bench.lib.common import REPO, drop_file_cache, last_json, module_in, read_bytes, table, torchrun, write_json
 from tp_llama.checkpoint.shards import find_shards
 from tp_llama.parallel.distributed import DistInfo, init_distributed
 from tp_llama.parallel.layout import full_shapes, shard_dim, source_split_dim
@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         worker(a.worker, a.ckpt)
         return
 
+    root = a.repo.resolve() if a.repo else REPO
+    module = module_in(root, "bench.engine.load", "bench.bench_load")  # the ranks' code
     results = []
     for pair in a.pairs:
         mp, tp = (int(x) for x in pair.split(":"))
@@ -300,8 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             # A different method goes first each time, so drifting disk speed hits them alike.
             methods = methods[repeat % len(methods):] + methods[: repeat % len(methods)]
             command = ["--worker", *methods, "--ckpt", str(ckpt)]
-            repo = {"repo": a.repo.resolve()} if a.repo else {}
-            runs.append(last_json(torchrun("bench.bench_load", command, tp, timeout=600, env=FRESH_MALLOC, **repo)))
+            runs.append(last_json(torchrun(module, command, tp, timeout=600, env=FRESH_MALLOC, repo=root)))
         first = runs[0]["ranks"]
         summary = {m: summarize(runs, m) for m in METHODS if m in first[0]["methods"]}
         results.append({

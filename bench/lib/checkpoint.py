@@ -1,6 +1,6 @@
 """Synthetic Meta-layout checkpoints for the benchmarks, written once and kept under bench/out/ckpt.
 
-    python -m bench.checkpoint --preset llama3.2-1b --mp 1
+    python -m bench.lib.checkpoint --preset llama3.2-1b --mp 1
 
 Random weights in Meta's exact layout. "llama3.2-1b" and "llama3.2-3b" have those models' exact
 shapes and Meta's real Llama 3 tokenizer.model (128,256 ids, from the llama-models package);
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT
+from bench.lib.common import OUT
 from tp_llama.testing.synthetic import write_checkpoint
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks of the offline engine, no HTTP: loading, bring-up, generation, a decode step, serving rounds."""
