@@ -1,7 +1,7 @@
 """Comments and docstrings in the product give reasons, not lab notes: a timing, a rate or a speed-up
 measured on one machine goes stale in the code and belongs in BENCHMARKS.md, with the comment naming
 the benchmark that shows it (e.g. "4 rows a pass: widening costs more than spilling
-(bench/bench_matmul.py)")."""
+(bench/kernels/matmul.py)")."""
 
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ LAB_NOTES = [
     (".c", "/* 270-370 GFLOPS on an AMX Xeon */\n"),
 ]
 REASONS = [
-    (".py", "# 4 rows a pass: widening costs more than spilling (bench/bench_matmul.py)\nROWS = 4\n"),
+    (".py", "# 4 rows a pass: widening costs more than spilling (bench/kernels/matmul.py)\nROWS = 4\n"),
     (".py", '"""2 MiB pages, 32 bits, int64, Llama 3.1 8B, top_p 0.9, 2,048 positions."""\nTIMEOUT_S = 300\n'),
-    (".py", 'def f():\n    """A 300 s timeout; the GB/s column of bench/bench_matmul.py; 0x1f; 2x2 tiles."""\n'),
+    (".py", 'def f():\n    """A 300 s timeout; the GB/s column of bench/kernels/matmul.py; 0x1f; 2x2 tiles."""\n'),
     (".c", '#define ROWS 8 /* 8 rows x 2 key blocks: 16 of 32 registers */\nconst char *s = "/* 8.3 ms */";\n'),
 ]
 

@@ -1,6 +1,6 @@
 """Clients that stress a live TorchServe: the hostile corpus in bursts, and a mixed-client soak.
 
-Used by tests/test_reliability.py (short runs in CI) and bench/soak.py (the long run).
+Used by tests/test_reliability.py (short runs in CI) and bench/serving/soak.py (the long run).
 """
 
 from __future__ import annotations
