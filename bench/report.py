@@ -8,13 +8,9 @@ around it stays as it is.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 from bench.engine import generate, load
 from bench.serving import versus_cli
@@ -33,6 +29,11 @@ def load_results() -> dict[str, dict]:
 
 def plot(results: dict[str, dict], path: Path = PLOT) -> None:
     """Left: serving tokens/s against concurrency. Right: load seconds per method against the floor."""
+    import matplotlib  # a bench-only package (bench/requirements.txt): --help works without it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (serve_ax, load_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
 
     levels = [lv for lv in results["serve"]["levels"] if lv["stream"]]
@@ -122,7 +123,8 @@ def update_doc(results: dict[str, dict], doc: Path = DOC) -> None:
     doc.write_text(head + results_section(results) + tail)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     results = load_results()
     plot(results)
     update_doc(results)
