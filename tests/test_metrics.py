@@ -11,22 +11,17 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 
-from tests.support.serving_util import TorchServe, live_server
+from tests.support.serving_util import TorchServe
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_SEQ_LEN = 256
-STARTUP_TIMEOUT = 240
 SLOTS = 4
 SHARED = "You are a patient guide who answers in short plain sentences about nature and travel. "
 SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
@@ -34,20 +29,9 @@ LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    ckpt = tmp_path_factory.mktemp("ckpt-llama2")
-    done = subprocess.run([sys.executable, "-m", "tp_llama.synthetic", str(ckpt), "--family", "llama2", "--mp", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    overrides = [
-        f"handler.max_seq_len={MAX_SEQ_LEN}",
-        "handler.max_new_tokens_limit=200",
-        f"handler.max_batch_size={SLOTS}",
-        "handler.prefill_budget=32",
-        "batchSize=10",
-        "maxBatchDelay=20",
-    ]
-    with live_server(tmp_path_factory.mktemp("serve-metrics"), ckpt, overrides, startup_timeout=STARTUP_TIMEOUT) as ts:
+def server(synthetic_checkpoint, serve):
+    with serve(synthetic_checkpoint("llama2"), max_seq_len=MAX_SEQ_LEN, max_batch_size=SLOTS, dtype=None,
+               responseTimeout=None, batchSize=10) as ts:
         yield ts
 
 

@@ -9,8 +9,6 @@ TorchServe passes the rest of the path to the handler as the `url_path` header).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +20,8 @@ openai = pytest.importorskip("openai")
 
 
 from tests.support.hostile_corpus import hostile_corpus
-from tests.support.serving_util import TorchServe, live_server
+from tests.support.serving_util import TorchServe
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Grüße aus Köln: the quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there ✓"}]
 MAX_NEW = 24
@@ -32,35 +29,19 @@ MAX_SEQ_LEN = 256
 NEW_TOKENS_LIMIT = 200
 MAX_BODY = 65536
 SERVER_CAP = 262144
-STARTUP_TIMEOUT = 240
 DTYPE = "float32"  # exact comparisons: bfloat16 rounding depends on the batch a row runs in
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt-llama3")
-    done = subprocess.run([sys.executable, "-m", "tp_llama.synthetic", str(out), "--family", "llama3", "--mp", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return out
+def checkpoint(synthetic_checkpoint) -> Path:
+    return synthetic_checkpoint("llama3")
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    overrides = [
-        f"handler.max_seq_len={MAX_SEQ_LEN}",
-        f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
-        f"handler.default_max_new_tokens={MAX_NEW}",
-        f"handler.max_request_bytes={MAX_BODY}",
-        f"handler.dtype={DTYPE}",
-        "handler.max_batch_size=4",
-        "handler.prefill_budget=32",
-        "batchSize=12",
-        "maxBatchDelay=20",
-        "responseTimeout=120",
-    ]
-    with live_server(tmp_path_factory.mktemp("serve-openai"), checkpoint, overrides, startup_timeout=STARTUP_TIMEOUT,
-                     extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
+def server(checkpoint: Path, serve):
+    with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_new_tokens_limit=NEW_TOKENS_LIMIT,
+               default_max_new_tokens=MAX_NEW, max_request_bytes=MAX_BODY, dtype=DTYPE, batchSize=12,
+               extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
         yield ts
 
 

@@ -16,20 +16,17 @@ import threading
 import pytest
 
 
-from tests.support.serving_util import TorchServe, live_server, without_cache
+from tests.support.serving_util import TorchServe, without_cache
 
-from tp_llama.testing.synthetic import write_checkpoint
 
 SLOTS, HELD, QUEUE, SENT = 2, 3, 2, 10
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("overload")
-    ckpt = write_checkpoint(work / "ckpt", family="llama3", mp=1)
-    overrides = [f"handler.max_batch_size={SLOTS}", f"batchSize={HELD}", "handler.dtype=float32",
-                 "handler.max_seq_len=256", "torchrun.OMP_NUMBER_THREADS=1"]
-    with live_server(work, ckpt, overrides, tp=1, extra_config=[f"job_queue_size={QUEUE}"]) as ts:
+def server(synthetic_checkpoint, serve):
+    with serve(synthetic_checkpoint("llama3", mp=1), tp=1, max_batch_size=SLOTS, batchSize=HELD,
+               max_new_tokens_limit=None, prefill_budget=None, maxBatchDelay=None, responseTimeout=None,
+               torchrun={"OMP_NUMBER_THREADS": 1}, extra_config=[f"job_queue_size={QUEUE}"]) as ts:
         yield ts
 
 

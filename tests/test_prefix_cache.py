@@ -21,14 +21,13 @@ from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.model import Batch
 from tp_llama.parallel.distributed import DistInfo
-from tp_llama.testing.synthetic import write_checkpoint
 
 PROMPT = "the keeper climbed the stairs of the lighthouse at dusk and wrote the reading in the log"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama3", family="llama3", mp=2)
+def ckpt(synthetic_checkpoint):
+    return synthetic_checkpoint("llama3")
 
 
 @pytest.fixture(scope="module")

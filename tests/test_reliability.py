@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -20,16 +21,14 @@ import pytest
 from tests.support.hostile_corpus import hostile_corpus
 from tp_llama.testing.faults import fault_env
 from tests.support.reliability_util import rank_processes, run_corpus, run_soak, stray_ranks
-from tests.support.serving_util import TorchServe, live_server, without_cache
+from tests.support.serving_util import TorchServe, without_cache
 
-from tp_llama.testing.synthetic import write_checkpoint
 
 MAX_SEQ_LEN = 256
 MAX_BODY = 65536
 SERVER_CAP = 262144
 DEFAULT_NEW = 8
 COLLECTIVE_TIMEOUT_S = 15
-STARTUP_TIMEOUT = 180
 FAIL_FAST_S = 30  # a fault must end the batch or the load attempt well within this
 RECOVER_S = 90  # TorchServe's restart back-off plus a reload
 SOAK_S = 30
@@ -37,28 +36,19 @@ LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("rel") / "ckpt", family="llama2", mp=2)
+def checkpoint(synthetic_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy: the load-fault test corrupts a shard of it for a while."""
+    return Path(shutil.copytree(synthetic_checkpoint("llama2"), tmp_path_factory.mktemp("rel") / "ckpt"))
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("rel-serve")
-    overrides = [
-        f"handler.max_seq_len={MAX_SEQ_LEN}",
-        f"handler.max_request_bytes={MAX_BODY}",
-        f"handler.default_max_new_tokens={DEFAULT_NEW}",
-        "handler.max_new_tokens_limit=200",
-        "handler.max_batch_size=8",
-        "handler.dtype=float32",  # replies are compared with the same request sent alone, exactly
-        "batchSize=12",
-        "maxBatchDelay=20",
-        "responseTimeout=120",
-    ]
-    env = {**fault_env(work / "faults.json"), "TP_LLAMA_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
-    with live_server(work, checkpoint, overrides, startup_timeout=STARTUP_TIMEOUT, env=env, with_testing=True,
-                     extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
-        ts.fault_file = work / "faults.json"
+def server(checkpoint: Path, serve, tmp_path_factory: pytest.TempPathFactory):
+    faults = tmp_path_factory.mktemp("faults") / "faults.json"
+    env = {**fault_env(faults), "TP_LLAMA_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
+    with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_request_bytes=MAX_BODY, default_max_new_tokens=DEFAULT_NEW,
+               max_batch_size=8, prefill_budget=None, batchSize=12, env=env, with_testing=True,
+               extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
+        ts.fault_file = faults
         yield ts
 
 

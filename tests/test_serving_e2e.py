@@ -20,7 +20,7 @@ import pytest
 
 
 from deploy.make_archive import build_archive
-from tests.support.serving_util import VENV_BIN, TorchServe, free_ports, live_server, port_is_open, without_cache
+from tests.support.serving_util import VENV_BIN, TorchServe, free_ports, port_is_open, without_cache
 from tp_llama.testing.synthetic import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,11 +50,8 @@ def setup(request: pytest.FixtureRequest) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(setup: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    family, _ = setup
-    out = tmp_path_factory.mktemp(f"ckpt-{family}")
-    _run([sys.executable, "-m", "tp_llama.synthetic", str(out), "--family", family, "--mp", "2"], 120)
-    return out
+def checkpoint(setup: tuple[str, str], synthetic_checkpoint) -> Path:
+    return synthetic_checkpoint(setup[0])
 
 
 @pytest.fixture(scope="module")
@@ -72,21 +69,10 @@ def cli_reference(checkpoint: Path, setup: tuple[str, str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, setup: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):
-    overrides = [
-        f"handler.max_seq_len={MAX_SEQ_LEN}",
-        f"handler.max_new_tokens_limit={NEW_TOKENS_LIMIT}",
-        f"handler.default_max_new_tokens={MAX_NEW}",
-        f"handler.max_request_bytes={MAX_BODY}",
-        f"handler.mode={setup[1]}",
-        f"handler.dtype={DTYPE}",
-        "handler.max_batch_size=4",
-        "handler.prefill_budget=32",
-        "batchSize=6",
-        "maxBatchDelay=20",
-        "responseTimeout=120",
-    ]
-    with live_server(tmp_path_factory.mktemp("serve"), checkpoint, overrides, startup_timeout=STARTUP_TIMEOUT) as ts:
+def server(checkpoint: Path, setup: tuple[str, str], serve):
+    with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_new_tokens_limit=NEW_TOKENS_LIMIT,
+               default_max_new_tokens=MAX_NEW, max_request_bytes=MAX_BODY, mode=setup[1], dtype=DTYPE,
+               batchSize=6) as ts:
         yield ts
 
 
