@@ -100,15 +100,15 @@ def test_the_decode_step_gives_the_batch_steps_logits_and_cache(device: str, com
 def test_every_bucket_gets_its_own_graph_whatever_recompile_limit_it_finds(device: str, monkeypatch):
     """Dynamo counts all graphs of one function against one limit; past it, a bucket would run eagerly
     (on CUDA, FlexAttention then materialises scores over the whole pool: a 32-row step of an 8B
-    model took 720 ms against 8 ms). Here a limit of 1 meets a step of 3 buckets."""
+    model took 720 ms against 8 ms). Here a limit of 1 meets a step of 2 buckets."""
     torch.compiler.reset()  # no graphs of earlier tests in the count
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     model = served_model(device)
     compiled = counters["frames"]["ok"]
-    step = DecodeStep(model, 3, WIDTH, torch.device(device), compiled=True)
+    step = DecodeStep(model, 2, WIDTH, torch.device(device), compiled=True)
     step.warm_up()
-    assert step.sizes == (1, 2, 3)
-    assert counters["frames"]["ok"] - compiled == 3
+    assert step.sizes == (1, 2)
+    assert counters["frames"]["ok"] - compiled == 2
 
 
 def test_buckets_cover_every_row_count_up_to_the_cap():
@@ -138,9 +138,10 @@ def test_compiling_is_chosen_by_device_mode_and_kernels():
         EngineConfig("-", compile="yes")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path, world: int):
-    """The whole engine, compile on and off (TP 2: the all-reduces traced, the logits' gather to rank 0 after)."""
+def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path):
+    """The whole engine at TP 2, compile on and off: the all-reduces traced, the logits' gather to rank 0
+    after. (At TP 1 the GPU check's CPU run below compares compiled steps' greedy tokens with the float64
+    reference.)"""
     ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=2)
     prompts = ["the lamp", "a keeper wrote the reading in the log at dusk"]
     outputs = {}
@@ -149,7 +150,7 @@ def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path, world: int):
                 "--compile", compile_]
         for prompt in prompts:
             args += ["--prompt", prompt]
-        run = launch_cli(args, world, timeout=300, env={"TP_LLAMA_MATMUL": "plain"})
+        run = launch_cli(args, 2, timeout=300, env={"TP_LLAMA_MATMUL": "plain"})
         assert run.returncode == 0, run.stderr[-3000:]
         assert f"decode steps: {'compiled' if compile_ == 'on' else 'eager'}" in run.stderr
         outputs[compile_] = [json.loads(line)["token_ids"] for line in run.stdout.splitlines() if line.strip()]
