@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tp_llama.kernels import choose, cpu_flags
+from tp_llama.kernels.quant import QUANTIZE
 
 MODES = ("tp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where this process sees a GPU
@@ -65,11 +66,15 @@ class EngineConfig:
     kv_cache_memory_gb: float = bounded(0.0, 0)  # the KV-cache pool per rank; 0: see kv_pool_bytes
     kv_block_size: int = bounded(16, 16)  # positions per KV-cache block, a multiple of 16
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    quantize: str = one_of("none", QUANTIZE)  # matmul weights quantized by each rank as it loads them
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.kv_block_size % 16:
             raise ValueError(f"kv_block_size must be a multiple of 16, got {self.kv_block_size}")
+        if self.quantize != "none" and self.mode != "tp":
+            raise ValueError(f"quantize {self.quantize!r} needs mode 'tp' (fsdp mode loads the seed converter's "
+                             "unquantized shards)")
 
     @property
     def blocks_per_sequence(self) -> int:

@@ -10,28 +10,39 @@ FSDP, and the model no longer holds Meta's separate projections afterwards.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tp_llama.backend import cpu, fused
-from tp_llama.kernels import Tiled, choose
+from tp_llama.kernels import Quantized, Tiled, choose
+from tp_llama.kernels.quant import check_groups
 from tp_llama.model import Transformer
+from tp_llama.parallel.modules import LocalLinear
 
 
-def optimize(model: Transformer, device: torch.device | None = None, traced: bool = False) -> tuple[str, str]:
+def optimize(model: Transformer, device: torch.device | None = None, traced: bool = False,
+             quantized: str = "none") -> tuple[str, str]:
     """Swap the serving modules in, for the device the model will run on (its own unless given);
     returns kernels.choose's (kind, why not a faster one).
 
     Fusing on the host and moving the fused weights afterwards leaves no fragmented copies in
     a GPU's memory. traced: decode steps will go through torch.compile (kernels.choose).
+    quantized: "int8" or "int4", every matmul's weight quantized (the embedding stays: a step only
+    gathers its rows).
     """
-    kind, why = choose(device or model.norm.weight.device, model.norm.weight.dtype, traced)
+    device = device or model.norm.weight.device
+    kind, why = choose(device, model.norm.weight.dtype, traced, quantized)
+    if kind == "int4":
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Linear, LocalLinear)):
+                check_groups(name, module.weight, 4)
     if kind in ("amx", "tiles"):
         cpu.apply(model, kind)
     else:
-        fused.apply(model, kind)
+        fused.apply(model, kind, device)
     return kind, why
 
 
-def matmul_weights(model: Transformer) -> list[torch.Tensor | Tiled]:
+def matmul_weights(model: Transformer) -> list[torch.Tensor | Tiled | Quantized]:
     """Every weight a matmul reads, in its prepared form (for kernels.warm_up)."""
     weights = [model.output.weight]
     for layer in model.layers:

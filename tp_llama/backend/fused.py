@@ -2,7 +2,8 @@
 
 Each module replaces the model's own after it is built and loaded (inference only: Meta's
 separate projections are gone afterwards), with every weight in the form `kind` of matmul runs
-fastest (tp_llama.kernels.prepare).
+fastest (tp_llama.kernels.prepare); quantized kinds pack their weights for `device`, where the
+model is going.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_llama.kernels import Tiled, linear, prepare
+from tp_llama.kernels import Quantized, Tiled, linear, prepare
 from tp_llama.model.batch import Batch
 from tp_llama.model.kv_cache import attend
 from tp_llama.model.llama import Attention, FeedForward, Transformer, apply_rope
@@ -19,17 +20,17 @@ from tp_llama.parallel.layout import NONE
 from tp_llama.parallel.modules import LocalLinear
 
 
-def held(weight: torch.Tensor | Tiled) -> torch.Tensor | Tiled:
+def held(weight: torch.Tensor | Tiled | Quantized) -> torch.Tensor | Tiled | Quantized:
     """A plain weight as a Parameter, so that moving the module to its device moves it too."""
     if isinstance(weight, torch.Tensor) and not weight.is_mkldnn:
         return nn.Parameter(weight, requires_grad=False)
     return weight
 
 
-def serving_linear(module: nn.Module, kind: str) -> LocalLinear:
+def serving_linear(module: nn.Module, kind: str, device: torch.device | None = None) -> LocalLinear:
     """A Linear (or this rank's LocalLinear) with its weight prepared for `kind` of matmul."""
     local = module if isinstance(module, LocalLinear) else LocalLinear(module.weight.detach(), NONE, None)
-    prepared = held(prepare(local.weight, kind))
+    prepared = held(prepare(local.weight, kind, device))
     del local.weight
     local.weight = prepared
     return local
@@ -38,13 +39,13 @@ def serving_linear(module: nn.Module, kind: str) -> LocalLinear:
 class FusedAttention(nn.Module):
     """The model's attention with q, k and v in one matmul."""
 
-    def __init__(self, attention: Attention, kind: str):
+    def __init__(self, attention: Attention, kind: str, device: torch.device | None = None):
         super().__init__()
         self.head_dim = attention.head_dim
         self.widths = (attention.wq.weight.shape[0], attention.wk.weight.shape[0])  # this rank's q and k features
         fused = torch.cat([w.weight.detach() for w in (attention.wq, attention.wk, attention.wv)])
-        self.wqkv: torch.Tensor | Tiled = held(prepare(fused, kind))
-        self.wo = serving_linear(attention.wo, kind)
+        self.wqkv: torch.Tensor | Tiled | Quantized = held(prepare(fused, kind, device))
+        self.wo = serving_linear(attention.wo, kind, device)
         self.cache = attention.cache
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -62,20 +63,20 @@ class FusedAttention(nn.Module):
 class FusedFeedForward(nn.Module):
     """The model's SwiGLU with w1 and w3 in one matmul."""
 
-    def __init__(self, ffn: FeedForward, kind: str):
+    def __init__(self, ffn: FeedForward, kind: str, device: torch.device | None = None):
         super().__init__()
         w13 = torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()])
-        self.w13: torch.Tensor | Tiled = held(prepare(w13, kind))
-        self.w2 = serving_linear(ffn.w2, kind)
+        self.w13: torch.Tensor | Tiled | Quantized = held(prepare(w13, kind, device))
+        self.w2 = serving_linear(ffn.w2, kind, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.w13).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
-def apply(model: Transformer, kind: str) -> None:
-    """Fuse the model's projections, every matmul weight prepared for `kind`."""
+def apply(model: Transformer, kind: str, device: torch.device | None = None) -> None:
+    """Fuse the model's projections, every matmul weight prepared for `kind` (on `device`)."""
     for layer in model.layers:
-        layer.attention = FusedAttention(layer.attention, kind)
-        layer.feed_forward = FusedFeedForward(layer.feed_forward, kind)
-    model.output = serving_linear(model.output, kind)
+        layer.attention = FusedAttention(layer.attention, kind, device)
+        layer.feed_forward = FusedFeedForward(layer.feed_forward, kind, device)
+    model.output = serving_linear(model.output, kind, device)

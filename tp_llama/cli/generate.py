@@ -15,6 +15,7 @@ import sys
 import torch.distributed as dist
 
 from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, EngineConfig
+from tp_llama.kernels.quant import QUANTIZE
 from tp_llama.engine.core import Engine
 from tp_llama.engine.runner import CPU_DEFAULT_SEQUENCES
 from tp_llama.engine.sampling import SamplingParams
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "on CPU, most of the free memory on a GPU)")
     parser.add_argument("--kv-block-size", type=int, default=SERVER.kv_block_size, help="positions per KV-cache block")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt from its first token")
+    parser.add_argument("--quantize", choices=QUANTIZE, default="none",
+                        help="matmul weights quantized by each rank as it loads them: int8 per output channel, "
+                             "int4 per group of 32 along k")
     parser.add_argument("--prefill-budget", type=int, default=SERVER.prefill_budget,
                         help="rows per step, decode rows included (longer prompts are prefilled in chunks)")
     return parser.parse_args(argv)
@@ -87,7 +91,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     max_seq_len = a.max_seq_len if a.max_seq_len is not None else max(2, min(longest, SERVER.max_seq_len))
     slots = a.slots if a.slots is not None else min(len(a.prompt), SERVER.max_batch_size)
     return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget, a.device, a.compile,
-                        a.kv_cache_memory_gb, a.kv_block_size, not a.no_prefix_caching)
+                        a.kv_cache_memory_gb, a.kv_block_size, not a.no_prefix_caching, a.quantize)
 
 
 def run(a: argparse.Namespace) -> None:

@@ -102,7 +102,8 @@ class ModelRunner:
         """Swap the serving modules in on the host, then move the model to its device; the matmul kind."""
         info = self.info
         with every_rank_agrees():
-            kind, why = backend.optimize(self.model, info.device, traced=wants_compile(config, info.device))
+            kind, why = backend.optimize(self.model, info.device, traced=wants_compile(config, info.device),
+                                         quantized=config.quantize)
             if kind in ("amx", "tiles"):
                 chunks = library().next_tile_min_chunks
                 ahead = "every call" if chunks == 1 else f"calls of {chunks} chunks of rows or more"

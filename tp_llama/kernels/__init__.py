@@ -37,18 +37,23 @@ from tp_llama.kernels import onednn
 from tp_llama.kernels.cpu import ffi
 from tp_llama.kernels.cpu.build import cpu_flags
 from tp_llama.kernels.cpu.ops import Tiled, prepare_swiglu_tiles, prepare_tiles, tileable, tiled_linear
+from tp_llama.kernels.quant import Quantized, quantize, quantized_linear
 
-KINDS = ("amx", "tiles", "onednn", "plain")
+KINDS = ("amx", "tiles", "onednn", "plain", "int8", "int4")
 
-__all__ = ["KINDS", "Tiled", "choose", "cpu_flags", "linear", "prepare", "prepare_swiglu", "warm_up"]
+__all__ = ["KINDS", "Quantized", "Tiled", "choose", "cpu_flags", "linear", "prepare", "prepare_swiglu", "warm_up"]
 
 
-def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tuple[str, str]:
+def choose(device: torch.device, dtype: torch.dtype, traced: bool = False, quantized: str = "none") -> tuple[str, str]:
     """(kind, why): which matmul this process's weights are prepared for, and why not a faster one.
 
     traced: the forward goes through torch.compile, which cannot trace oneDNN's packed weights
     ("plain" instead: inductor packs them itself); the C kernels stay, their steps untraced.
+    quantized: "int8" or "int4" asks for weights quantized at load (tp_llama.kernels.quant), whose
+    matmuls are PyTorch's own on every device.
     """
+    if quantized != "none":
+        return quantized, "quantized weights run PyTorch's int8/int4 matmuls, not the C kernels' tiles"
     forced = os.environ.get("TP_LLAMA_MATMUL") or None  # set but empty: as if unset
     if forced is not None and forced not in KINDS:
         raise ValueError(f"TP_LLAMA_MATMUL={forced!r}: choose one of {', '.join(KINDS)}")
@@ -67,9 +72,12 @@ def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tu
     return "onednn", why
 
 
-def prepare(weight: torch.Tensor, kind: str) -> torch.Tensor | Tiled:
-    """weight [out, in] in the form `linear` runs fastest for `kind` (see choose)."""
+def prepare(weight: torch.Tensor, kind: str, device: torch.device | None = None) -> torch.Tensor | Tiled | Quantized:
+    """weight [out, in] in the form `linear` runs fastest for `kind` (see choose); a quantized kind's
+    weight is packed for `device` (the weight's own by default), where it will run."""
     weight = weight.detach()
+    if kind in ("int8", "int4"):
+        return quantize(weight, 8 if kind == "int8" else 4, device)
     if kind in ("amx", "tiles") and tileable(weight):
         return prepare_tiles(weight, amx=kind == "amx")
     if kind in ("amx", "tiles", "onednn") and onednn.available(weight.dtype):
@@ -82,10 +90,12 @@ def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | Non
     return prepare_swiglu_tiles(w1, w3, amx=kind == "amx") if kind in ("amx", "tiles") else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Tiled) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Tiled | Quantized) -> torch.Tensor:
     """x [T, in] @ weight.T, whichever form the weight is in."""
     if isinstance(weight, Tiled):
         return tiled_linear(x, weight)
+    if isinstance(weight, Quantized):
+        return quantized_linear(x, weight)
     if weight.is_mkldnn:
         return onednn.linear(x, weight)
     return F.linear(x, weight)
