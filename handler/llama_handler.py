@@ -81,7 +81,7 @@ class LlamaHandler(BaseHandler):
         warm_up = Sequence("warm-up", self.engine.tokenizer.encode("Hello", bos=True), SamplingParams(1))
         self.engine.generate([warm_up])
         # The worker serves this model for its life: frozen, its objects are no longer walked by the
-        # cyclic collector whenever a step's garbage starts it (a profile of bench/bench_step.py shows it).
+        # cyclic collector whenever a step's garbage starts it (a profile of bench/engine/step.py shows it).
         gc.collect()
         gc.freeze()
         if self.engine.rank == 0:

@@ -86,7 +86,7 @@ def cpu_streams_bf16(device: torch.device) -> bool:
     """A CPU where bfloat16 weights halve the bytes of a decode step at float32's arithmetic speed:
     one built for bfloat16 (avx512_bf16, AMX), or one that runs tp_llama's C kernels, which widen
     bfloat16 in registers (AVX2 and AVX-512: decode faster than in float32, prefill about level;
-    bench/bench_generate.py --dtype bfloat16). Elsewhere bfloat16 goes through PyTorch's slow paths."""
+    bench/engine/generate.py --dtype bfloat16). Elsewhere bfloat16 goes through PyTorch's slow paths."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags or choose(device, torch.bfloat16)[0] in ("amx", "tiles")
 

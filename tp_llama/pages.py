@@ -2,13 +2,13 @@
 
 A decode step streams every weight from memory once. On 4 KiB pages that stream crosses a page,
 and misses the TLB, every 64 cache lines; 2 MiB pages take those misses out of the stream
-(bench/bench_step.py). Linux gives an anonymous mapping 2 MiB pages when transparent huge pages
+(bench/engine/step.py). Linux gives an anonymous mapping 2 MiB pages when transparent huge pages
 are `always`, or `madvise` and the mapping asks (MADV_HUGEPAGE, as here); with `never`, or where
 the request fails, the memory is ordinary.
 
 The cost is at load: a fresh 2 MiB page is slow to touch first, where 4 KiB pages reuse the
-memory the checkpoint was just read into (bench/bench_load.py), paid once for every decode step
-after (bench/bench_step.py).
+memory the checkpoint was just read into (bench/engine/load.py), paid once for every decode step
+after (bench/engine/step.py).
 """
 
 from __future__ import annotations

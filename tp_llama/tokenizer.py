@@ -167,7 +167,7 @@ class TiktokenTokenizer(Tokenizer):
     def __init__(self, ranks: dict[bytes, int], name: str) -> None:
         n_base = len(ranks)
         self.special_ids = {tok: n_base + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
-        import tiktoken  # here, so the engine imports on machines without the tokenizers (bench/gpu_check.py)
+        import tiktoken  # here, so the engine imports on machines without the tokenizers (checks/gpu_check.py)
 
         self._enc = tiktoken.Encoding(
             name=name,

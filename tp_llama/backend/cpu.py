@@ -72,7 +72,7 @@ class CAttention(FusedAttention):
                         out: torch.Tensor) -> None:
         """Prompt rows into out: RoPE and the cache write in C, then each chunk against its sequence's
         keys so far, in C in bfloat16 (faster than PyTorch's flash kernel at prompt lengths on every build,
-        bench/bench_attention.py), else through PyTorch's flash attention."""
+        bench/kernels/attention.py), else through PyTorch's flash attention."""
         n_q, n_kv = self.widths
         cache = self.cache
         ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, cache.k, cache.v)

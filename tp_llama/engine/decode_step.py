@@ -43,7 +43,7 @@ class DecodeStep:
                     torch._dynamo.mark_static_address(cache.v)
             # One graph per bucket, and dynamo counts every engine's graphs of this function against
             # one limit (8 by default): past it, steps fall back to eager, far slower than captured
-            # (bench/gpu_check.py's decode speed).
+            # (checks/gpu_check.py's decode speed).
             torch._dynamo.config.recompile_limit += len(self.sizes)
             torch._dynamo.config.accumulated_recompile_limit += len(self.sizes)
             mode = "reduce-overhead" if device.type == "cuda" else None

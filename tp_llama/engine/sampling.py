@@ -134,7 +134,7 @@ def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
 
 def _penalize_in_c(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
     """penalize by the C kernel, a pass over each row's history: PyTorch's indexed ops spend most of their
-    time building index tensors from lists (bench/bench_sampling.py's penalties)."""
+    time building index tensors from lists (bench/kernels/sampling.py's penalties)."""
     lib = ffi.library()
     logits = logits.contiguous().clone()
     held, specs = [], []  # the arrays the call reads, kept alive until it returns
@@ -166,7 +166,7 @@ def in_c(logits: torch.Tensor) -> bool:
 
 def _argmax_in_c(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax of each row, in one pass over the logits and a second over L2, where PyTorch's is slow
-    at Llama 3's vocabulary (bench/bench_sampling.py's greedy)."""
+    at Llama 3's vocabulary (bench/kernels/sampling.py's greedy)."""
     logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.long)
     ffi.library().argmax_rows(logits.data_ptr(), logits.shape[1], logits.shape[0], out.data_ptr())

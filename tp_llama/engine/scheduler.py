@@ -10,7 +10,7 @@ or half-prefilled sequences, up to `prefill_budget` rows in all (decode rows inc
 max_num_batched_tokens), so a long prompt is prefilled over several steps while the others keep
 decoding, and a step that cuts a prompt is exactly the budget's size: on CPU a matmul's cost goes
 by 32-row blocks, and 512 prompt rows beside three decode rows had cost a 17th block
-(bench/bench_rounds.py's mixed steps). Prompts get at least half the budget however many
+(bench/engine/rounds.py's mixed steps). Prompts get at least half the budget however many
 sequences decode.
 
 Memory decides how many run: a sequence is admitted when the blocks its prompt still needs (after

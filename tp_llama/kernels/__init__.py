@@ -10,16 +10,16 @@ Four kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comp
 - "tiles", CPUs with AVX-512 or AVX2: tp_llama's C kernels (kernels/cpu), built on first use for the
   best instruction set the CPU has (build.py's variants; AVX2 for AMD's Zen 2/3). The weight
   is repacked into column tiles that stream once per call, which beats oneDNN at decode's few
-  rows in float32 and at every row count in bfloat16 (bench/bench_matmul.py). A SwiGLU's w1 and
+  rows in float32 and at every row count in bfloat16 (bench/kernels/matmul.py). A SwiGLU's w1 and
   w3 go in one weight whose tiles end in silu(gate) * up (`prepare_swiglu`). The same library
   runs RMSNorm, decode attention and a decode step's layers (tp_llama.backend.cpu uses them with
   this kind only). CPUs with avx512_bf16 and no AMX (AMD's Zen 4 and 5) get the `avx512-bf16`
   build, whose bfloat16 tiles multiply pairs by vdpbf16ps at every row count: one instruction a
   pair instead of widening to float32 FMAs, which keeps prefill level with oneDNN
-  (bench/bench_matmul.py).
+  (bench/kernels/matmul.py).
   With AVX2 only, float32 tiles beat oneDNN at decode's few rows and trail its blocking from 32
   rows; bfloat16, which oneDNN cannot pack there, beats PyTorch's slow path at every row count
-  (bench/bench_matmul.py).
+  (bench/kernels/matmul.py).
 - "onednn", CPUs without the C kernels (no compiler): oneDNN's blocked layout (kernels/onednn.py).
 - "plain", CUDA and anything else: F.linear.
 

@@ -1,7 +1,7 @@
 """oneDNN's blocked weight layout, for CPUs without tp_llama's C kernels.
 
 Faster than PyTorch's default matmul for batches of rows: the weight is laid out in oneDNN's
-blocks once, at load (bench/bench_matmul.py). oneDNN builds and keeps a kernel per row count, so
+blocks once, at load (bench/kernels/matmul.py). oneDNN builds and keeps a kernel per row count, so
 row counts are rounded up to a few sizes (exact up to EXACT_ROWS, then multiples of it): the
 decode sizes are built at load (`warm_up`), the few prefill sizes when first met.
 """

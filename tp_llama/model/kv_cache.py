@@ -53,7 +53,7 @@ class KVCache:
         heads, _, hd = self.k.shape
         wanted = tables[:, :blocks].reshape(-1)
         out = []
-        # index_select copies whole blocks: faster than advanced indexing here (bench/bench_step.py)
+        # index_select copies whole blocks: faster than advanced indexing here (bench/engine/step.py)
         for cache in (self.k, self.v):
             picked = cache.view(heads, -1, self.block_size * hd).index_select(1, wanted)
             out.append(picked.view(heads, rows, blocks * self.block_size, hd)[:, :, :length].transpose(0, 1))

@@ -61,7 +61,7 @@ def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> torch
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent element pairs (Meta's complex-multiply convention). x [T, h, hd], rotation [T, 1, hd/2, 2].
 
-    Eager, as one complex multiply (one kernel where the real pairs take six ops, bench/bench_step.py);
+    Eager, as one complex multiply (one kernel where the real pairs take six ops, bench/engine/step.py);
     traced, as real pairs, which inductor fuses.
     """
     pairs = x.float().unflatten(-1, (-1, 2))

@@ -27,7 +27,7 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
 
 
 def _on_host_under_gloo(collective):
-    """Gloo gathers host tensors only: ranks sharing one GPU over gloo (bench/gpu_check.py) gather a copy."""
+    """Gloo gathers host tensors only: ranks sharing one GPU over gloo (checks/gpu_check.py) gather a copy."""
 
     def run(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         if x.is_cuda and dist.get_backend(group) == "gloo":

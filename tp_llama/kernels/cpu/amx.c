@@ -5,7 +5,7 @@
  * for the tile's two halves. The FMA tiles' layout ([K / 2][TILE_COLS][2]) holds the same 2 KiB
  * with the halves' rows interleaved, and AMX's tile loads read that (a row stride of 128 bytes)
  * every other line, which the hardware prefetchers follow badly; the contiguous runs stream as a
- * plain read does (bench/bench_matmul.py's GB/s). Each thread takes whole weight tiles and
+ * plain read does (bench/kernels/matmul.py's GB/s). Each thread takes whole weight tiles and
  * multiplies every 32-row block of x by each (by_pieces, or by_panels for a call of one block):
  * C[32][32] in four float32 tiles, A (two 16-row blocks of x) and B (the tile's two halves) in
  * the other four, TDPBF16PS over k 32 at a time. The epilogue is the decode kernel's: rounded to
@@ -14,7 +14,7 @@
  * Built into the library only by the avx512-amx variant (build.py); elsewhere amx_matmul answers
  * TPL_NO_AMX and the decode tiles do the work. tiled_matmul (matmul.c) calls it for every bfloat16
  * call when the caller asks: at a few rows it streams the weights a little slower than the FMA
- * tiles (bench/bench_matmul.py), but a row then gets the same bits in any batch (AMX's sums round
+ * tiles (bench/kernels/matmul.py), but a row then gets the same bits in any batch (AMX's sums round
  * differently from the FMAs'), so seeded sampling draws the same tokens alone and under load.
  */
 #include <stdlib.h>
@@ -120,14 +120,14 @@ static inline void finish(struct Rows *r) {
  * after the first (by_pieces). streams: a one-block call reads its tile once, straight from
  * memory, and asks only for the tile's lines NEAR_K ahead into L1 (by_panels); it also asks to own
  * the lines of y that its epilogue writes a block later: without that, those stores miss while
- * the weights stream, and a decode step of several rows pays for them (bench/bench_step.py).
+ * the weights stream, and a decode step of several rows pays for them (bench/engine/step.py).
  * Prefill's blocks (by_pieces) do not ask: there the asks cost more than the misses
- * (bench/bench_generate.py's prefill).
+ * (bench/engine/generate.py's prefill).
  * The epilogue runs a block late: the rows of the block before (`before`) go out one every other
  * k step, beside the AMX work, and all of them before acc is stored to (so one acc can serve both);
  * a last block leaves its own rows in `before`, for the next block or the caller (finish). Run after
  * the sums, SwiGLU's exp and the stores into y's rows (16 KiB apart for w1/w3) had held AMX idle;
- * beside the AMX work they cost about nothing (bench/bench_matmul.py at prefill's rows). */
+ * beside the AMX work they cost about nothing (bench/kernels/matmul.py at prefill's rows). */
 static inline __attribute__((always_inline)) void
 block(const uint16_t *packed, const char *wt, const char *ahead, int64_t per_step, int streams, int64_t k0, int64_t k1,
       int first, int last, float *acc, uint16_t *y, int64_t ldy, int64_t rows, int64_t cols, int gated,
@@ -197,7 +197,7 @@ static uint16_t *tile_out(void *y, int64_t b, int64_t t, int64_t width, int gate
  * block's k steps (block). Each chunk after the first is one more pass over the weights (from L3
  * while they fit). Where k takes several pieces (w2's 8,192), the sums of each (block, tile) wait
  * in memory between pieces, which beats panels of 8 tiles in k slabs of 256 at prefill's row counts
- * (bench/bench_matmul.py). Without memory for those sums, k goes in one piece. */
+ * (bench/kernels/matmul.py). Without memory for those sums, k goes in one piece. */
 static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
                       int packed_y) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, width = gated ? N / 2 : N, blocks = (M + 31) / 32;
@@ -237,7 +237,7 @@ static void by_pieces(const uint16_t *packed, int64_t M, int64_t K, const void *
  * of tiles that each slab of x serves while the weights stream from memory once a call. Nothing of
  * the next tile is asked for ahead, only the own tile's lines just ahead (NEAR_K): on the
  * contiguous runs the hardware streams the rest, and asking for the next tile into L2 (which
- * prefill's calls need, by_pieces) slows that stream (bench/bench_matmul.py at 1-32 rows). */
+ * prefill's calls need, by_pieces) slows that stream (bench/kernels/matmul.py at 1-32 rows). */
 static void by_panels(const uint16_t *packed, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated,
                       int packed_y) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, width = gated ? N / 2 : N;

@@ -87,7 +87,7 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
 
 /* How many chunks of rows (of up to 8 on AVX-512) a tile call must have before it asks for the
  * thread's next tile while it computes: 1, every call (Intel, where they keep more lines in flight),
- * or 2 (AMD's Zen 5, where they slow one-row passes; bench/bench_matmul.py). ffi.py sets it at
+ * or 2 (AMD's Zen 5, where they slow one-row passes; bench/kernels/matmul.py). ffi.py sets it at
  * load, before any call. */
 void set_next_tile_min_chunks(int chunks);
 

@@ -1,7 +1,7 @@
 /* A decode step's layers on the tiled weights, in a few C calls.
  *
  * Run op by op from Python, a decode layer is nine calls, each with its own Python frames, output
- * allocation and OpenMP fork, which add up at a decode step's few rows (bench/bench_step.py). Here
+ * allocation and OpenMP fork, which add up at a decode step's few rows (bench/engine/step.py). Here
  * each half of a layer runs in one parallel region, its ops separated by barriers only:
  *   attention_block  h += delta; x = attention_norm(h); qkv = x wqkv; attention; delta = . wo
  *   ffn_block        h += delta; x = ffn_norm(h);       g = SwiGLU(x w1, x w3);  delta = g w2

@@ -158,7 +158,7 @@ def next_tile_min_chunks(vendor: str) -> int:
 
     On Intel those prefetches keep more lines in flight than the core's own fill buffers; on a
     Zen 5 EPYC they slow a one-row pass past oneDNN's and still help from 2 chunks
-    (bench/bench_matmul.py).
+    (bench/kernels/matmul.py).
     TP_LLAMA_NEXT_TILE_MIN_CHUNKS sets it instead, to compare.
     """
     forced = os.environ.get("TP_LLAMA_NEXT_TILE_MIN_CHUNKS") or None  # set but empty: as if unset

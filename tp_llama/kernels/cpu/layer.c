@@ -3,7 +3,7 @@
  * Between its four matmuls a decode layer runs about 25 eager PyTorch ops (RMSNorm alone is
  * six, RoPE five, the cache write two index_puts, attention a flash kernel built for long
  * queries). At a few rows each op costs its dispatch and an OpenMP fork, not its bytes
- * (bench/bench_step.py). Here each is one call:
+ * (bench/engine/step.py). Here each is one call:
  *   rms_norm          Meta's RMSNorm: normalise in float32, round to the activation type, scale
  *   decode_attention  one new token per row: RoPE on its query and key, the key and value
  *                     written to the row's place in its cache blocks, then softmax attention
@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
  * in place in qkv ([rows][(n_heads + 2 n_kv_heads) head_dim]) and its key and value written to
  * cache index locations[r] of cache_k/v [n_kv_heads][cache_len][head_dim], as attend does for a
  * decode row. rotation [rows][head_dim]: cos, sin pairs at the row's position. Eager, RoPE and
- * the cache write were 12 ops a layer, each its own dispatch (bench/bench_generate.py's prefill).
+ * the cache write were 12 ops a layer, each its own dispatch (bench/engine/generate.py's prefill).
  * TPL_OK, or TPL_OFF_CACHE before anything is written. */
 int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64_t *locations, int64_t n_heads,
                      int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t cache_len, int bf16) {

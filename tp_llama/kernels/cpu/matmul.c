@@ -2,8 +2,8 @@
  *
  * A decode step multiplies a few rows by every weight, so it is bound by how fast the weights
  * stream from memory. oneDNN and MKL tile for many rows and lose part of that stream at 1 to 32
- * rows (bench/bench_matmul.py), and oneDNN's bfloat16 path is bound by vdpbf16ps, which issues
- * slower than float32 FMAs on some CPUs (bench/bench_peak.py).
+ * rows (bench/kernels/matmul.py), and oneDNN's bfloat16 path is bound by vdpbf16ps, which issues
+ * slower than float32 FMAs on some CPUs (bench/kernels/peak.py).
  *
  * Here the weight is packed once, at load, into tiles of TILE_COLS output columns, each tile one
  * contiguous run (ops.py packs it):
@@ -23,15 +23,15 @@
 
 #define VECS (TILE_COLS / 16)
 #ifdef __AVX512F__
-#define F32_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows share each weight load more than 4 x 6 (bench/bench_matmul.py) */
+#define F32_ROWS 8 /* 8 x 2 sums: 2 cols x 8 rows share each weight load more than 4 x 6 (bench/kernels/matmul.py) */
 #define BF16_ROWS 8
 #else
 #define F32_ROWS 3  /* AVX2 has 16 registers: 3 rows x 4 halves of sums, 2 for the weight */
-#define BF16_ROWS 4 /* widening pairs costs more than spilling (bench/bench_matmul.py) */
+#define BF16_ROWS 4 /* widening pairs costs more than spilling (bench/kernels/matmul.py) */
 #endif
 /* How far ahead in its own tile a chunk of MT rows asks for the next lines, into L1. From 3 rows a
  * line takes long enough to compute that 8 KiB ahead keeps memory streaming; one or two rows run
- * ahead by themselves, and asking that far ahead only costs them (bench/bench_matmul.py). */
+ * ahead by themselves, and asking that far ahead only costs them (bench/kernels/matmul.py). */
 #define NEAR_BYTES(MT) ((MT) <= 2 ? 2048 : 8192)
 #define STREAMS 4       /* runs of the next tile asked for side by side */
 #define X_BLOCK_BYTES (1 << 20) /* the rows of x that share one pass over the weights, kept in L2 */
@@ -47,7 +47,7 @@ void set_next_tile_min_chunks(int chunks) { next_tile_min_chunks = chunks; }
  * runs of `run` lines in turn: the L2's hardware streamer follows each run, so more lines are in
  * flight than the core's own fill buffers allow, which counts most at 8 rows, where the FMAs leave
  * the prefetches less room. Chunks of more rows ask front to back, which beats four runs there
- * (bench/bench_matmul.py). */
+ * (bench/kernels/matmul.py). */
 struct Ahead {
     const char *next;
     int64_t first, run;
@@ -55,7 +55,7 @@ struct Ahead {
 };
 
 /* per_step is a constant at each call, so a loop that asks for nothing carries no address
- * arithmetic (it slowed prefill's passes, bench/bench_matmul.py at 128 rows). gcc 12's ipa-modref
+ * arithmetic (it slowed prefill's passes, bench/kernels/matmul.py at 128 rows). gcc 12's ipa-modref
  * deleted these prefetches when the struct came through a pointer to an outlined function. */
 static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64_t step, const int per_step) {
     for (int i = 0; i < per_step; i++) {
@@ -224,7 +224,7 @@ void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out, int amx)
 
 /* Prefill rows come in blocks whose x (row_bytes a row, as the tiles read it) fits X_BLOCK_BYTES:
  * every tile of the weight meets a block from cache instead of all M rows from memory
- * (bench/bench_matmul.py at 1024 rows), for one more pass over the weights per block. */
+ * (bench/kernels/matmul.py at 1024 rows), for one more pass over the weights per block. */
 static int64_t rows_per_block(int64_t row_bytes, int64_t chunk) {
     int64_t rows = X_BLOCK_BYTES / row_bytes;
     rows -= rows % chunk;

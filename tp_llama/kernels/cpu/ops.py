@@ -69,7 +69,7 @@ def prepare_swiglu_tiles(w1: torch.Tensor, w3: torch.Tensor, amx: bool = False) 
 def tiled_linear(x: torch.Tensor, weight: Tiled, lib: Library | None = None) -> torch.Tensor:
     """x [..., in] @ weight.T (or the gated product).
 
-    lib: the kernels whose tiles multiply, the loaded ones by default (bench_matmul --before passes
+    lib: the kernels whose tiles multiply, the loaded ones by default (bench/kernels/matmul.py --before passes
     an older checkout's build; float32 calls of GEMM_ROWS rows or more go to the GEMM either way).
     """
     if x.dtype != weight.dtype or x.device.type != "cpu":
@@ -92,7 +92,7 @@ def _gemm_linear(x: torch.Tensor, weight: Tiled, y: torch.Tensor) -> None:
     """Many float32 rows: oneDNN's matmul on the weight laid out plainly again, a slice of tiles at a time.
 
     A GEMM on the [in, TILE_COLS] tiles themselves (a batch of narrow ones) is slower. oneDNN
-    rather than MKL's sgemm (torch.mm), which takes a slower path on AMD CPUs (bench/bench_matmul.py
+    rather than MKL's sgemm (torch.mm), which takes a slower path on AMD CPUs (bench/kernels/matmul.py
     at 1024 rows). A PyTorch built without oneDNN gets torch.mm.
     """
     lib = library()

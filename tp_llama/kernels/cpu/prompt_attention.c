@@ -3,7 +3,7 @@
  * rope_prompt_rows has written the chunk's own).
  *
  * PyTorch's flash kernel, built for long queries, runs prompts of a few hundred tokens far below the
- * CPU's matmul rate, with AMX and without (bench/bench_attention.py). Every KV head's keys and values
+ * CPU's matmul rate, with AMX and without (bench/kernels/attention.py). Every KV head's keys and values
  * are laid out once as pairs along the dot product, 16 keys (or dims) a row: the B operands of AMX
  * tiles, or the operands of vdpbf16ps (bf16_step in simd.h: FMAs on widened pairs in the builds
  * without it). Then each 16-row block of a query head scores its visible keys in float32 (the

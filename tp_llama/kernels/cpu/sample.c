@@ -176,7 +176,7 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
 
 /* A thread's per-token scratch, kept between calls (about 16 bytes a token, held by each thread that has
  * sampled): fresh pages for it on every call fault in again, which shows at a lone row of Llama 3's
- * vocabulary (bench/bench_sampling.py). */
+ * vocabulary (bench/kernels/sampling.py). */
 static __thread struct Row *kept_row;
 static __thread int64_t kept_vocab;
 
@@ -331,7 +331,7 @@ void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out) {
 /* Row r's log of its sum of exp and its `top` largest logits, best first (equal ones: the lower id
  * first). One pass for the largest, one for the sum and the top (a chunk is looked at only where a
  * lane beats the last of the top so far), where PyTorch's logsumexp and topk take more passes, each
- * its own dispatch (bench/bench_sampling.py's logprobs). */
+ * its own dispatch (bench/kernels/sampling.py's logprobs). */
 static void top_row(const float *l, int64_t vocab, int64_t top, double *lse, int64_t *ids, float *values) {
     vec highest = vset1(-INFINITY);
     for (int64_t i = 0; i < vocab; i += 16)
