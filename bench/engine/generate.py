@@ -45,6 +45,9 @@ from tp_llama.tokenizer import load_tokenizer
 ENGINES = {"ours TP1": ("ours", 1, {}, []), "ours TP2": ("ours", 2, {}, []),
            "ours oneDNN": ("ours", 1, {"TP_LLAMA_MATMUL": "onednn"}, []), "transformers": ("hf", 1, {}, []),
            "ours TP1 sampled": ("ours", 1, {}, ["--sample"])}
+# Asked for by name (--engines): weights quantized at load.
+QUANTIZED = {"ours TP1 int8": ("ours", 1, {}, ["--quantize", "int8"]),
+             "ours TP1 int4": ("ours", 1, {}, ["--quantize", "int4"])}
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}  # the yaml's defaults
 
 
@@ -83,11 +86,12 @@ def kv_cache_bytes(args: ModelArgs, batch: int, context: float, elt: int = 4) ->
 
 
 def run_ours(ckpt: Path, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: str,
-             sample: bool = False) -> dict:
+             sample: bool = False, quantize: str = "none") -> dict:
     """Engine.generate on every rank; per-step times come from its on_step callback. sample: the
-    yaml's default temperature and top_p, a seed per row, rather than greedy."""
+    yaml's default temperature and top_p, a seed per row, rather than greedy; quantize: as the yaml's."""
     engine = Engine.load(EngineConfig(str(ckpt), "tp", dtype, max_seq_len=prompt_len + new_tokens,
-                                      max_batch_size=max(batches), prefill_budget=max(batches) * prompt_len))
+                                      max_batch_size=max(batches), prefill_budget=max(batches) * prompt_len,
+                                      quantize=quantize))
     warm = prompts(engine.args, 1, 16)[0]
     engine.generate([Sequence("warm", warm, SamplingParams(4, ignore_eos=True))])
 
@@ -160,15 +164,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines")
     parser.add_argument("--out", default="generate", help="name of the JSON under bench/out/")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES) + ["before TP1"], metavar="ENGINE",
-                        help=f"which to run: {', '.join(ENGINES)}, before TP1 (needs --before)")
+                        help=f"which to run: {', '.join([*ENGINES, *QUANTIZED])}, before TP1 (needs --before)")
     parser.add_argument("--before", help="older checkout to run as 'before TP1': a folder or a commit")
     parser.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--sample", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quantize", default="none", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.worker:
         if a.worker == "ours":
-            result = run_ours(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats, a.dtype, a.sample)
+            result = run_ours(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats, a.dtype, a.sample,
+                              a.quantize)
         else:
             result = run_hf(a.ckpt, a.batches, a.prompt_len, a.new_tokens, a.repeats, a.dtype)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--ckpt", str(ckpt), "--batches", *map(str, a.batches),
               "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats),
               "--dtype", a.dtype]
-    engines_run = [(name, *ENGINES[name], REPO) for name in a.engines if name in ENGINES]
+    known = {**ENGINES, **QUANTIZED}
+    engines_run = [(name, *known[name], REPO) for name in a.engines if name in known]
     if a.before and "before TP1" in a.engines:
         engines_run.append(("before TP1", "ours", 1, {}, [], before_root(a.before)))
     launches: dict[str, list[dict]] = {name: [] for name, *_ in engines_run}
