@@ -99,9 +99,10 @@ def reference_weights(ckpt, family: str, tp: int, bits: int) -> tuple[ReferenceM
     return ReferenceModel(cfg, weights), tokenizer
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("bits", "tp"), [(8, 2), (4, 1)])
 def test_quantized_engine_generates_the_reference_tokens(tmp_path_factory, bits: int, tp: int):
+    """int8 at TP 2 (a row-parallel layer's rows scaled per shard) and int4 at TP 1: each format through
+    the whole engine once (the formats and matmuls at every shape are the tests above)."""
     family = "llama3" if tp == 2 else "llama2"
     ckpt = write_checkpoint(tmp_path_factory.mktemp("q") / "ckpt", family=family, mp=2, seed=bits, multiple_of=64)
     reference, tokenizer = reference_weights(ckpt, family, tp, bits)
