@@ -19,8 +19,8 @@ NUM = r"~?\d+(?:\.\d+)?(?:\s*(?:-|–|to)\s*\d+(?:\.\d+)?)?"  # 8.3, ~0.2, 0.71-
 MEASUREMENT = re.compile("|".join([
     rf"(?<![\w.]){NUM}\s*(?:ms|us|µs|ns|[GM]i?B/s|[GT]FLOP/?S|tok/s|tokens/s)(?!\w)",  # "8.3 ms", "25 GB/s"
     rf"\b(?:took|spent|lasted|ran in|loads in|loaded in)\s+{NUM}\s*(?:s|seconds|min|minutes)\b",  # "took 50 s"
-    rf"(?<![\w.])~?(?:\d*\.\d+|\d+(?:\.\d+)?\s*[-–]\s*\d+(?:\.\d+)?)x\b",  # "0.85x", "1.9-2.1x"
-    rf"(?<![\w.])~?\d+x\s+(?:faster|slower|shorter|longer|the time|\w+'s time)",  # "8x faster"
+    r"(?<![\w.])~?(?:\d*\.\d+|\d+(?:\.\d+)?\s*[-–]\s*\d+(?:\.\d+)?)x\b",  # "0.85x", "1.9-2.1x"
+    r"(?<![\w.])~?\d+x\s+(?:faster|slower|shorter|longer|the time|\w+'s time)",  # "8x faster"
     rf"(?<![\w.]){NUM}\s*%\s*(?:faster|slower|shorter|longer|more|less|of\b)",  # "15% faster", "1% of a step"
     rf"\b(?:by|cost|costs)\s+{NUM}\s*%",  # "beat 3 by 16%"
 ]), re.IGNORECASE)
