@@ -34,7 +34,7 @@ def optimize(model: Transformer, device: torch.device | None = None, traced: boo
     if kind == "int4":
         for name, module in model.named_modules():
             if isinstance(module, (nn.Linear, LocalLinear)):
-                check_groups(name, module.weight, 4)
+                check_groups(name, module.weight)
     if kind in ("amx", "tiles"):
         cpu.apply(model, kind)
     else:

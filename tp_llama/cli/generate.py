@@ -15,9 +15,9 @@ import sys
 import torch.distributed as dist
 
 from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, EngineConfig
-from tp_llama.kernels.quant import QUANTIZE
 from tp_llama.engine.core import Engine
 from tp_llama.engine.runner import CPU_DEFAULT_SEQUENCES
+from tp_llama.kernels.quant import QUANTIZE
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence, check_sequence
 from tp_llama.errors import CheckpointError

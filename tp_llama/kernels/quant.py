@@ -38,15 +38,11 @@ class Quantized:
     shape: tuple[int, int]
     group: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
-
-def check_groups(name: str, weight: torch.Tensor, bits: int) -> None:
-    """A group of k must not span two TP shards: this rank's k must be a multiple of the group."""
+def check_groups(name: str, weight: torch.Tensor) -> None:
+    """An int4 group of k must not span two TP shards: this rank's k must be a multiple of the group."""
     k = weight.shape[1]
-    if bits == 4 and k % INT4_GROUP:
+    if k % INT4_GROUP:
         raise ValueError(f"{name}: this rank's slice has k = {k}, which groups of {INT4_GROUP} do not divide; "
                          "int4 needs a tensor-parallel size whose shards keep whole groups")
 
