@@ -81,7 +81,7 @@ class Engine:
     def around(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs, info: DistInfo,
                started: float) -> Engine:
         """The engine of a built model, made ready to serve now (ModelRunner)."""
-        runner = ModelRunner(model, config, info, args)
+        runner = ModelRunner(model, config, info, args, tokenizer.n_words)
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({runner.dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)
@@ -134,9 +134,9 @@ class Engine:
             # The last step unless one more would still end within the budget (a step takes about as
             # long as the one before).
             end = step_started - started + 2 * self._last_step_s > budget_s
-            picked, logprobs = self._lead(scheduled, end)
+            picked, logprobs, scores = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
-            touched = scheduler.commit(scheduled, picked, logprobs)
+            touched = scheduler.commit(scheduled, picked, logprobs, scores)
             if on_step is not None:
                 on_step(touched)
             if end:
@@ -170,11 +170,11 @@ class Engine:
         self.run(scheduler, on_step=on_step)
         return sequences
 
-    def _lead(self, scheduled: Scheduled, end: bool) -> tuple[list[int], list]:
+    def _lead(self, scheduled: Scheduled, end: bool) -> tuple[list[int], list, list]:
         """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row
-        (with its log-probabilities where the sequence asks)."""
+        (with its log-probabilities where the sequence asks), and each row's prompt log-probabilities."""
         started = time.perf_counter()
-        _, logits = self.runner.run(StepPlan(scheduled.rows, end))
+        _, logits, scores = self.runner.run(StepPlan(scheduled.rows, end))
         if logits is not None and logits.shape[-1] > self.tokenizer.n_words:
             # An embedding padded past the tokenizer: its extra rows were never trained and no id past
             # the tokenizer's can be decoded, so none is picked.
@@ -188,4 +188,4 @@ class Engine:
         elif scheduled.rows:
             self.stats.decode_tokens += len(scheduled.rows)
             self.stats.decode_s += seconds
-        return picked, logprobs
+        return picked, logprobs, scores

@@ -13,6 +13,16 @@ class Row:
     tokens: list[int]
     sample: bool  # the row's last token is the newest of its sequence: pick the next one
     blocks: list[int]  # the sequence's block table, as far as the row's last position
+    # Prompt log-probabilities (an echo request, the perplexity CLI): the first `scored` positions'
+    # next tokens scored, each with the `score` most likely (-1: none); the last position's next token,
+    # not in the row, is `next_token`.
+    score: int = -1
+    scored: int = 0
+    next_token: int = -1
+
+    def targets(self) -> list[int]:
+        """The token each scored position predicts."""
+        return (self.tokens[1:] + [self.next_token])[: self.scored]
 
 
 @dataclass(frozen=True)
@@ -26,12 +36,15 @@ class StepPlan:
 class PlanWire:
     """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
 
-    Layout: [end, n_rows, rows x (start, length, sample, n_blocks), tokens..., block ids...].
+    Layout: [end, n_rows, rows x (start, length, sample, n_blocks, score, scored, next_token), tokens...,
+    block ids...].
     """
+
+    FIELDS = 7
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
-        self.size = 2 + 4 * max_rows + max_tokens + max_blocks
+        self.size = 2 + self.FIELDS * max_rows + max_tokens + max_blocks
 
     def encode(self, plan: StepPlan) -> torch.Tensor:
         tokens = [t for row in plan.rows for t in row.tokens]
@@ -39,11 +52,12 @@ class PlanWire:
         if len(plan.rows) > self.max_rows or len(tokens) > self.max_tokens or len(blocks) > self.max_blocks:
             raise ValueError(f"plan of {len(plan.rows)} rows / {len(tokens)} tokens / {len(blocks)} blocks exceeds "
                              "the wire's capacity")
-        rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks))]
+        rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score,
+                                                 row.scored, row.next_token)]
         wire = torch.zeros(self.size, dtype=torch.long)
         head = [int(plan.end), len(plan.rows)] + rows
         wire[: len(head)] = torch.tensor(head, dtype=torch.long)
-        at = 2 + 4 * self.max_rows
+        at = 2 + self.FIELDS * self.max_rows
         wire[at : at + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         at += self.max_tokens
         wire[at : at + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
@@ -52,13 +66,14 @@ class PlanWire:
     def decode(self, wire: torch.Tensor) -> StepPlan:
         """The plan back, reading only the parts of the wire it fills (the block region is large)."""
         end, n_rows = wire[:2].tolist()
-        fields = wire[2 : 2 + 4 * n_rows].view(n_rows, 4).tolist()
-        at = 2 + 4 * self.max_rows
+        fields = wire[2 : 2 + self.FIELDS * n_rows].view(n_rows, self.FIELDS).tolist()
+        at = 2 + self.FIELDS * self.max_rows
         tokens = wire[at : at + sum(f[1] for f in fields)].tolist()
         at += self.max_tokens
         blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
         rows, t, b = [], 0, 0
-        for start, length, sample, n_blocks in fields:
-            rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks]))
+        for start, length, sample, n_blocks, score, scored, next_token in fields:
+            rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
+                            next_token))
             t, b = t + length, b + n_blocks
         return StepPlan(rows, end=bool(end))

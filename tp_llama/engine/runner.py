@@ -18,7 +18,9 @@ from torch import nn
 from tp_llama import backend
 from tp_llama.config import EngineConfig
 from tp_llama.engine.decode_step import DecodeStep
-from tp_llama.engine.plan import PlanWire, StepPlan
+from tp_llama.engine.plan import PlanWire, Row, StepPlan
+from tp_llama.engine.sampling import TokenLogprobs
+from tp_llama.engine.scoring import row_entries, score_hidden, score_logits
 from tp_llama.kernels import warm_up
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model import Batch, KVCache, ModelArgs
@@ -81,8 +83,11 @@ def pool_blocks(config: EngineConfig, info: DistInfo, kv_width: int, block_bytes
 class ModelRunner:
     """A rank's model ready to serve (built by `__init__`, see the module's docstring) and its steps."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs):
+    def __init__(self, model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs,
+                 n_words: int | None = None):
         self.model, self.info = model, info
+        self.mode = config.mode
+        self.n_words = args.vocab_size if n_words is None else n_words  # the ids prompt log-probabilities range over
         kind = self._choose_backend(config) if config.mode == "tp" else None
         compiled, why = compiles_decode(config, info.device, kind)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
@@ -108,7 +113,8 @@ class ModelRunner:
                 chunks = library().next_tile_min_chunks
                 ahead = "every call" if chunks == 1 else f"calls of {chunks} chunks of rows or more"
                 why = f"{library().variant} build of the C kernels; the next tile prefetched in {ahead}"
-            log(f"matmuls: {kind}" + (f" ({why})" if why else ""), info.rank)
+            weights = f", {config.quantize} weights" if config.quantize != "none" else ""
+            log(f"matmuls: {kind}{weights}" + (f" ({why})" if why else ""), info.rank)
             self.model.to(info.device)
         return kind
 
@@ -152,10 +158,11 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan | None = None) -> tuple[StepPlan, torch.Tensor | None]:
+    def run(self, plan: StepPlan | None = None) -> tuple[StepPlan, torch.Tensor | None, list[list[TokenLogprobs] | None]]:
         """One step on this rank: rank 0 passes its plan, the others receive it.
 
-        Returns the plan and the logits of its sampling rows (None for a plan without rows).
+        Returns the plan, the logits of its sampling rows (None for a plan without rows) and, on rank 0,
+        each row's prompt log-probabilities (None for rows that score nothing, and on other ranks).
         """
         if self.info.world_size > 1:
             if self.info.rank == 0:
@@ -163,9 +170,37 @@ class ModelRunner:
             else:
                 plan = self.wire.decode(broadcast_from_rank0(torch.zeros(self.wire.size, dtype=torch.long),
                                                              self.info.device))
+        unscored: list[list[TokenLogprobs] | None] = [None] * len(plan.rows)
         if not plan.rows:
-            return plan, None
+            return plan, None, unscored
+        if any(row.score >= 0 for row in plan.rows):
+            logits, scores = self._scoring_step(plan.rows)
+            return plan, logits, row_entries(plan.rows, scores)
         if self.decode_step is not None and self.decode_step.accepts(plan.rows):
-            return plan, self.decode_step(plan.rows)
-        rows = [(r.start, r.tokens, r.sample, r.blocks) for r in plan.rows]
-        return plan, self.model(Batch.build(rows, self.cache.block_size, self.cache.spare, self.info.device))
+            return plan, self.decode_step(plan.rows), unscored
+        return plan, self.model(self._batch(plan.rows)), unscored
+
+    def _batch(self, rows: list[Row], all_logits: bool = False) -> Batch:
+        spec = [(r.start, r.tokens, r.sample, r.blocks) for r in rows]
+        return Batch.build(spec, self.cache.block_size, self.cache.spare, self.info.device, all_logits=all_logits)
+
+    def _scoring_step(self, rows: list[Row]) -> tuple[torch.Tensor, tuple | None]:
+        """A step with prompt rows to score: every position's final hidden state, the sampling rows'
+        logits from it as in any step, and the scored positions' log-probabilities (scoring.py)."""
+        at, sample_at, score_at, targets = 0, [], [], []
+        for row in rows:
+            if row.sample:
+                sample_at.append(at + len(row.tokens) - 1)
+            if row.score >= 0:
+                score_at += range(at, at + row.scored)
+                targets += row.targets()
+            at += len(row.tokens)
+        top = max(row.score for row in rows)
+        batch = self._batch(rows, all_logits=True)
+        if self.mode != "tp":  # fsdp wraps the whole model: its forward alone gathers the parameters
+            logits = self.model(batch)
+            scores = score_logits(logits[score_at], targets, top, self.n_words) if self.info.rank == 0 else None
+            return logits[sample_at], scores
+        hidden = self.model.hidden(batch)
+        return self.model.output(hidden[sample_at]).float(), score_hidden(self.model.output, hidden[score_at], targets,
+                                                                          top, self.n_words)

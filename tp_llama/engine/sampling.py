@@ -40,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; N: the token's log-probability and the N most likely
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's log-probability and the N most likely
     seed: int | None = None
     ignore_eos: bool = False
 
@@ -71,8 +72,9 @@ def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
         raise ValueError("temperature must be >= 0, top_p in (0, 1] and min_p in [0, 1]")
     if params.top_k < 0 or params.repetition_penalty <= 0:
         raise ValueError("top_k must be >= 0 and repetition_penalty > 0")
-    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+    for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}]")
     if vocab_size is not None and any(not 0 <= token < vocab_size for token, _ in params.logit_bias):
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
 
@@ -230,13 +232,19 @@ def _logprobs(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> list
     if not wanted:
         return out
     most = min(max(rows[r].params.logprobs for r in wanted), raw.shape[1])
-    lse, ids, values = (_top_in_c if in_c(raw) else _top_in_torch)(raw, wanted, most)
+    lse, ids, values = top_logits(raw, wanted, most)
     chosen = (raw[wanted, [tokens[r] for r in wanted]].double() - lse).tolist()
     values, ids = (values.double() - lse.unsqueeze(1)).tolist(), ids.tolist()
     for i, r in enumerate(wanted):
         n = rows[r].params.logprobs
         out[r] = TokenLogprobs(tokens[r], chosen[i], list(zip(ids[i][:n], values[i][:n])))
     return out
+
+
+def top_logits(raw: torch.Tensor, rows: list[int], top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [R] float64, ids [R, top], logits [R, top]) of these rows of raw [., V] float32,
+    best first; top <= V."""
+    return (_top_in_c if in_c(raw) else _top_in_torch)(raw, rows, top)
 
 
 def _top_in_c(raw: torch.Tensor, rows: list[int], top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,6 +42,7 @@ class Sequence:
     cache_salt: str | None = None  # prefixes are shared only between requests of the same salt
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
     blocks: list[int] = field(default_factory=list)  # block table: the KV-cache blocks of positions 0, B, 2B, ...
     keys: list[int] = field(default_factory=list)  # the prefix-cache key of each full block in `blocks`
     computed: int = 0  # tokens already written to the KV cache
@@ -87,14 +88,24 @@ def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: i
     """The engine's own limits (the handler's request rules come first and say more)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if params.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.max_new_tokens < (0 if params.prompt_logprobs is not None else 1):
+        raise ValueError(f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), got {params.max_new_tokens}")
     if len(prompt_ids) + params.max_new_tokens > max_seq_len:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
             f"exceeds max_seq_len {max_seq_len}"
         )
     check_params(params)
+
+
+def _prompt_scores(seq: Sequence, start: int, end: int) -> tuple[int, int, int]:
+    """Row.score, scored and next_token for positions start .. end - 1 of a sequence: the positions whose
+    next token is a prompt token not scored yet (all of them again after a preemption that lost some)."""
+    top, last = seq.params.prompt_logprobs, len(seq.prompt_ids) - 1
+    stop = min(end, last)
+    if top is None or stop <= start or stop <= len(seq.prompt_logprobs):
+        return -1, 0, -1
+    return top, stop - start, seq.prompt_ids[end] if end <= last else -1
 
 
 class Scheduler:
@@ -155,24 +166,29 @@ class Scheduler:
             chunk = tokens[seq.computed : seq.computed + budget]
             budget -= len(chunk)
             end = seq.computed + len(chunk)
-            rows.append(Row(seq.computed, chunk, end == len(tokens), self._table(seq, end)))
+            sample = end == len(tokens) and seq.params.max_new_tokens > 0
+            rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *_prompt_scores(seq, seq.computed, end)))
             owners.append(seq)
         return Scheduled(rows, owners, start - budget)
 
-    def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None
-               ) -> list[Sequence]:
+    def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None,
+               scores: list[list[TokenLogprobs] | None] | None = None) -> list[Sequence]:
         """Record the step's results (one picked token per sampling row, and its log-probabilities
-        where asked for); returns the sequences it touched."""
+        where asked for; per row, the prompt log-probabilities it scored); returns the sequences it touched."""
         now = time.perf_counter()
         tokens = iter(zip(picked, logprobs or [None] * len(picked)))
-        for row, seq in zip(step.rows, step.sequences):
+        for row, seq, scored in zip(step.rows, step.sequences, scores or [None] * len(step.rows)):
             if seq.finished:  # cancelled while its step ran
                 if row.sample:
                     next(tokens)
                 continue
             seq.computed += len(row.tokens)
             self._remember_full_blocks(seq)
+            if scored is not None:  # a preempted sequence scores its prompt again: only the new positions count
+                seq.prompt_logprobs += scored[len(seq.prompt_logprobs) - row.start :]
             if not row.sample:
+                if seq.params.max_new_tokens == 0 and seq.computed >= len(seq.prompt_ids):
+                    self._finish(seq, "length")  # prompt log-probabilities only
                 continue
             token, token_logprobs = next(tokens)
             if seq.first_token_at is None:
@@ -192,7 +208,8 @@ class Scheduler:
         if len(self.running) >= self.max_running or seq is not self.waiting[0]:
             return False
         tokens = seq.tokens
-        hits = self.pool.match(tokens[:-1], seq.cache_salt)  # the last token is computed, for its logits
+        scoring = seq.params.prompt_logprobs is not None  # cached blocks hold no logits: every position is computed
+        hits = [] if scoring else self.pool.match(tokens[:-1], seq.cache_salt)  # the last token is computed, for its logits
         reviving = sum(1 for b in hits if self.pool.blocks[b].refs == 0)  # cached but free: they leave the queue
         needed = self.pool.blocks_for(len(tokens)) - len(hits)
         if needed + reviving > len(self.pool.free):
@@ -203,7 +220,7 @@ class Scheduler:
         seq.computed = len(hits) * self.pool.size
         if seq.cached_tokens is None:
             seq.cached_tokens = seq.computed
-            self.prefix_queries += len(tokens)
+            self.prefix_queries += 0 if scoring else len(tokens)
             self.prefix_hits += seq.computed
         self.waiting.popleft()
         self.running.append(seq)

@@ -146,6 +146,11 @@ class Transformer(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch.logits_at), V] (float32) of the tokens the batch asks for."""
+        return self.output(self.hidden(batch)).float()
+
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        """The final norm's output [len(batch.logits_at), dim] of the tokens the batch asks for: what the
+        output layer reads (prompt log-probabilities reduce its logits a slice at a time)."""
         rotation = self.rope[batch.positions].unsqueeze(1)
         h = self.layers(self.tok_embeddings(batch.tokens), rotation, batch)
-        return self.output(self.norm(h[batch.logits_at])).float()
+        return self.norm(h[batch.logits_at])
