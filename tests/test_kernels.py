@@ -54,17 +54,18 @@ def test_avx2_and_avx512_cpus_get_the_tiled_kernel():
     assert library().variant == VARIANT
 
 
-@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+@pytest.mark.parametrize("variant", ["avx512", "avx2-vnni", "avx2"])
 def test_the_lesser_builds_pass_the_kernel_tests(variant: str):
     """A CPU runs the builds for less than it has, so those are tested here too (plain AVX-512 for
     Intel's Skylake-SP to Ice Lake, AVX2 for AMD's Zen 2/3): these modules again, in a process that
-    loads the build (TP_LLAMA_KERNELS). test_decode_step is left out: its models run plain matmuls,
+    loads the build (TP_LLAMA_KERNELS); avx2-vnni's integer dot products on Intel CPUs from Alder Lake and
+    Sapphire Rapids on. test_decode_step is left out: its models run plain matmuls,
     and its compiled runs took 50 s of each rerun."""
     if os.environ.get("TP_LLAMA_KERNELS"):
         pytest.skip("a run with a forced build tests that build alone")
     if not HAS_COMPILER or variant not in runnable() or variant == VARIANT:
         pytest.skip(f"needs a compiler and a CPU beyond {variant} (where it is the best, the main run tests it)")
-    modules = [f"tests/test_{name}.py" for name in ("kernels", "layer_ops", "sampling")]
+    modules = [f"tests/test_{name}.py" for name in ("kernels", "quant_kernels", "layer_ops", "sampling")]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=REPO,
                             env={**os.environ, "TP_LLAMA_KERNELS": variant}, capture_output=True, text=True,
                             timeout=600, check=False)
@@ -74,14 +75,18 @@ def test_the_lesser_builds_pass_the_kernel_tests(variant: str):
 
 def test_each_cpu_gets_the_best_variant_it_can_run():
     """The choice from CPU flags alone (faked here, so it is checked on any machine)."""
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}
-    amx = {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}  # every AMX CPU so far has avx512_bf16 too
-    assert runnable(avx512 | amx) == ["avx512-amx", "avx512-bf16", "avx512", "avx2"]
-    assert runnable(avx512 | {"avx512_bf16"}) == ["avx512-bf16", "avx512", "avx2"]  # AMD's Zen 4 and 5
-    assert runnable(avx512) == ["avx512", "avx2"]  # Intel's Skylake-SP to Ice Lake
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}
+    amx = {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}  # every AMX CPU so far has these too
+    lesser = ["avx512-vnni", "avx512", "avx2"]
+    assert runnable(avx512 | amx) == ["avx512-amx", "avx512-bf16", *lesser]
+    assert runnable(avx512 | {"avx512_bf16", "avx512_vnni"}) == ["avx512-bf16", *lesser]  # AMD's Zen 4 and 5
+    assert runnable(avx512 | {"avx512_vnni"}) == lesser  # Intel's Cascade Lake and Ice Lake
+    assert runnable(avx512) == ["avx512", "avx2"]  # Intel's Skylake-SP
     assert runnable(avx512 | {"amx_tile"}) == ["avx512", "avx2"]  # AMX without its bfloat16 unit
-    assert runnable(avx512 | amx - {"avx512_bf16"}) == ["avx512", "avx2"]  # the AMX build's attention pairs bf16 keys
-    assert runnable({"avx2", "fma"}) == ["avx2"]  # AMD's Zen 2/3
+    assert runnable(avx512 | amx - {"avx512_bf16"}) == lesser  # the AMX build's attention pairs bf16 keys
+    assert runnable({"avx2", "fma", "f16c", "avx_vnni"}) == ["avx2-vnni", "avx2"]  # Intel's Alder Lake on
+    assert runnable({"avx2", "fma", "f16c"}) == ["avx2"]  # AMD's Zen 2/3
+    assert runnable({"avx2", "fma"}) == []  # no F16C: the quantized tiles' fp16 scales need it
     assert runnable({"avx2"}) == runnable({"sse4_2", "fma"}) == []
 
 
@@ -318,7 +323,7 @@ def test_a_forced_build_and_bad_values(monkeypatch):
     ffi.load.cache_clear()
     try:
         monkeypatch.setenv("TP_LLAMA_KERNELS", "sse4")
-        with pytest.raises(ValueError, match="TP_LLAMA_KERNELS='sse4': choose one of avx512-amx, avx512-bf16, avx512, avx2"):
+        with pytest.raises(ValueError, match="TP_LLAMA_KERNELS='sse4': choose one of avx512-amx, avx512-bf16, avx512-vnni, avx512, avx2-vnni, avx2"):
             ffi.load()
         monkeypatch.setenv("TP_LLAMA_KERNELS", "")  # set but empty: as if unset, the best build this CPU runs
         lib, why = ffi.load()

@@ -207,8 +207,9 @@ def test_prompt_rows_off_the_cache_are_refused_before_any_write():
         ops.rope_prompt_rows(case.qkv.clone(), case.rotation[:1], torch.tensor([0, 1]), 4, case.k.clone(), case.v.clone())
 
 
-def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
-    """A small GQA Llama 3.1 model (the same weights every call) with 4 cache slots, prepared for serving."""
+def served_model(dtype: torch.dtype, max_seq_len: int, quantized: str = "none") -> torch.nn.Module:
+    """A small GQA Llama 3.1 model (the same weights every call) with 4 cache slots, prepared for serving
+    (its matmul weights quantized, or not)."""
     from tp_llama.model import Transformer
     from tp_llama.model import ModelArgs
 
@@ -216,16 +217,18 @@ def served_model(dtype: torch.dtype, max_seq_len: int) -> torch.nn.Module:
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, family="llama3",
                      rope_theta=500000.0, use_scaled_rope=True)
     model = Transformer(args).to(dtype)
-    assert backend.optimize(model)[0] in ("amx", "tiles")
+    assert backend.optimize(model, quantized=quantized)[0] in ("amx", "tiles")
     setup_slots(model, 4, max_seq_len, dtype, torch.device("cpu"))
     return model
 
 
+@pytest.mark.parametrize("quantized", ["none", "int4"])
 @torch.inference_mode()
-def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
-    """With the C kernels every op of a step is per row (or per output over k in a fixed order), so a
-    bfloat16 row's logits do not depend on what shares its step."""
-    together, alone = (served_model(torch.bfloat16, 64) for _ in range(2))  # rows together, each row alone
+def test_bfloat16_rows_get_the_same_bits_alone_and_batched(quantized: str):
+    """With the C kernels every op of a step is per row (or per output over k in a fixed order; a
+    quantized matmul's input quantized per row), so a bfloat16 row's logits do not depend on what
+    shares its step."""
+    together, alone = (served_model(torch.bfloat16, 64, quantized) for _ in range(2))  # rows together, each alone
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (9, 4, 15)]
     rows = [(slot, 0, ids, True) for slot, ids in enumerate(prompts)]
@@ -245,12 +248,14 @@ def test_bfloat16_rows_get_the_same_bits_alone_and_batched():
 
 
 @DTYPES
+@pytest.mark.parametrize("quantized", ["none", "int8", "int4"])
 @torch.inference_mode()
-def test_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype):
+def test_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype, quantized: str):
     """decode.c runs a decode-only step's layers as two C calls each, and the FFN halves of a step with
-    prompt rows (on AMX, SwiGLU's outputs handed to w2 packed); logits and cache writes must be the
-    bits of the op-by-op path (itself checked against float64 by the parity tests)."""
-    model = served_model(dtype, 64)
+    prompt rows (on AMX, SwiGLU's outputs handed to w2 packed), on float or quantized tiles; logits and
+    cache writes must be the bits of the op-by-op path (itself checked against float64 by the parity
+    and quantization tests)."""
+    model = served_model(dtype, 64, quantized)
     in_c_layers = model.layers
     assert in_c_layers._structs() is not None and len(in_c_layers._structs()) == 2
     caches = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +190,8 @@ def rotate(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
 class ReferenceModel:
     cfg: Config
     weights: dict[str, torch.Tensor]
+    # What each matmul's input becomes first (the C kernels' int8 rows, for quantized weights).
+    matmul_input: Callable[[torch.Tensor], torch.Tensor] | None = None
     speeds: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,9 +202,13 @@ class ReferenceModel:
         cfg = read_config(ckpt_dir, tokenizer_size)
         return cls(cfg, reassemble(ckpt_dir, cfg))
 
+    def mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W^T for the weight of that name, x first as matmul_input makes it."""
+        return (x if self.matmul_input is None else self.matmul_input(x)) @ self.weights[name].T
+
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits [S, V] for one whole sequence starting at position 0."""
-        cfg, w = self.cfg, self.weights
+        cfg, w, mm = self.cfg, self.weights, self.mm
         seq = len(tokens)
         hd, n_rep = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
         angles = torch.outer(torch.arange(seq, dtype=DTYPE), self.speeds)
@@ -211,9 +218,9 @@ class ReferenceModel:
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
             x = rms_norm(h, w[p + "attention_norm.weight"], cfg.norm_eps)
-            q = (x @ w[p + "attention.wq.weight"].T).reshape(seq, cfg.n_heads, hd)
-            k = (x @ w[p + "attention.wk.weight"].T).reshape(seq, cfg.n_kv_heads, hd)
-            v = (x @ w[p + "attention.wv.weight"].T).reshape(seq, cfg.n_kv_heads, hd)
+            q = mm(x, p + "attention.wq.weight").reshape(seq, cfg.n_heads, hd)
+            k = mm(x, p + "attention.wk.weight").reshape(seq, cfg.n_kv_heads, hd)
+            v = mm(x, p + "attention.wv.weight").reshape(seq, cfg.n_kv_heads, hd)
             q, k = rotate(q, phases), rotate(k, phases)
             # Query head j reads KV head j // n_rep (Meta's repeat_kv).
             k = k.repeat_interleave(n_rep, dim=1)
@@ -221,12 +228,12 @@ class ReferenceModel:
             scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
             scores = scores.masked_fill(future, float("-inf"))
             attn = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).reshape(seq, cfg.n_heads * hd)
-            h = h + attn @ w[p + "attention.wo.weight"].T
+            h = h + mm(attn, p + "attention.wo.weight")
             x = rms_norm(h, w[p + "ffn_norm.weight"], cfg.norm_eps)
-            gate = x @ w[p + "feed_forward.w1.weight"].T
-            up = x @ w[p + "feed_forward.w3.weight"].T
-            h = h + (gate * torch.sigmoid(gate) * up) @ w[p + "feed_forward.w2.weight"].T
-        return rms_norm(h, w["norm.weight"], cfg.norm_eps) @ w["output.weight"].T
+            gate = mm(x, p + "feed_forward.w1.weight")
+            up = mm(x, p + "feed_forward.w3.weight")
+            h = h + mm(gate * torch.sigmoid(gate) * up, p + "feed_forward.w2.weight")
+        return mm(rms_norm(h, w["norm.weight"], cfg.norm_eps), "output.weight")
 
 
 @dataclass(frozen=True)

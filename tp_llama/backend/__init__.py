@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tp_llama.backend import cpu, fused
-from tp_llama.kernels import Quantized, Tiled, choose
-from tp_llama.kernels.quant import check_groups
+from tp_llama.kernels import Weight, choose
+from tp_llama.kernels.quant import BITS, check_groups
 from tp_llama.model import Transformer
 from tp_llama.parallel.modules import LocalLinear
 
@@ -27,22 +27,23 @@ def optimize(model: Transformer, device: torch.device | None = None, traced: boo
     Fusing on the host and moving the fused weights afterwards leaves no fragmented copies in
     a GPU's memory. traced: decode steps will go through torch.compile (kernels.choose).
     quantized: "int8" or "int4", every matmul's weight quantized (the embedding stays: a step only
-    gathers its rows).
+    gathers its rows), in groups that no slice of a tensor-parallel shard may split.
     """
     device = device or model.norm.weight.device
-    kind, why = choose(device, model.norm.weight.dtype, traced, quantized)
-    if kind == "int4":
+    kind, why = choose(device, model.norm.weight.dtype, traced)
+    bits = BITS[quantized]
+    if bits != 16:
         for name, module in model.named_modules():
             if isinstance(module, (nn.Linear, LocalLinear)):
                 check_groups(name, module.weight)
     if kind in ("amx", "tiles"):
-        cpu.apply(model, kind)
+        cpu.apply(model, kind, bits)
     else:
-        fused.apply(model, kind, device)
+        fused.apply(model, kind, device, bits)
     return kind, why
 
 
-def matmul_weights(model: Transformer) -> list[torch.Tensor | Tiled | Quantized]:
+def matmul_weights(model: Transformer) -> list[Weight]:
     """Every weight a matmul reads, in its prepared form (for kernels.warm_up)."""
     weights = [model.output.weight]
     for layer in model.layers:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, serving_linear
-from tp_llama.kernels import Tiled, linear, prepare_swiglu
+from tp_llama.kernels import QuantTiled, Tiled, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model.batch import Batch
@@ -39,7 +39,7 @@ class CRMSNorm(nn.Module):
 
 
 class GatedFeedForward(nn.Module):
-    def __init__(self, w13: Tiled, w2: nn.Module):
+    def __init__(self, w13: Tiled | QuantTiled, w2: nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2
 
@@ -47,10 +47,12 @@ class GatedFeedForward(nn.Module):
         return self.w2(linear(x, self.w13))
 
 
-def feed_forward(ffn: FeedForward, kind: str) -> nn.Module:
+def feed_forward(ffn: FeedForward, kind: str, bits: int) -> nn.Module:
     """The gated tiles where the FFN's width allows them, else w1/w3 fused as on other devices."""
-    w13 = prepare_swiglu(ffn.w1.weight, ffn.w3.weight, kind)
-    return FusedFeedForward(ffn, kind) if w13 is None else GatedFeedForward(w13, serving_linear(ffn.w2, kind))
+    w13 = prepare_swiglu(ffn.w1.weight, ffn.w3.weight, kind, bits)
+    if w13 is None:
+        return FusedFeedForward(ffn, kind, bits=bits)
+    return GatedFeedForward(w13, serving_linear(ffn.w2, kind, bits=bits))
 
 
 class CAttention(FusedAttention):
@@ -150,14 +152,15 @@ class DecodeLayers(Layers):
         return ops.decode_layers(planned)
 
 
-def apply(model: Transformer, kind: str) -> None:
-    """Fuse the model's projections into the C kernels' forms ("tiles" or "amx") and swap in their modules."""
+def apply(model: Transformer, kind: str, bits: int = 16) -> None:
+    """Fuse the model's projections into the C kernels' forms ("tiles" or "amx"; bits 8 or 4: their
+    integer tiles) and swap in their modules."""
     max_head_dim = library().constants["MAX_HEAD_DIM"]
     for layer in model.layers:
         c_attention = layer.attention.head_dim <= max_head_dim
-        layer.attention = (CAttention if c_attention else FusedAttention)(layer.attention, kind)
-        layer.feed_forward = feed_forward(layer.feed_forward, kind)
+        layer.attention = (CAttention if c_attention else FusedAttention)(layer.attention, kind, bits=bits)
+        layer.feed_forward = feed_forward(layer.feed_forward, kind, bits)
         layer.attention_norm, layer.ffn_norm = CRMSNorm(layer.attention_norm), CRMSNorm(layer.ffn_norm)
     model.norm = CRMSNorm(model.norm)
-    model.output = serving_linear(model.output, kind)
+    model.output = serving_linear(model.output, kind, bits=bits)
     model.layers = DecodeLayers(model.layers)

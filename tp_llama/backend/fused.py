@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_llama.kernels import Quantized, Tiled, linear, prepare
+from tp_llama.kernels import Weight, linear, prepare
 from tp_llama.model.batch import Batch
 from tp_llama.model.kv_cache import attend
 from tp_llama.model.llama import Attention, FeedForward, Transformer, apply_rope
@@ -20,17 +20,17 @@ from tp_llama.parallel.layout import NONE
 from tp_llama.parallel.modules import LocalLinear
 
 
-def held(weight: torch.Tensor | Tiled | Quantized) -> torch.Tensor | Tiled | Quantized:
+def held(weight: Weight) -> Weight:
     """A plain weight as a Parameter, so that moving the module to its device moves it too."""
     if isinstance(weight, torch.Tensor) and not weight.is_mkldnn:
         return nn.Parameter(weight, requires_grad=False)
     return weight
 
 
-def serving_linear(module: nn.Module, kind: str, device: torch.device | None = None) -> LocalLinear:
-    """A Linear (or this rank's LocalLinear) with its weight prepared for `kind` of matmul."""
+def serving_linear(module: nn.Module, kind: str, device: torch.device | None = None, bits: int = 16) -> LocalLinear:
+    """A Linear (or this rank's LocalLinear) with its weight prepared for `kind` of matmul (quantized to `bits`)."""
     local = module if isinstance(module, LocalLinear) else LocalLinear(module.weight.detach(), NONE, None)
-    prepared = held(prepare(local.weight, kind, device))
+    prepared = held(prepare(local.weight, kind, device, bits))
     del local.weight
     local.weight = prepared
     return local
@@ -39,13 +39,13 @@ def serving_linear(module: nn.Module, kind: str, device: torch.device | None = N
 class FusedAttention(nn.Module):
     """The model's attention with q, k and v in one matmul."""
 
-    def __init__(self, attention: Attention, kind: str, device: torch.device | None = None):
+    def __init__(self, attention: Attention, kind: str, device: torch.device | None = None, bits: int = 16):
         super().__init__()
         self.head_dim = attention.head_dim
         self.widths = (attention.wq.weight.shape[0], attention.wk.weight.shape[0])  # this rank's q and k features
         fused = torch.cat([w.weight.detach() for w in (attention.wq, attention.wk, attention.wv)])
-        self.wqkv: torch.Tensor | Tiled | Quantized = held(prepare(fused, kind, device))
-        self.wo = serving_linear(attention.wo, kind, device)
+        self.wqkv: Weight = held(prepare(fused, kind, device, bits))
+        self.wo = serving_linear(attention.wo, kind, device, bits)
         self.cache = attention.cache
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -63,20 +63,20 @@ class FusedAttention(nn.Module):
 class FusedFeedForward(nn.Module):
     """The model's SwiGLU with w1 and w3 in one matmul."""
 
-    def __init__(self, ffn: FeedForward, kind: str, device: torch.device | None = None):
+    def __init__(self, ffn: FeedForward, kind: str, device: torch.device | None = None, bits: int = 16):
         super().__init__()
         w13 = torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()])
-        self.w13: torch.Tensor | Tiled | Quantized = held(prepare(w13, kind, device))
-        self.w2 = serving_linear(ffn.w2, kind, device)
+        self.w13: Weight = held(prepare(w13, kind, device, bits))
+        self.w2 = serving_linear(ffn.w2, kind, device, bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.w13).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
-def apply(model: Transformer, kind: str, device: torch.device | None = None) -> None:
-    """Fuse the model's projections, every matmul weight prepared for `kind` (on `device`)."""
+def apply(model: Transformer, kind: str, device: torch.device | None = None, bits: int = 16) -> None:
+    """Fuse the model's projections, every matmul weight prepared for `kind` (on `device`), quantized to `bits`."""
     for layer in model.layers:
-        layer.attention = FusedAttention(layer.attention, kind, device)
-        layer.feed_forward = FusedFeedForward(layer.feed_forward, kind, device)
-    model.output = serving_linear(model.output, kind, device)
+        layer.attention = FusedAttention(layer.attention, kind, device, bits)
+        layer.feed_forward = FusedFeedForward(layer.feed_forward, kind, device, bits)
+    model.output = serving_linear(model.output, kind, device, bits)

@@ -23,6 +23,10 @@ Four kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comp
 - "onednn", CPUs without the C kernels (no compiler): oneDNN's blocked layout (kernels/onednn.py).
 - "plain", CUDA and anything else: F.linear.
 
+Weights quantized at load (`bits` 8 or 4) take the C kernels' integer tiles where the kind is
+"tiles" or "amx" (kernels/cpu/qtiles.py), and PyTorch's own int8/int4 matmuls elsewhere
+(kernels/quant.py).
+
 A prepared weight replaces the plain one, so it costs no memory of its own.
 """
 
@@ -37,23 +41,22 @@ from tp_llama.kernels import onednn
 from tp_llama.kernels.cpu import ffi
 from tp_llama.kernels.cpu.build import cpu_flags
 from tp_llama.kernels.cpu.ops import Tiled, prepare_swiglu_tiles, prepare_tiles, tileable, tiled_linear
+from tp_llama.kernels.cpu.qtiles import QuantTiled, prepare_quant_swiglu, prepare_quant_tiles, quant_linear
 from tp_llama.kernels.quant import Quantized, quantize, quantized_linear
 
-KINDS = ("amx", "tiles", "onednn", "plain", "int8", "int4")
+KINDS = ("amx", "tiles", "onednn", "plain")
+Weight = torch.Tensor | Tiled | QuantTiled | Quantized
 
-__all__ = ["KINDS", "Quantized", "Tiled", "choose", "cpu_flags", "linear", "prepare", "prepare_swiglu", "warm_up"]
+__all__ = ["KINDS", "QuantTiled", "Quantized", "Tiled", "Weight", "choose", "cpu_flags", "linear", "prepare",
+           "prepare_swiglu", "warm_up"]
 
 
-def choose(device: torch.device, dtype: torch.dtype, traced: bool = False, quantized: str = "none") -> tuple[str, str]:
+def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tuple[str, str]:
     """(kind, why): which matmul this process's weights are prepared for, and why not a faster one.
 
     traced: the forward goes through torch.compile, which cannot trace oneDNN's packed weights
     ("plain" instead: inductor packs them itself); the C kernels stay, their steps untraced.
-    quantized: "int8" or "int4" asks for weights quantized at load (tp_llama.kernels.quant), whose
-    matmuls are PyTorch's own on every device.
     """
-    if quantized != "none":
-        return quantized, "quantized weights run PyTorch's int8/int4 matmuls, not the C kernels' tiles"
     forced = os.environ.get("TP_LLAMA_MATMUL") or None  # set but empty: as if unset
     if forced is not None and forced not in KINDS:
         raise ValueError(f"TP_LLAMA_MATMUL={forced!r}: choose one of {', '.join(KINDS)}")
@@ -72,12 +75,12 @@ def choose(device: torch.device, dtype: torch.dtype, traced: bool = False, quant
     return "onednn", why
 
 
-def prepare(weight: torch.Tensor, kind: str, device: torch.device | None = None) -> torch.Tensor | Tiled | Quantized:
-    """weight [out, in] in the form `linear` runs fastest for `kind` (see choose); a quantized kind's
-    weight is packed for `device` (the weight's own by default), where it will run."""
+def prepare(weight: torch.Tensor, kind: str, device: torch.device | None = None, bits: int = 16) -> Weight:
+    """weight [out, in] in the form `linear` runs fastest for `kind` (see choose); bits 8 or 4:
+    quantized, packed for `device` (the weight's own by default), where it will run."""
     weight = weight.detach()
-    if kind in ("int8", "int4"):
-        return quantize(weight, 8 if kind == "int8" else 4, device)
+    if bits != 16:
+        return prepare_quant_tiles(weight, bits) if kind in ("amx", "tiles") else quantize(weight, bits, device)
     if kind in ("amx", "tiles") and tileable(weight):
         return prepare_tiles(weight, amx=kind == "amx")
     if kind in ("amx", "tiles", "onednn") and onednn.available(weight.dtype):
@@ -85,15 +88,19 @@ def prepare(weight: torch.Tensor, kind: str, device: torch.device | None = None)
     return weight  # e.g. an odd-width bfloat16 weight on a CPU where oneDNN packs no bfloat16
 
 
-def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str) -> Tiled | None:
+def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str, bits: int = 16) -> Tiled | QuantTiled | None:
     """w1 and w3 [ffn, in] as one gated weight whose matmul ends in SwiGLU, or None where `kind` has none."""
-    return prepare_swiglu_tiles(w1, w3, amx=kind == "amx") if kind in ("amx", "tiles") else None
+    if kind not in ("amx", "tiles"):
+        return None
+    return prepare_swiglu_tiles(w1, w3, amx=kind == "amx") if bits == 16 else prepare_quant_swiglu(w1, w3, bits)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Tiled | Quantized) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [T, in] @ weight.T, whichever form the weight is in."""
     if isinstance(weight, Tiled):
         return tiled_linear(x, weight)
+    if isinstance(weight, QuantTiled):
+        return quant_linear(x, weight)
     if isinstance(weight, Quantized):
         return quantized_linear(x, weight)
     if weight.is_mkldnn:
@@ -101,7 +108,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Tiled | Quantized) -> torch.T
     return F.linear(x, weight)
 
 
-def warm_up(weights: list[torch.Tensor | Tiled], max_rows: int, dtype: torch.dtype) -> None:
+def warm_up(weights: list[Weight], max_rows: int, dtype: torch.dtype) -> None:
     """Build any kernel the weights' form compiles per batch size now, rather than mid-serving."""
     blocked = [w for w in weights if isinstance(w, torch.Tensor) and w.is_mkldnn]
     onednn.warm_up(blocked, max_rows, dtype)

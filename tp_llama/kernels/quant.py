@@ -1,4 +1,5 @@
-"""Weights quantized at load: int8 per output channel, int4 per group of k, and their matmuls.
+"""Weights quantized at load for PyTorch's own matmuls (CUDA, and CPUs without the C kernels, whose
+integer tiles are kernels/cpu/qtiles.py): int8 per output channel, int4 per group of k.
 
 - int8: symmetric, one scale per output row (w = q * scale, q in -127..127), as gpt-fast's
   `WeightOnlyInt8Linear`; the matmul is PyTorch's `_weight_int8pack_mm` on CPU, and on CUDA the
@@ -21,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 QUANTIZE = ("none", "int8", "int4")
-INT4_GROUP = 32  # llama.cpp's Q4_0/Q4_1 block; every Llama layer's k (and its TP shards') is a multiple
+BITS = {"none": 16, "int8": 8, "int4": 4}
+INT4_GROUP = 32  # llama.cpp's block, and the C kernels' QBLOCK; every Llama layer's k (and its TP shards') is a multiple
 INT4_INNER_K_TILES = 2  # the CPU packing's tiling of k; CUDA's tinygemm takes 2, 4 or 8
 INT4_ROWS = 16  # the int4 packings take whole blocks of 16 output rows: others are padded with zeros
 
@@ -40,11 +42,12 @@ class Quantized:
 
 
 def check_groups(name: str, weight: torch.Tensor) -> None:
-    """An int4 group of k must not span two TP shards: this rank's k must be a multiple of the group."""
+    """A group of k must not span two TP shards: this rank's k must be a multiple of the group (the
+    C kernels group int8 too)."""
     k = weight.shape[1]
     if k % INT4_GROUP:
         raise ValueError(f"{name}: this rank's slice has k = {k}, which groups of {INT4_GROUP} do not divide; "
-                         "int4 needs a tensor-parallel size whose shards keep whole groups")
+                         "quantized weights need a tensor-parallel size whose shards keep whole groups")
 
 
 def quantize(weight: torch.Tensor, bits: int, device: torch.device | None = None) -> Quantized:

@@ -12,6 +12,7 @@ static const struct {
 } CONSTANTS[] = {
     {"TILE_COLS", TILE_COLS}, {"GATE_RUN", GATE_RUN}, {"MAX_HEAD_DIM", MAX_HEAD_DIM}, {"WIDE_MIN_ROWS", WIDE_MIN_ROWS},
     {"KEY_RUN", KEY_RUN}, {"AMX_PACKED_X", AMX_PACKED_X}, {"AMX_PACKED_Y", AMX_PACKED_Y},
+    {"QBLOCK", QBLOCK},
     {"TPL_OK", TPL_OK}, {"TPL_NO_MEMORY", TPL_NO_MEMORY}, {"TPL_OFF_CACHE", TPL_OFF_CACHE},
     {"TPL_HEAD_DIM", TPL_HEAD_DIM}, {"TPL_NO_AMX", TPL_NO_AMX}, {"TPL_BAD_TOKEN", TPL_BAD_TOKEN},
 };
@@ -25,6 +26,7 @@ static const struct {
     STRUCT(DecodeLayer), FIELD(DecodeLayer, dim), FIELD(DecodeLayer, n_heads), FIELD(DecodeLayer, n_kv_heads),
     FIELD(DecodeLayer, head_dim), FIELD(DecodeLayer, ffn), FIELD(DecodeLayer, n_blocks),
     FIELD(DecodeLayer, block_size), FIELD(DecodeLayer, eps), FIELD(DecodeLayer, bf16), FIELD(DecodeLayer, amx),
+    FIELD(DecodeLayer, bits),
     FIELD(DecodeLayer, attention_norm), FIELD(DecodeLayer, ffn_norm), FIELD(DecodeLayer, wqkv),
     FIELD(DecodeLayer, wo), FIELD(DecodeLayer, w13), FIELD(DecodeLayer, w2), FIELD(DecodeLayer, cache_k),
     FIELD(DecodeLayer, cache_v),

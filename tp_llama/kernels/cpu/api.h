@@ -24,6 +24,7 @@
 #define KEY_RUN 16               /* keys scored at once; KV-cache blocks are a multiple of it */
 #define AMX_PACKED_X 1           /* amx_matmul's layout: x comes packed (an AMX_PACKED_Y output) */
 #define AMX_PACKED_Y 2           /* amx_matmul's layout: y goes out packed, as the next matmul's x */
+#define QBLOCK 32                /* k per block of a quantized weight and of x quantized (quant.c) */
 
 /* Status codes */
 #define TPL_OK 0
@@ -38,6 +39,7 @@ struct DecodeLayer {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_blocks, block_size; /* n_blocks: the spare too */
     float eps;
     int32_t bf16, amx; /* amx: bfloat16 matmuls on AMX */
+    int32_t bits;      /* 16: the weights in matmul.c's tiles (float32 or bfloat16); 8 or 4: quant.c's */
     const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
     void *cache_k, *cache_v;
 };
@@ -90,6 +92,24 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
  * or 2 (AMD's Zen 5, where they slow one-row passes; bench/kernels/matmul.py). ffi.py sets it at
  * load, before any call. */
 void set_next_tile_min_chunks(int chunks);
+
+/* Weights quantized at load (quant.c): y [M][N] = x [M][K] @ w^T, x and y float32 or bfloat16 (bf16),
+ * w int8 or int4 (bits) tiles from pack_quant_tiles, K a multiple of QBLOCK; gated as tiled_linear.
+ * TPL_OK or TPL_NO_MEMORY. quant_matmul is its in-region form, with quant_scratch_bytes(M, K) of scratch. */
+int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                 int bits);
+void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                  int bits, void *scratch);
+int64_t quant_scratch_bytes(int64_t M, int64_t K);
+/* q [N][K] int8 (int4: values 0..15, a byte each), scales and (int4) mins [N][K / QBLOCK] fp16 bits,
+ * into tiles at out: N rounded up to TILE_COLS, times K / QBLOCK blocks of quant_block_bytes(bits). */
+void pack_quant_tiles(const void *q, const void *scales, const void *mins, int64_t N, int64_t K, int bits, void *out);
+int64_t quant_block_bytes(int bits);
+/* w [N][K] float32 or bfloat16 (bf16) quantized per group of QBLOCK along k into q [N][K] and fp16
+ * scales [N][K / QBLOCK]: int8 symmetric; int4 with minimums too, the scale and minimum refit by
+ * least squares up to `refits` times where that lowers the group's error. */
+void quantize_groups(const void *w, int64_t N, int64_t K, int bf16, int bits, int refits, void *q, void *scales,
+                     void *mins);
 
 /* amx_enable asks Linux for AMX's tile state, once per process, before any AMX call. */
 int amx_enable(void);

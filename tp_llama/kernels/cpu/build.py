@@ -20,18 +20,20 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = ("matmul.c", "layer.c", "decode.c", "sample.c", "amx.c", "prompt_attention.c", "abi.c")
+SOURCES = ("matmul.c", "quant.c", "layer.c", "decode.c", "sample.c", "amx.c", "prompt_attention.c", "abi.c")
 HEADERS = ("api.h", "simd.h")
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # Each variant: the CPU flags it needs (/proc/cpuinfo names) and the compiler flags that use them;
 # the first this CPU (and compiler) can run is loaded.
-_AVX512 = (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"])
+_AVX512 = (("avx512f", "avx512bw", "avx512vl", "fma", "f16c"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"])
 VARIANTS = {
-    "avx512-amx": ((*_AVX512[0], "avx512_bf16", "amx_tile", "amx_bf16"),
-                   [*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
-    "avx512-bf16": ((*_AVX512[0], "avx512_bf16"), [*_AVX512[1], "-mavx512bf16"]),  # AMD's Zen 4 and 5
-    "avx512": _AVX512,
-    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),  # AMD's Zen 2/3, Intel before Skylake-SP
+    "avx512-amx": ((*_AVX512[0], "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"),
+                   [*_AVX512[1], "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"]),
+    "avx512-bf16": ((*_AVX512[0], "avx512_bf16", "avx512_vnni"), [*_AVX512[1], "-mavx512bf16", "-mavx512vnni"]),  # Zen 4/5
+    "avx512-vnni": ((*_AVX512[0], "avx512_vnni"), [*_AVX512[1], "-mavx512vnni"]),  # Cascade Lake, Ice Lake
+    "avx512": _AVX512,  # Skylake-SP
+    "avx2-vnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),  # Alder Lake on
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),  # AMD's Zen 2/3, Intel before Skylake-SP
 }
 BUILD_TIMEOUT_S = 300
 

@@ -27,6 +27,16 @@ static void add_rows(void *h, const void *delta, int64_t rows, int64_t dim, int 
         }
 }
 
+/* A layer's matmul on its float tiles (matmul.c) or its quantized ones (quant.c), with `wide` as
+ * either's scratch. */
+static void layer_matmul(const struct DecodeLayer *L, const void *x, int64_t M, int64_t K, const void *w, int64_t N,
+                         void *y, int gated, float *wide) {
+    if (L->bits == 16)
+        tiled_matmul(x, M, K, w, N, y, gated, L->bf16, wide, L->amx);
+    else
+        quant_matmul(x, M, K, w, N, y, gated, L->bf16, L->bits, wide);
+}
+
 /* h += delta (unless NULL), then y = RMSNorm(h): how each half layer starts. */
 static void add_and_norm(void *h, const void *delta, const void *weight, void *y, int64_t rows, int64_t dim, float eps,
                          int bf16) {
@@ -36,8 +46,8 @@ static void add_and_norm(void *h, const void *delta, const void *weight, void *y
 
 /* The scratch of either block for `rows` rows, laid out from address `at`: the normed rows, the
  * widest matmul output (qkv or SwiGLU's; rows rounded up to 32, as AMX packs it), attention's
- * output, and the next matmul's input widened to float32 (64-byte aligned); `end` is one past its
- * last byte. */
+ * output, and the next matmul's input widened to float32 or quantized (64-byte aligned); `end` is one
+ * past its last byte. */
 struct Scratch {
     void *normed, *first, *second;
     float *wide;
@@ -77,10 +87,10 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
 #pragma omp parallel
     {
         add_and_norm(h, delta_in, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
-        tiled_matmul(s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, L->bf16, s.wide, L->amx);
+        layer_matmul(L, s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, s.wide);
         attention_rows(s.first, R, L->n_heads, L->n_kv_heads, L->head_dim, L->cache_k, L->cache_v, L->n_blocks,
                        L->block_size, s.second, L->bf16, scores, per_thread);
-        tiled_matmul(s.second, rows, attn, L->wo, L->dim, delta_out, 0, L->bf16, s.wide, L->amx);
+        layer_matmul(L, s.second, rows, attn, L->wo, L->dim, delta_out, 0, s.wide);
     }
     free(scores);
     return TPL_OK;
@@ -98,8 +108,8 @@ void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *d
             amx_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide, AMX_PACKED_Y) == TPL_OK)
             amx_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, NULL, AMX_PACKED_X);
         else {
-            tiled_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, L->bf16, s.wide, L->amx);
-            tiled_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, L->bf16, s.wide, L->amx);
+            layer_matmul(L, s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide);
+            layer_matmul(L, s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, s.wide);
         }
     }
 }

@@ -78,27 +78,6 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
             PREFIX##_steps_##MT(x, K, wt, y, ldy, cols, gated, ahead, 0);                          \
     }
 
-/* One row of a float32 tile's sums (its two vectors, `cols` of them real) into y, or, gated,
- * silu(gate) * up: 16 columns. */
-static inline void put_f32_row(float *y, vec lo, vec hi, int64_t cols, int gated) {
-    if (gated) {
-        vstore(y, swiglu16(lo, hi, 0));
-        return;
-    }
-    vstorem(y, lanes(cols), lo);
-    vstorem(y + 16, lanes(cols - 16), hi);
-}
-
-/* The same for a bfloat16 y, each output rounded once. */
-static inline void put_bf16_row(uint16_t *y, vec lo, vec hi, int64_t cols, int gated) {
-    if (gated) {
-        store16(y, 0, swiglu16(lo, hi, 1), 1, 0xFFFF);
-        return;
-    }
-    store16(y, 0, lo, 1, lanes(cols));
-    store16(y + 16, 0, hi, 1, lanes(cols - 16));
-}
-
 /* One tile of MT rows into y (row stride ldy), asking for its share of the next tile (`ahead`).
  * `gated`: the tile's two vectors are 16 gate and 16 up columns of a SwiGLU, and silu(gate) * up
  * goes out, 16 columns. */
@@ -120,7 +99,7 @@ static inline void put_bf16_row(uint16_t *y, vec lo, vec hi, int64_t cols, int g
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            put_f32_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                           \
+            put_row(y, m * ldy, acc[m][0], acc[m][1], cols, gated, 0);                           \
     }                                                                                              \
     BY_PREFETCH(f32, float, float, MT)
 
@@ -143,7 +122,7 @@ static inline void put_bf16_row(uint16_t *y, vec lo, vec hi, int64_t cols, int g
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            put_bf16_row(y + m * ldy, acc[m][0], acc[m][1], cols, gated);                          \
+            put_row(y, m * ldy, acc[m][0], acc[m][1], cols, gated, 1);                          \
     }                                                                                              \
     BY_PREFETCH(bf16, BF16_X, uint16_t, MT)
 
@@ -301,8 +280,7 @@ void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64
         for (int64_t t = 0; t < n; t++) {
             const float *src = product + (m * n + t) * TILE_COLS;
             int64_t col = (t0 + t) * TILE_COLS;
-            put_f32_row(y + m * ldy + (gated ? col / 2 : col), vload(src), vload(src + 16), N - col,
-                        gated);
+            put_row(y, m * ldy + (gated ? col / 2 : col), vload(src), vload(src + 16), N - col, gated, 0);
         }
     }
 }

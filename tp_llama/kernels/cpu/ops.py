@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tp_llama.kernels.cpu.ffi import Library, amx_ready, library
+from tp_llama.kernels.cpu.qtiles import QuantTiled
 from tp_llama.pages import huge_empty
 
 GEMM_ROWS = 256  # float32 calls with this many rows are compute-bound, where a GEMM library's kernel is faster
@@ -219,17 +220,19 @@ def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: to
     return True
 
 
-def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled, Tiled, Tiled, Tiled],
+def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled | QuantTiled, ...],
                  cache_k: torch.Tensor, cache_v: torch.Tensor, block_size: int, eps: float) -> ctypes.Structure | None:
     """A layer as decode_stack, attention_block and ffn_block run it (struct DecodeLayer), or None where they cannot.
 
     norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
-    shards) in tiles; the cache [kv_heads, blocks * block_size, head_dim]. The layer's tensors must
-    outlive the returned struct, which holds only their addresses.
+    shards) in tiles, all float or all quantized alike; the cache [kv_heads, blocks * block_size,
+    head_dim]. The layer's tensors must outlive the returned struct, which holds only their addresses.
     """
     lib = library()
     wqkv, wo, w13, w2 = weights
-    if not all(isinstance(w, Tiled) for w in weights) or wqkv.gated or wo.gated or w2.gated or not w13.gated:
+    bits = {w.bits if isinstance(w, QuantTiled) else 16 for w in weights}
+    if (not all(isinstance(w, (Tiled, QuantTiled)) for w in weights) or len(bits) > 1
+            or wqkv.gated or wo.gated or w2.gated or not w13.gated):
         return None
     n_kv_heads, pool, head_dim = cache_k.shape
     n_heads = wo.shape[1] // head_dim
@@ -237,11 +240,14 @@ def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled,
             or wqkv.shape[0] != (n_heads + 2 * n_kv_heads) * head_dim):
         return None
     tensors = (*norms, *(w.data for w in weights), cache_k, cache_v)
-    if not all(t.is_contiguous() and t.dtype == cache_k.dtype for t in tensors):
+    float_weights = bits == {16}
+    if not all(t.is_contiguous() and (t.dtype == cache_k.dtype or not float_weights) for t in tensors):
         return None
-    amx = all(w.amx for w in weights)
+    if not all(t.dtype == cache_k.dtype for t in (*norms, cache_k, cache_v)):
+        return None
+    amx = float_weights and all(w.amx for w in weights)
     return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], pool // block_size,
-                                      block_size, eps, cache_k.dtype == torch.bfloat16, amx,
+                                      block_size, eps, cache_k.dtype == torch.bfloat16, amx, bits.pop(),
                                       *(t.data_ptr() for t in tensors))
 
 

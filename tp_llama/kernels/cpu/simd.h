@@ -105,6 +105,34 @@ static inline vec vsum_each(const vec v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
+/* Integer dot products (quant.c): a qvec is 16 columns x 4 k of bytes, an ivec their 16 int32 sums. */
+typedef __m512i ivec;
+typedef __m512i qvec;
+static inline ivec izero(void) { return _mm512_setzero_si512(); }
+static inline qvec qload(const void *p) { return _mm512_loadu_si512(p); }
+static inline qvec qset4(const void *p) {
+    int32_t four;
+    memcpy(&four, p, sizeof(four));
+    return _mm512_set1_epi32(four);
+}
+static inline qvec qlow(qvec b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
+static inline qvec qhigh(qvec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
+/* w's bytes negated where x's are negative (no vpsignb in AVX-512; x's zeros meet |x| = 0 anyway). */
+static inline qvec qsign(qvec w, qvec x) {
+    return _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), _mm512_setzero_si512(), w);
+}
+/* acc + each column's 4 products of unsigned u and signed s bytes; vpmaddubsw's int16 pairs must
+ * not saturate (quant.c keeps every pair under 2^15). */
+static inline ivec idot(ivec acc, qvec u, qvec s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+static inline vec ifloat(ivec a) { return _mm512_cvtepi32_ps(a); }
+static inline vec load_halves(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
 #elif defined(__AVX2__) && defined(__FMA__)
 
 typedef struct {
@@ -280,6 +308,37 @@ static inline vec vsum_each(const vec v[16]) {
     for (int i = 0; i < 16; i++) s[i] = _mm256_add_ps(v[i].lo, v[i].hi);
     return BOTH(sum_each8(s), sum_each8(s + 8));
 }
+typedef struct {
+    __m256i lo, hi;
+} ivec;
+typedef ivec qvec;
+#define IBOTH(EXPR_LO, EXPR_HI) ((ivec){EXPR_LO, EXPR_HI})
+static inline ivec izero(void) { return IBOTH(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+static inline qvec qload(const void *p) {
+    return IBOTH(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1));
+}
+static inline qvec qset4(const void *p) {
+    int32_t four;
+    memcpy(&four, p, sizeof(four));
+    return IBOTH(_mm256_set1_epi32(four), _mm256_set1_epi32(four));
+}
+static inline __m256i low8(__m256i b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
+static inline qvec qlow(qvec b) { return IBOTH(low8(b.lo), low8(b.hi)); }
+static inline qvec qhigh(qvec b) { return IBOTH(low8(_mm256_srli_epi16(b.lo, 4)), low8(_mm256_srli_epi16(b.hi, 4))); }
+static inline qvec qsign(qvec w, qvec x) { return IBOTH(_mm256_sign_epi8(w.lo, x.lo), _mm256_sign_epi8(w.hi, x.hi)); }
+static inline __m256i idot8(__m256i acc, __m256i u, __m256i s) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+static inline ivec idot(ivec acc, qvec u, qvec s) { return IBOTH(idot8(acc.lo, u.lo, s.lo), idot8(acc.hi, u.hi, s.hi)); }
+#undef IBOTH
+static inline vec ifloat(ivec a) { return BOTH(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
+static inline vec load_halves(const void *p) {
+    return BOTH(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + 1)));
+}
 #undef BOTH
 
 #else
@@ -334,6 +393,17 @@ static inline vec swiglu16(vec gate, vec up, int bf16) {
     gate = as_stored(gate, bf16);
     vec silu = vdiv(gate, vadd(vset1(1.0f), exp16(vsub(vzero(), gate))));
     return vmul(as_stored(silu, bf16), as_stored(up, bf16));
+}
+
+/* One row of a tile's output: 32 columns as two vectors (`cols` of them real) stored at y[i..] in y's
+ * type; gated, they are 16 gate and 16 up columns, and silu(gate) * up goes out, 16 columns. */
+static inline void put_row(void *y, int64_t i, vec lo, vec hi, int64_t cols, int gated, int bf16) {
+    if (gated) {
+        store16(y, i, swiglu16(lo, hi, bf16), bf16, 0xFFFF);
+        return;
+    }
+    store16(y, i, lo, bf16, lanes(cols));
+    store16(y, i + 16, hi, bf16, lanes(cols - 16));
 }
 
 /* bfloat16 x times pairs of bfloat16 weights along k, 16 columns a pair (a matmul tile's, an

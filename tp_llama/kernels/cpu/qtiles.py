@@ -1,0 +1,96 @@
+"""Weights quantized at load into the C kernels' integer tiles (quant.c), and their matmul.
+
+Each weight is quantized per group of QBLOCK along k, in C (every worker start pays for it):
+int8 symmetric with an fp16 scale a group (llama.cpp's Q8_0), int4 with an fp16 scale and minimum
+a group (Q4_1's block), refit by least squares where that lowers the group's error. Activations are
+quantized per row and group inside each matmul, so a row's outputs do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tp_llama.kernels.cpu.ffi import library
+from tp_llama.pages import huge_empty
+
+INT4_REFITS = 2  # least-squares rounds for each int4 group's scale and minimum (see quantize_groups)
+
+
+@dataclass(frozen=True)
+class QuantTiled:
+    """A weight [out, in] (`shape`) quantized to `bits` in quant.c's tiles (`data`, bytes); gated:
+    a SwiGLU's w1 and w3 interleaved in runs of GATE_RUN, as ops.Tiled."""
+
+    data: torch.Tensor
+    shape: tuple[int, int]
+    bits: int
+    gated: bool = False
+
+
+def group_size() -> int:
+    return library().constants["QBLOCK"]
+
+
+def quantize_groups(weight: torch.Tensor, bits: int, refits: int = INT4_REFITS) -> tuple[torch.Tensor, ...]:
+    """(q [out, in] int8 (int4: values 0..15), scales [out, in / QBLOCK] float16, and for int4 the
+    minimums alike): w = q * scale (+ minimum). The weight must be float32 or bfloat16, its k a
+    multiple of QBLOCK."""
+    if bits not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    w = weight.detach().contiguous()
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        w = w.float()
+    out, k = w.shape
+    group = group_size()
+    if k % group:
+        raise ValueError(f"a quantized weight's k must be a multiple of {group}, not {k}")
+    q = torch.empty((out, k), dtype=torch.int8)
+    scales = torch.empty((out, k // group), dtype=torch.float16)
+    mins = torch.empty_like(scales) if bits == 4 else scales  # int8 writes no minimums
+    library().quantize_groups(w.data_ptr(), out, k, w.dtype == torch.bfloat16, bits, refits, q.data_ptr(),
+                              scales.data_ptr(), mins.data_ptr())
+    return (q, scales, mins) if bits == 4 else (q, scales)
+
+
+def pack(groups: tuple[torch.Tensor, ...], bits: int, gated: bool = False) -> QuantTiled:
+    """quantize_groups' output in tiles, on 2 MiB pages where Linux gives them (tp_llama.pages)."""
+    lib = library()
+    q, scales = groups[0], groups[1]
+    out, k = q.shape
+    tiles = -(-out // lib.constants["TILE_COLS"])
+    data = huge_empty((tiles * (k // group_size()) * lib.quant_block_bytes(bits),), torch.uint8)
+    mins = groups[2] if bits == 4 else scales
+    lib.pack_quant_tiles(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), out, k, bits, data.data_ptr())
+    return QuantTiled(data, (out, k), bits, gated)
+
+
+def prepare_quant_tiles(weight: torch.Tensor, bits: int) -> QuantTiled:
+    """weight [out, in] quantized to `bits` in tiles."""
+    return pack(quantize_groups(weight, bits), bits)
+
+
+def prepare_quant_swiglu(w1: torch.Tensor, w3: torch.Tensor, bits: int) -> QuantTiled | None:
+    """w1 and w3 [ffn, in] as one gated quantized weight, or None where the FFN's width does not allow it."""
+    run = library().constants["GATE_RUN"]
+    ffn, cols = w1.shape
+    if ffn % run:
+        return None
+    runs = [w.detach().reshape(ffn // run, run, cols) for w in (w1, w3)]
+    interleaved = torch.stack(runs, dim=1).reshape(2 * ffn, cols)
+    return pack(quantize_groups(interleaved, bits), bits, gated=True)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantTiled) -> torch.Tensor:
+    """x [..., in] (float32 or bfloat16, CPU) @ weight.T (or the gated product), in x's dtype."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise TypeError(f"a quantized CPU weight got {x.dtype} input on {x.device}")
+    out_features, in_features = weight.shape
+    x = x.contiguous()
+    rows = x.numel() // in_features
+    y = torch.empty((*x.shape[:-1], out_features // 2 if weight.gated else out_features), dtype=x.dtype)
+    if rows and library().quant_linear(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features,
+                                       y.data_ptr(), weight.gated, x.dtype == torch.bfloat16, weight.bits):
+        raise MemoryError(f"no memory to quantize {rows} x {in_features} inputs")
+    return y

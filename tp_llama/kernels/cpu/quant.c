@@ -1,0 +1,317 @@
+/* y[M, N] = x[M, K] @ w[N, K]^T for weights quantized at load to int8 or int4, on the CPU's integer
+ * dot products.
+ *
+ * A decode step streams every weight once, so fewer bytes a weight is more tokens a second; and an
+ * integer dot product (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with VNNI) does 4 multiply-adds a
+ * lane where a float FMA does 1, which is what prompt rows are bound by.
+ *
+ * The weight comes in tiles of TILE_COLS output columns, as matmul.c's, each a run of blocks of
+ * QBLOCK k (pack_quant_tiles lays them out):
+ *   int8: [TILE_COLS fp16 scales][QSTEPS][TILE_COLS][4 k] int8             w = q * scale, q in -127..127
+ *   int4: [TILE_COLS fp16 scales][TILE_COLS fp16 minimums][QSTEPS / 2][TILE_COLS][4 k] bytes, whose
+ *         low nibble is the pair's first step and high nibble its second   w = q * scale + min, q in 0..15
+ * so a step (4 k of 16 columns) is one 64-byte load, and its 16 sums need no horizontal adds.
+ * x is quantized per row and block (symmetric int8 with a float32 scale; int4's minimums also need
+ * each block's sum), so a row's outputs never depend on the other rows of its call. A block's
+ * products are summed exactly in int32, then added into float32 sums, block after block.
+ *
+ * vpmaddubsw multiplies unsigned by signed bytes into int16 pairs that saturate: int4's nibbles are
+ * unsigned and x's bytes signed (pairs at most 2 * 15 * 127); int8 weights are signed, so the
+ * unsigned side is |x| and the weight takes x's sign (pairs at most 2 * 127 * 127 < 2^15).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api.h"
+#include "simd.h"
+
+#define VECS (TILE_COLS / 16)
+#define QSTEPS (QBLOCK / 4)
+#define Q8_BLOCK_BYTES (2 * TILE_COLS + QBLOCK * TILE_COLS)
+#define Q4_BLOCK_BYTES (4 * TILE_COLS + QBLOCK * TILE_COLS / 2)
+#ifdef __AVX512F__
+#define QROWS 4 /* 32 registers: 4 rows x 2 vectors of sums beside the weights' */
+#else
+#define QROWS 2 /* 16 registers: 2 rows x 2 vectors of sums, each two ymm */
+#endif
+#define X_BLOCK_BYTES (1 << 20) /* the quantized rows that share one pass over the weights, kept in L2 */
+
+/* x quantized: q [M][K] and |q|, and per row and block its scale and scale * sum of q. */
+struct QRows {
+    int8_t *q;
+    uint8_t *a;
+    float *d, *ds;
+};
+
+static struct QRows carve(void *scratch, int64_t M, int64_t K) {
+    struct QRows r;
+    r.q = scratch;
+    r.a = (uint8_t *)scratch + M * K;
+    r.d = (float *)((uint8_t *)scratch + 2 * M * K);
+    r.ds = r.d + M * (K / QBLOCK);
+    return r;
+}
+
+int64_t quant_block_bytes(int bits) { return bits == 8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES; }
+
+int64_t quant_scratch_bytes(int64_t M, int64_t K) { return 2 * M * K + 2 * M * (K / QBLOCK) * (int64_t)sizeof(float); }
+
+/* Each block of QBLOCK values as round(x / d) with d = max |x| / 127, in-region. */
+static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, struct QRows r) {
+    int64_t blocks = K / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t at = m * K + b * QBLOCK;
+            vec lo = load16(x, at, bf16, 0xFFFF), hi = load16(x, at + 16, bf16, 0xFFFF);
+            float amax = vhighest(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi))));
+            vec inverse = vset1(amax > 0 ? 127.0f / amax : 0.0f);
+            int32_t q[QBLOCK], sum = 0;
+            vstore_int(q, 0xFFFF, vround(vmul(lo, inverse)));
+            vstore_int(q + 16, 0xFFFF, vround(vmul(hi, inverse)));
+            for (int i = 0; i < QBLOCK; i++) {
+                r.q[at + i] = (int8_t)q[i];
+                r.a[at + i] = (uint8_t)(q[i] < 0 ? -q[i] : q[i]);
+                sum += q[i];
+            }
+            r.d[m * blocks + b] = amax / 127.0f;
+            r.ds[m * blocks + b] = amax / 127.0f * (float)sum;
+        }
+}
+
+/* One tile's blocks for MT rows (rows m of r from row 0 of the call's block), their float32 sums in
+ * acc [MT][TILE_COLS]. */
+static inline __attribute__((always_inline)) void q8_rows(struct QRows r, int64_t K, const uint8_t *wt, vec acc[][VECS],
+                                                         const int MT) {
+    int64_t blocks = K / QBLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = wt + b * Q8_BLOCK_BYTES, *steps = block + 2 * TILE_COLS;
+        ivec sum[QROWS][VECS];
+        for (int m = 0; m < MT; m++)
+            for (int j = 0; j < VECS; j++) sum[m][j] = izero();
+        for (int s = 0; s < QSTEPS; s++)
+            for (int j = 0; j < VECS; j++) {
+                qvec w = qload(steps + (s * TILE_COLS + 16 * j) * 4);
+                for (int m = 0; m < MT; m++) {
+                    int64_t at = m * K + b * QBLOCK + 4 * s;
+                    sum[m][j] = idot(sum[m][j], qset4(r.a + at), qsign(w, qset4(r.q + at)));
+                }
+            }
+        for (int j = 0; j < VECS; j++) {
+            vec scale = load_halves(block + 32 * j);
+            for (int m = 0; m < MT; m++)
+                acc[m][j] = vfmadd(ifloat(sum[m][j]), vmul(scale, vset1(r.d[m * blocks + b])), acc[m][j]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void q4_rows(struct QRows r, int64_t K, const uint8_t *wt, vec acc[][VECS],
+                                                         const int MT) {
+    int64_t blocks = K / QBLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = wt + b * Q4_BLOCK_BYTES, *steps = block + 4 * TILE_COLS;
+        ivec sum[QROWS][VECS];
+        for (int m = 0; m < MT; m++)
+            for (int j = 0; j < VECS; j++) sum[m][j] = izero();
+        for (int p = 0; p < QSTEPS / 2; p++)
+            for (int j = 0; j < VECS; j++) {
+                qvec nibbles = qload(steps + (p * TILE_COLS + 16 * j) * 4);
+                qvec first = qlow(nibbles), second = qhigh(nibbles);
+                for (int m = 0; m < MT; m++) {
+                    const int8_t *xq = r.q + m * K + b * QBLOCK + 8 * p;
+                    sum[m][j] = idot(idot(sum[m][j], first, qset4(xq)), second, qset4(xq + 4));
+                }
+            }
+        for (int j = 0; j < VECS; j++) {
+            vec scale = load_halves(block + 32 * j), low = load_halves(block + 2 * TILE_COLS + 32 * j);
+            for (int m = 0; m < MT; m++) {
+                int64_t at = m * blocks + b;
+                vec sums = vfmadd(ifloat(sum[m][j]), vmul(scale, vset1(r.d[at])), acc[m][j]);
+                acc[m][j] = vfmadd(low, vset1(r.ds[at]), sums);
+            }
+        }
+    }
+}
+
+/* A tile for MT rows into y (row stride ldy, from column i). */
+static inline __attribute__((always_inline)) void q_tile(struct QRows r, int64_t K, const uint8_t *wt, int bits,
+                                                        void *y, int64_t ldy, int64_t i, int64_t cols, int gated,
+                                                        int bf16, const int MT) {
+    vec acc[QROWS][VECS];
+    for (int m = 0; m < MT; m++)
+        for (int j = 0; j < VECS; j++) acc[m][j] = vzero();
+    if (bits == 8)
+        q8_rows(r, K, wt, acc, MT);
+    else
+        q4_rows(r, K, wt, acc, MT);
+    for (int m = 0; m < MT; m++) put_row(y, m * ldy + i, acc[m][0], acc[m][1], cols, gated, bf16);
+}
+
+static struct QRows offset(struct QRows r, int64_t m, int64_t K) {
+    r.q += m * K;
+    r.a += m * K;
+    r.d += m * (K / QBLOCK);
+    r.ds += m * (K / QBLOCK);
+    return r;
+}
+
+/* The threads split the tiles; rows go in near-equal chunks of at most QROWS, the tile's blocks
+ * in cache between chunks. */
+static void q_tiles(struct QRows r, int64_t M, int64_t K, const uint8_t *w, int64_t N, int bits, void *y, int gated,
+                    int bf16) {
+    int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, chunks = (M + QROWS - 1) / QROWS;
+    int64_t tile_bytes = K / QBLOCK * (bits == 8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES), ldy = gated ? N / 2 : N;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *wt = w + t * tile_bytes;
+        int64_t cols = N - t * TILE_COLS, i = t * (gated ? TILE_COLS / 2 : TILE_COLS);
+        for (int64_t c = 0, m0 = 0; c < chunks; c++) {
+            int64_t m1 = M * (c + 1) / chunks;
+            struct QRows rows = offset(r, m0, K);
+            void *ym = (char *)y + m0 * ldy * (bf16 ? 2 : 4);
+            switch (m1 - m0) {
+#if QROWS > 2
+            case 4: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 4); break;
+            case 3: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 3); break;
+#endif
+            case 2: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 2); break;
+            default: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 1);
+            }
+            m0 = m1;
+        }
+    }
+}
+
+void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                  int bits, void *scratch) {
+    struct QRows r = carve(scratch, M, K);
+    quantize_rows(x, M, K, bf16, r);
+    int64_t block = X_BLOCK_BYTES / (2 * K);
+    block = block < QROWS ? QROWS : block - block % QROWS;
+    int64_t ldy = gated ? N / 2 : N;
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        int64_t m = M - m0 < block ? M - m0 : block;
+        q_tiles(offset(r, m0, K), m, K, w, N, bits, (char *)y + m0 * ldy * (bf16 ? 2 : 4), gated, bf16);
+    }
+}
+
+int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                 int bits) {
+    void *scratch = malloc((size_t)quant_scratch_bytes(M, K));
+    if (scratch == NULL) return TPL_NO_MEMORY;
+#pragma omp parallel
+    quant_matmul(x, M, K, w, N, y, gated, bf16, bits, scratch);
+    free(scratch);
+    return TPL_OK;
+}
+
+/* Rows of q [N][K] (int8, or int4 values 0..15 one a byte) with their scales and (int4) minimums
+ * [N][K / QBLOCK] as fp16 bits, in tiles (layout above); columns past N are zeros. */
+void pack_quant_tiles(const void *q, const void *scales, const void *mins, int64_t N, int64_t K, int bits, void *out) {
+    const int8_t *values = q;
+    const uint16_t *scale = scales, *low = mins;
+    int64_t blocks = K / QBLOCK, block_bytes = bits == 8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
+    int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *block = (uint8_t *)out + (t * blocks + b) * block_bytes;
+            uint16_t *halves = (uint16_t *)block;
+            uint8_t *steps = block + (bits == 8 ? 2 : 4) * TILE_COLS;
+            for (int64_t c = 0; c < TILE_COLS; c++) {
+                int64_t n = t * TILE_COLS + c;
+                int real = n < N;
+                halves[c] = real ? scale[n * blocks + b] : 0;
+                if (bits == 4) halves[TILE_COLS + c] = real ? low[n * blocks + b] : 0;
+                const int8_t *row = values + n * K + b * QBLOCK;
+                for (int k = 0; k < QBLOCK; k++) {
+                    int s = k / 4, v = real ? row[k] : 0;
+                    if (bits == 8)
+                        steps[(s * TILE_COLS + c) * 4 + k % 4] = (uint8_t)v;
+                    else if (s % 2 == 0)
+                        steps[(s / 2 * TILE_COLS + c) * 4 + k % 4] = (uint8_t)v;
+                    else
+                        steps[(s / 2 * TILE_COLS + c) * 4 + k % 4] |= (uint8_t)(v << 4);
+                }
+            }
+        }
+}
+
+static float to_half(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
+
+/* One group's int4 values for scale d and minimum m (both as fp16 holds them); its squared error. */
+static double fit4(const float *x, float d, float m, int8_t *q) {
+    double error = 0;
+    for (int i = 0; i < QBLOCK; i++) {
+        float v = d > 0 ? nearbyintf((x[i] - m) / d) : 0.0f;
+        q[i] = (int8_t)(v < 0 ? 0 : v > 15 ? 15 : v);
+        double e = (double)q[i] * d + m - x[i];
+        error += e * e;
+    }
+    return error;
+}
+
+/* A group of int4: from its range, then `refits` rounds of least squares for the scale and minimum
+ * that fit the values chosen, each kept only where it lowers the group's error (a k-quant-style
+ * search, at a cost quantizing every worker start can bear). */
+static void group4(const float *x, int refits, int8_t *q, uint16_t *scale, uint16_t *low) {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < QBLOCK; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+    }
+    float d = to_half((hi - lo) / 15), m = to_half(lo);
+    double best = fit4(x, d, m, q);
+    for (int round = 0; round < refits; round++) {
+        double sq = 0, sqq = 0, sx = 0, sqx = 0;
+        for (int i = 0; i < QBLOCK; i++) {
+            sq += q[i];
+            sqq += (double)q[i] * q[i];
+            sx += x[i];
+            sqx += (double)q[i] * x[i];
+        }
+        double det = QBLOCK * sqq - sq * sq;
+        if (det <= 0) break;
+        double fitted = (QBLOCK * sqx - sq * sx) / det;
+        float d2 = to_half((float)fitted), m2 = to_half((float)((sx - fitted * sq) / QBLOCK));
+        int8_t trial[QBLOCK];
+        double error = fit4(x, d2, m2, trial);
+        if (!(d2 > 0) || error >= best) break;
+        best = error, d = d2, m = m2;
+        memcpy(q, trial, sizeof(trial));
+    }
+    *scale = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+    *low = _cvtss_sh(m, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* A group of int8: symmetric, its scale max |x| / 127 as fp16 holds it. */
+static void group8(const float *x, int8_t *q, uint16_t *scale) {
+    float amax = 0;
+    for (int i = 0; i < QBLOCK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float d = to_half(amax / 127);
+    for (int i = 0; i < QBLOCK; i++) {
+        float v = d > 0 ? nearbyintf(x[i] / d) : 0.0f;
+        q[i] = (int8_t)(v < -127 ? -127 : v > 127 ? 127 : v);
+    }
+    *scale = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+}
+
+void quantize_groups(const void *w, int64_t N, int64_t K, int bf16, int bits, int refits, void *q, void *scales,
+                     void *mins) {
+    int64_t blocks = K / QBLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float x[QBLOCK];
+            int64_t at = n * K + b * QBLOCK;
+            vstore(x, load16(w, at, bf16, 0xFFFF));
+            vstore(x + 16, load16(w, at + 16, bf16, 0xFFFF));
+            int8_t *group = (int8_t *)q + at;
+            uint16_t *scale = (uint16_t *)scales + n * blocks + b;
+            if (bits == 8)
+                group8(x, group, scale);
+            else
+                group4(x, refits, group, scale, (uint16_t *)mins + n * blocks + b);
+        }
+}
