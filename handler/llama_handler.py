@@ -111,13 +111,12 @@ class LlamaHandler(BaseHandler):
         self._cancel_absent(set(ids))
         answers = self._admit(data, ids)
         self._expire()
-        shown: dict[str, str] = {}
         try:
             self.engine.run(self.scheduler, self._call_budget_s(), until_finished=True,
-                            on_step=lambda _: self._after_step(shown))
+                            on_step=lambda _: self._after_step())
         except Exception as exc:
             _stop_worker(self.engine.rank, exc)
-        replies = [self._reply(idx, rid, answers.get(rid), shown.get(rid, "")) for idx, rid in enumerate(ids)]
+        replies = [self._reply(idx, rid, answers.get(rid)) for idx, rid in enumerate(ids)]
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
         self._update_metrics()
         return replies
@@ -134,17 +133,17 @@ class LlamaHandler(BaseHandler):
             return 0.0
         return self.settings.decode_call_ms / 1000
 
-    def _after_step(self, shown: dict[str, str]) -> None:
-        """Per live request: first-token times, and the newly shown text of this step. A stop string
+    def _after_step(self) -> None:
+        """Per live request: its first-token time, and the newly shown text of this step. A stop string
         ends its sequence here, between steps, through the scheduler."""
-        for rid, live in self.live.items():
-            seq = live.seq
-            if not live.first_token_seen and seq.first_token_at is not None:
-                live.first_token_seen = True
-                if self.metrics is not None:
-                    self.metrics.first_token(seq)
-            shown[rid] = shown.get(rid, "") + live.api.advance(seq)
-            if live.api.stopped:
+        for live in self.live.values():
+            if not live.first_token_seen:
+                first = next((seq for seq in live.seqs if seq.first_token_at is not None), None)
+                if first is not None:
+                    live.first_token_seen = True
+                    if self.metrics is not None:
+                        self.metrics.first_token(first)
+            for seq in live.api.advance():
                 self.scheduler.cancel(seq, "stop")
 
     def _update_metrics(self) -> None:
@@ -156,10 +155,10 @@ class LlamaHandler(BaseHandler):
         self.metrics.cache_counts(scheduler.prefix_queries, scheduler.prefix_hits, scheduler.preemptions)
         self.metrics.flush()
 
-    def _count(self, outcome: str, seq: Sequence | None = None) -> None:
+    def _count(self, outcome: str, seqs: list[Sequence] = ()) -> None:
         if self.metrics is not None:
             self.metrics.request(outcome)
-            if seq is not None:
+            for seq in seqs:
                 self.metrics.ended(seq)
 
     def _stop_flag(self, rid: str, answered_before: bool) -> Callable[[str], bool | None]:
@@ -177,9 +176,10 @@ class LlamaHandler(BaseHandler):
         """TorchServe drops a job whose client closed its connection: its absence is the signal."""
         for rid in [rid for rid in self.live if rid not in present]:
             live = self.live.pop(rid)
-            self.scheduler.cancel(live.seq)
+            for seq in live.seqs:
+                self.scheduler.cancel(seq)
             self._log_end(rid, live, "cancelled: the client disconnected")
-            self._count("cancelled", live.seq)
+            self._count("cancelled", live.seqs)
 
     def _url_path(self, idx: int) -> str:
         try:
@@ -220,8 +220,8 @@ class LlamaHandler(BaseHandler):
                 else:
                     api = NativeRequest(parse_request(request, self.settings, tokenizer, self.engine.args.vocab_size),
                                         tokenizer.decode)
-                seq = Sequence(rid, api.job.prompt_ids, api.job.params, api.job.cache_salt)
-                self.scheduler.add(seq)
+                seqs = api.sequences(rid)
+                self._add(seqs)
             except RequestError as exc:
                 answers[rid] = ("openai" if openai else "native", exc)
                 continue
@@ -230,17 +230,28 @@ class LlamaHandler(BaseHandler):
                 error = RequestError(f"internal error while reading the request: {type(exc).__name__}", 500)
                 answers[rid] = ("openai" if openai else "native", error)
                 continue
-            self.live[rid] = Live(api, seq)
+            self.live[rid] = Live(api, seqs)
         return answers
+
+    def _add(self, seqs: list[Sequence]) -> None:
+        """All of a request's sequences join the queue, or none (the ones added are taken back)."""
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        except Exception:
+            for seq in seqs:
+                self.scheduler.cancel(seq)
+            raise
 
     def _expire(self) -> None:
         """Requests older than the yaml's responseTimeout end now, with what they have."""
         now = time.perf_counter()
         for live in self.live.values():
-            if now - live.seq.arrived > self.response_timeout_s:
-                self.scheduler.cancel(live.seq, "timeout")
+            if now - live.seqs[0].arrived > self.response_timeout_s:
+                for seq in live.seqs:
+                    self.scheduler.cancel(seq, "timeout")
 
-    def _reply(self, idx: int, rid: str, answer: tuple[str, Any] | None, shown: str) -> str:
+    def _reply(self, idx: int, rid: str, answer: tuple[str, Any] | None) -> str:
         context = self.context
         if answer is not None:
             kind, error = answer
@@ -252,20 +263,21 @@ class LlamaHandler(BaseHandler):
             return json_line(error_body(error) if kind == "openai" else {"error": str(error)})
         live = self.live[rid]
         context.set_response_content_type(idx, live.api.content_type)
-        reply = live.api.reply(live.seq, shown, self.response_timeout_s)
-        if live.seq.finished:
-            self._retire(rid, live, "stop (a stop string)" if live.api.stopped else live.seq.finish_reason)
+        reply = live.api.reply(self.response_timeout_s)
+        if live.finished:
+            self._retire(rid, live, "stop (a stop string)" if live.api.stopped else live.seqs[-1].finish_reason)
         return reply
 
     def _retire(self, rid: str, live: Live, how: str) -> None:
         """A request's last reply is written: forget it, log and count how it ended."""
         del self.live[rid]
         self._log_end(rid, live, how)
-        self._count("failed" if live.seq.finish_reason == "timeout" else "ok", live.seq)
+        timed_out = any(seq.finish_reason == "timeout" for seq in live.seqs)
+        self._count("failed" if timed_out else "ok", live.seqs)
 
     def _log_end(self, rid: str, live: Live, how: str) -> None:
         logger.info(
             "rank 0: request %s %s after %d tokens; running %d/%d, kv blocks used %d/%d, waiting %d",
-            rid, how, len(live.seq.output), len(self.scheduler.running), self.engine.config.max_batch_size,
+            rid, how, sum(len(seq.output) for seq in live.seqs), len(self.scheduler.running), self.engine.config.max_batch_size,
             self.scheduler.pool.used, self.scheduler.pool.n_blocks, len(self.scheduler.waiting),
         )

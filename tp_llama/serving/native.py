@@ -71,17 +71,24 @@ class NativeRequest:
     def __init__(self, job: Job, decode: Callable[[list[int]], str]):
         self.job, self.decode = job, decode
         self.stream = StreamDecoder(decode) if job.stream else None
+        self.seq: Sequence | None = None
 
     @property
     def content_type(self) -> str:
         return NDJSON_TYPE if self.stream else JSON_TYPE
 
-    def advance(self, seq: Sequence) -> str:
-        """After a step: nothing to watch (the stream's text is taken when the reply is written)."""
-        return ""
+    def sequences(self, rid: str) -> list[Sequence]:
+        job = self.job
+        self.seq = Sequence(rid, job.prompt_ids, job.params, job.cache_salt)
+        return [self.seq]
 
-    def reply(self, seq: Sequence, shown: str, timeout_s: float) -> str:
+    def advance(self) -> list[Sequence]:
+        """After a step: nothing to watch (the stream's text is taken when the reply is written)."""
+        return []
+
+    def reply(self, timeout_s: float) -> str:
         """This call's reply: the new tokens of a streamed request, or the whole answer at the end."""
+        seq = self.seq
         if not seq.finished:
             if self.stream is None:
                 return ""

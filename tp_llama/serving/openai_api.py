@@ -2,7 +2,7 @@
 
 TorchServe routes any path below /predictions/NAME/VERSION/ to the handler and passes the tail
 as the request header `url_path` ("v1/completions"). This module turns such a request into the
-same `Job` the native API makes, with the same field checkers (request.py), and
+same `Job` the native API makes, with the same field checkers (request.py); openai_reply.py
 writes the replies in OpenAI's shapes: a completion object, or server-sent events of chunk
 objects ending in `data: [DONE]`, and errors as {"error": {"message", "type", "param", "code"}}.
 
@@ -11,14 +11,11 @@ Only rank 0 reads requests (the other ranks just follow its steps).
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
-from tp_llama.engine.sampling import TokenLogprobs
-from tp_llama.engine.scheduler import Sequence
+from tp_llama.serving.openai_reply import CHAT, COMPLETIONS, OpenAIRequest
 from tp_llama.serving.request import (
     cache_salt_field,
     ChatTokenizer,
@@ -29,7 +26,6 @@ from tp_llama.serving.request import (
     decode_body,
     fit_max_new_tokens,
     integer_field,
-    json_line,
     logprobs_field,
     request_body,
     sampling_params,
@@ -37,16 +33,12 @@ from tp_llama.serving.request import (
     type_name,
 )
 from tp_llama.serving.settings import HandlerSettings
-from tp_llama.serving.stream import StopWatcher, StreamDecoder
 
-COMPLETIONS = "v1/completions"
-CHAT = "v1/chat/completions"
 MODELS = "v1/models"
 PATHS = (COMPLETIONS, CHAT)
 MAX_STOP_STRINGS = 4
-SSE_TYPE = "text/event-stream"
-JSON_TYPE = "application/json"
-DONE = "data: [DONE]\n\n"
+MAX_ECHO_LOGPROBS = 5  # OpenAI's legacy limit; every prompt position then carries this many alternatives
+MAX_PROMPTS = 1024  # token-id prompts in one completions request
 
 
 def _null(value: Any) -> bool:
@@ -66,7 +58,6 @@ _DEFAULT_ONLY_COMMON = {
 _DEFAULT_ONLY = {
     COMPLETIONS: {
         **_DEFAULT_ONLY_COMMON,
-        "echo": (_null_or(False), "echo is not supported"),
         "best_of": (_null_or(1), "best_of must be 1"),
         "suffix": (_null, "suffix is not supported"),
     },
@@ -82,7 +73,7 @@ _DEFAULT_ONLY = {
     },
 }
 _HONOURED = {
-    COMPLETIONS: {"prompt", "max_tokens", "logprobs"},
+    COMPLETIONS: {"prompt", "max_tokens", "logprobs", "echo"},
     CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 # ignore_eos, top_k, min_p, repetition_penalty, cache_salt and return_token_ids are vLLM's extensions,
@@ -96,169 +87,6 @@ def error_body(error: RequestError) -> dict[str, Any]:
     """OpenAI's error object for a refused request."""
     kind = "invalid_request_error" if error.status < 500 else "server_error"
     return {"error": {"message": str(error), "type": kind, "param": error.param, "code": None}}
-
-
-@dataclass(eq=False)
-class OpenAIRequest:
-    """A parsed OpenAI request and its reply state between calls."""
-
-    path: str
-    job: Job
-    stops: tuple[str, ...]
-    include_usage: bool
-    model: str
-    id: str
-    created: int
-    decode: Callable[[list[int]], str] | None = None
-    decoder: StreamDecoder | None = None
-    watcher: StopWatcher | None = None
-    started: bool = False
-    text: list[str] = field(default_factory=list)
-    pending: list[TokenLogprobs] = field(default_factory=list)  # streamed: log-probabilities not sent yet
-    return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
-    pending_ids: list[int] = field(default_factory=list)  # streamed: token ids not sent yet
-    offset: int = 0  # completions: where the next token's text starts (text_offset)
-
-    @property
-    def chat(self) -> bool:
-        return self.path == CHAT
-
-    @property
-    def stopped(self) -> bool:
-        return self.watcher is not None and self.watcher.hit
-
-    def start(self, decode) -> None:
-        """Text is followed step by step when streamed or when stop strings must be watched for."""
-        self.decode = decode
-        if self.job.stream or self.stops:
-            self.decoder = StreamDecoder(decode)
-            self.watcher = StopWatcher(self.stops)
-
-    def advance(self, seq: Sequence) -> str:
-        """After a step: the newly shown text (stop strings checked). The caller ends the
-        sequence when `stopped` turns true."""
-        if self.decoder is None:
-            return ""
-        new, logprobs = seq.take_new_tokens()
-        self.pending += logprobs
-        if self.return_token_ids:
-            self.pending_ids += new
-        piece = self.decoder.push(new) if new else ""
-        if seq.finished:
-            piece += self.decoder.finish()
-        shown = self.watcher.feed(piece, final=seq.finished)
-        self.text.append(shown)
-        return shown
-
-    @property
-    def content_type(self) -> str:
-        return SSE_TYPE if self.job.stream else JSON_TYPE
-
-    def reply(self, seq: Sequence, shown: str, timeout_s: float) -> str:
-        """This call's reply: the new events of a streamed request, or the whole completion at the end."""
-        if self.job.stream:
-            return self.stream_reply(shown, seq)
-        return json_line(self.final_reply(seq)) if seq.finished else ""
-
-    def finish_reason(self, seq: Sequence) -> str:
-        return "stop" if self.stopped else seq.finish_reason
-
-    def usage(self, seq: Sequence) -> dict[str, Any]:
-        prompt, completion = len(seq.prompt_ids), len(seq.output)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": seq.cached_tokens or 0}}
-
-    # --- replies -----------------------------------------------------------------------------
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for these tokens (chat's `content` list, or completions' four lists)."""
-        if self.job.params.logprobs is None:
-            return None
-        if self.chat:
-            def entry(token: int, logprob: float) -> dict[str, Any]:
-                text = self.decode([token])
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(*top) for top in t.top]}
-                                for t in logprobs]}
-        tokens = [self.decode([t.token]) for t in logprobs]
-        offsets = []
-        for text in tokens:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [t.logprob for t in logprobs],
-                "top_logprobs": [{self.decode([token]): value for token, value in t.top} for t in logprobs],
-                "text_offset": offsets}
-
-    def _chunk(self, text: str | None, finish_reason: str | None,
-               logprobs: list[TokenLogprobs] = (), token_ids: list[int] = ()) -> dict[str, Any]:
-        lp = self._logprobs(list(logprobs)) if logprobs else None
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if not self.started:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-            chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
-            chunk = {**self._head("text_completion"), "choices": [choice]}
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        if self.include_usage:
-            chunk["usage"] = None
-        self.started = True
-        return chunk
-
-    def stream_reply(self, shown: str, seq: Sequence) -> str:
-        """This call's server-sent events ("" when there is nothing new)."""
-        events: list[dict[str, Any]] = []
-        if shown or self.pending or (self.return_token_ids and self.pending_ids) or (self.chat and not self.started):
-            events.append(self._chunk(shown, None, self.pending, self.pending_ids))
-            self.pending, self.pending_ids = [], []
-        if seq.finished:
-            if seq.finish_reason == "timeout" and not self.stopped:
-                return _sse(events) + _event({"error": timeout_error()}) + DONE
-            events.append(self._chunk(None if self.chat else "", self.finish_reason(seq)))
-            if self.include_usage:
-                events.append({**self._head(events[-1]["object"]), "choices": [], "usage": self.usage(seq)})
-            return _sse(events) + DONE
-        return _sse(events)
-
-    def final_reply(self, seq: Sequence) -> dict[str, Any]:
-        """The whole completion of a request that was not streamed."""
-        if seq.finish_reason == "timeout" and not self.stopped:
-            return {"error": timeout_error()}
-        text = "".join(self.text) if self.decoder is not None else self.decode(seq.output)
-        reason = self.finish_reason(seq)
-        logprobs = self._logprobs(seq.logprobs)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": reason}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-            head = self._head("text_completion")
-        if self.return_token_ids:
-            choice["token_ids"] = seq.output
-        return {**head, "choices": [choice], "usage": self.usage(seq)}
-
-
-def timeout_error() -> dict[str, Any]:
-    return {"message": "the request ran past the server's responseTimeout", "type": "timeout", "param": None,
-            "code": None}
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
-
-
-def _sse(events: list[dict[str, Any]]) -> str:
-    return "".join(_event(e) for e in events)
 
 
 def models_list(model: str) -> dict[str, Any]:
@@ -320,19 +148,68 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     return boolean_field(options, "include_usage")
 
 
-def _completion_prompt_ids(prompt: Any, tokenizer: ChatTokenizer, vocab_size: int) -> list[int]:
-    """A string (encoded with BOS, like the native API), or an array of token ids taken as they are."""
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        bad = [i for i in prompt if not 0 <= i < vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}", param="prompt")
-        return list(prompt)
-    if isinstance(prompt, list):
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                           for i in value)
+
+
+def _completion_prompts(prompt: Any, tokenizer: ChatTokenizer, vocab_size: int) -> tuple[list[list[int]], list[str | None]]:
+    """(the prompts' token ids, each prompt's text where it was sent as text): a string (encoded with BOS,
+    like the native API), an array of token ids taken as they are, or an array of such arrays (one
+    choice each, as lm-evaluation-harness sends them)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise RequestError(f"prompt may hold at most {MAX_PROMPTS} token-id arrays, got {len(prompt)}",
+                               param="prompt")
+        for i, ids in enumerate(prompt):
+            if not _is_ids(ids):
+                raise RequestError(f"prompt[{i}] must be a non-empty array of token ids", param="prompt")
+        prompts = [list(ids) for ids in prompt]
+    elif _is_ids(prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list):
         if not prompt:
             raise RequestError("prompt must not be empty", param="prompt")
-        raise RequestError("prompt must be a string or an array of token ids (one prompt per request)",
-                           param="prompt")
-    return text_prompt_ids(prompt, tokenizer)
+        raise RequestError("prompt must be a string, an array of token ids or an array of token-id arrays (an array "
+                           "of strings is not supported: one prompt per request, or token ids)", param="prompt")
+    else:
+        return [text_prompt_ids(prompt, tokenizer)], [prompt]
+    for ids in prompts:
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}", param="prompt")
+    return prompts, [None] * len(prompts)
+
+
+def _echo(body: dict[str, Any], prompts: list[list[int]], logprobs: int | None, n_words: int) -> bool:
+    """echo: true returns each prompt's tokens and their log-probabilities before the completion."""
+    if not boolean_field(body, "echo"):
+        return False
+    if logprobs is None:
+        raise RequestError("echo is not supported without logprobs: send logprobs (0 to "
+                           f"{MAX_ECHO_LOGPROBS}) with it for the prompt's log-probabilities", param="echo")
+    if logprobs > MAX_ECHO_LOGPROBS:
+        raise RequestError(f"logprobs must be in [0, {MAX_ECHO_LOGPROBS}] with echo, got {logprobs}", param="logprobs")
+    bad = [i for ids in prompts for i in ids if i >= n_words]
+    if bad:  # a padded embedding row past the tokenizer: no text to echo, no probability to report
+        raise RequestError(f"with echo, prompt token ids must be in [0, {n_words}), got {bad[0]}", param="prompt")
+    return True
+
+
+def _max_new_tokens(body: dict[str, Any], key: str, prompts: list[list[int]], echo: bool,
+                    settings: HandlerSettings) -> int:
+    """The native rules for every prompt (the default shrinks to fit the longest); 0 is allowed with echo:
+    the prompts' log-probabilities alone."""
+    requested = integer_field(body, key)
+    if requested == 0:
+        if not echo:
+            raise RequestError(f"{key} must be >= 1 (0 only with echo), got 0", param=key)
+        longest = max(len(ids) for ids in prompts)
+        if longest > settings.engine.max_seq_len:
+            raise RequestError(f"prompt is {longest} tokens; max_seq_len is {settings.engine.max_seq_len}",
+                               param="prompt")
+        return 0
+    return min(fit_max_new_tokens(requested, key, len(ids), settings) for ids in prompts)
 
 
 def _chat_messages(messages: Any) -> Any:
@@ -378,22 +255,27 @@ def parse_openai(
     ignore_eos = boolean_field(body, "ignore_eos")
     include_usage = _include_usage(body, stream)
     stops = _stop_strings(body)
+    logprobs, echo, texts = _logprobs_asked(body, path), False, None
     if path == CHAT:
         if "max_tokens" in body and "max_completion_tokens" in body:
             raise RequestError("send only one of max_completion_tokens and max_tokens", param="max_tokens")
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if "messages" not in body:
             raise RequestError("messages is required", param="messages")
-        prompt_ids = chat_prompt_ids(_chat_messages(body["messages"]), tokenizer)
+        prompts = [chat_prompt_ids(_chat_messages(body["messages"]), tokenizer)]
     else:
         key = "max_tokens"
         if "prompt" not in body:
             raise RequestError("prompt is required", param="prompt")
-        prompt_ids = _completion_prompt_ids(body["prompt"], tokenizer, vocab_size)
-    max_new_tokens = fit_max_new_tokens(integer_field(body, key), key, len(prompt_ids), settings)
-    params = sampling_params(body, settings, max_new_tokens, vocab_size, _logprobs_asked(body, path), ignore_eos)
-    job = Job(prompt_ids, params, stream, cache_salt_field(body))
+        prompts, texts = _completion_prompts(body["prompt"], tokenizer, vocab_size)
+        echo = _echo(body, prompts, logprobs, min(vocab_size, getattr(tokenizer, "n_words", vocab_size)))
+    max_new_tokens = _max_new_tokens(body, key, prompts, echo, settings)
+    params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs, ignore_eos)
+    if echo:
+        params = replace(params, prompt_logprobs=logprobs)
+    job = Job(prompts[0], params, stream, cache_salt_field(body))
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created,
-                         return_token_ids=boolean_field(body, "return_token_ids"))
+                         return_token_ids=boolean_field(body, "return_token_ids"), prompts=prompts,
+                         prompt_texts=texts or [None], echo=echo)

@@ -51,15 +51,19 @@ class FrontDoor(Protocol):
     """A parsed request of either API and its reply state between TorchServe calls."""
 
     job: Job
-    stopped: bool  # a stop string ended the generation
+    stopped: bool  # a stop string ended the generation (of one of its sequences)
 
     @property
     def content_type(self) -> str: ...
 
-    def advance(self, seq: Sequence) -> str:
-        """After each step: the text newly shown (stop strings watched), "" where nothing is followed."""
+    def sequences(self, rid: str) -> list[Sequence]:
+        """The engine sequences that answer the request (one per prompt), made once when it is admitted."""
 
-    def reply(self, seq: Sequence, shown: str, timeout_s: float) -> str:
+    def advance(self) -> list[Sequence]:
+        """After each step: follow the newly shown text (stop strings watched); returns the sequences
+        a stop string ends now."""
+
+    def reply(self, timeout_s: float) -> str:
         """This call's reply for the request ("" for nothing yet)."""
 
 
@@ -68,8 +72,12 @@ class Live:
     """A request between its first call and its last reply (the handler holds one per request id)."""
 
     api: FrontDoor
-    seq: Sequence
+    seqs: list[Sequence]
     first_token_seen: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.seqs)
 
 
 def json_line(payload: dict[str, Any]) -> str:

@@ -1,0 +1,62 @@
+"""OpenAI's log-probability objects: chat's `content` list and the legacy completions' four lists.
+
+Completions answer `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one entry per
+token: its text, its log-probability, a {token text: log-probability} dict of the most likely
+tokens, and where its text starts. With `echo` the prompt's tokens come first, the first of them
+with null for its log-probability and its dict (nothing predicts it), as OpenAI's legacy models and
+vLLM answer and lm-evaluation-harness reads. Offsets run over the tokens' texts, prompt then
+completion, across the chunks of a streamed reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tp_llama.engine.sampling import TokenLogprobs
+
+Decode = Callable[[list[int]], str]
+
+
+def chat_logprobs(entries: list[TokenLogprobs], decode: Decode) -> dict[str, Any]:
+    """Chat's logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(*top) for top in t.top]}
+                        for t in entries]}
+
+
+class LegacyLogprobs:
+    """One choice's completions logprobs, chunk after chunk (the offsets go on where the last chunk ended)."""
+
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
+        self.offset = 0
+
+    def _lists(self, tokens: list[int], logprobs: list[float | None], tops: list[dict[str, float] | None]
+               ) -> dict[str, Any]:
+        texts = [self.decode([token]) for token in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top(self, entry: TokenLogprobs) -> dict[str, float]:
+        return {self.decode([token]): value for token, value in entry.top}
+
+    def generated(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        """The lists of generated tokens."""
+        return self._lists([t.token for t in entries], [t.logprob for t in entries], [self._top(t) for t in entries])
+
+    def prompt(self, prompt_ids: list[int], entries: list[TokenLogprobs]) -> dict[str, Any]:
+        """The lists of an echoed prompt: its first token null, then entries[i] for token i + 1."""
+        return self._lists(prompt_ids, [None] + [t.logprob for t in entries], [None] + [self._top(t) for t in entries])
+
+
+def joined(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of the four lists as one (the first may be missing)."""
+    return second if first is None else {key: first[key] + second[key] for key in first}
