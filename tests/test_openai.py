@@ -15,11 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 
 
 from tests.support.hostile_corpus import hostile_corpus
+from tests.support.reference import ReferenceModel
 from tests.support.serving_util import TorchServe
 
 PROMPT = "Grüße aus Köln: the quick brown fox"
@@ -145,6 +147,64 @@ def test_stop_strings_cut_the_text_and_end_the_generation(server: TorchServe, cl
     assert pieces[-1].choices[0].finish_reason == "stop"
 
 
+def reference_logprobs(checkpoint: Path, tokenizer, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the float64 reference model's logits [len(ids), V] on the checkpoint's weights."""
+    return torch.log_softmax(ReferenceModel.load(checkpoint, tokenizer.n_words).logits(ids), dim=-1)
+
+
+def test_echo_scores_a_batch_of_token_id_prompts(client, checkpoint: Path, tokenizer) -> None:
+    """lm-evaluation-harness's log-likelihood request: token-id prompts, echo, logprobs, max_tokens 0 or 1.
+    Each prompt token's log-probability (the first null) and top 2 against the float64 reference, on
+    the TP 2 worker, whose ranks each reduce their half of the vocabulary; an echo request never reads
+    the prefix cache, which holds the first prompt's blocks."""
+    first, second = tokenizer.encode(PROMPT, bos=True), tokenizer.encode("the lamp at dusk", bos=True)
+    for _ in range(2):
+        cached = client.completions.create(model="llama", prompt=first, max_tokens=1, temperature=0)
+    assert cached.usage.prompt_tokens_details.cached_tokens > 0
+    got = client.completions.create(model="llama", prompt=[first, second], max_tokens=0, echo=True, logprobs=2,
+                                    temperature=0)
+    assert [c.index for c in got.choices] == [0, 1] and got.usage.completion_tokens == 0
+    assert got.usage.prompt_tokens == len(first) + len(second) and got.usage.prompt_tokens_details.cached_tokens == 0
+    for choice, ids in zip(got.choices, (first, second)):
+        lp = choice.logprobs
+        assert choice.finish_reason == "length" and choice.text == tokenizer.decode(ids)
+        assert lp.tokens == [tokenizer.decode([t]) for t in ids] and len(lp.text_offset) == len(ids)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = reference_logprobs(checkpoint, tokenizer, ids)
+        assert lp.token_logprobs[1:] == pytest.approx([float(want[j, ids[j + 1]]) for j in range(len(ids) - 1)],
+                                                      abs=2e-4)
+        # Tokens whose texts are equal (lone bytes decode to U+FFFD) share a key: those dicts hold fewer.
+        whole = [(j, top) for j, top in enumerate(lp.top_logprobs[1:]) if len(top) == 2]
+        assert len(whole) >= len(ids) // 2
+        for j, top in whole:
+            best = want[j].topk(2).values.tolist()
+            assert sorted(top.values(), reverse=True) == pytest.approx(best, abs=2e-4)
+            if int(want[j].argmax()) == ids[j + 1] and best[0] - best[1] > 1e-3:  # lm-eval's "is greedy"
+                assert lp.token_logprobs[j + 1] == max(top.values())
+    generated = client.completions.create(model="llama", prompt=[second], max_tokens=1, echo=True, logprobs=1,
+                                          temperature=0, seed=1234)
+    plain = client.completions.create(model="llama", prompt=second, max_tokens=1, logprobs=1, temperature=0)
+    lp = generated.choices[0].logprobs
+    assert len(lp.tokens) == len(second) + 1 and lp.tokens[-1] == plain.choices[0].logprobs.tokens[0]
+    assert lp.token_logprobs[:-1] == pytest.approx(got.choices[1].logprobs.token_logprobs, abs=1e-5)
+    assert lp.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0], abs=1e-5)
+    assert generated.choices[0].text == tokenizer.decode(second) + plain.choices[0].text
+
+
+def test_echo_streams_and_batches_like_the_whole_reply(client, tokenizer) -> None:
+    """A streamed echo adds up to the whole reply; a batch of prompts answers each as it answers alone."""
+    ids = tokenizer.encode(PROMPT, bos=True)
+    ask = {"model": "llama", "prompt": ids, "max_tokens": 4, "echo": True, "logprobs": 1, "temperature": 0}
+    whole = client.completions.create(**ask).choices[0]
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
+    batch = client.completions.create(model="llama", prompt=[ids, ids[:5]], max_tokens=6, temperature=0, stop=["\n"])
+    alone = client.completions.create(model="llama", prompt=ids[:5], max_tokens=6, temperature=0, stop=["\n"])
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == alone.choices[0].text
+
+
 def test_models_list_is_served_by_the_handler(client) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == ["llama"]
@@ -153,6 +213,10 @@ def test_models_list_is_served_by_the_handler(client) -> None:
 @pytest.mark.parametrize("call, param", [
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, n=2), "n"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, echo=True), "echo"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, echo=True, logprobs=6), "logprobs"),
+    (lambda c: c.completions.create(model="llama", prompt=[[1, 2], []], echo=True, logprobs=1), "prompt"),
+    (lambda c: c.completions.create(model="llama", prompt=[[1, 10**9]], echo=True, logprobs=1), "prompt"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, max_tokens=0), "max_tokens"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, logprobs=21), "logprobs"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, temperature=-1), "temperature"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, max_tokens=NEW_TOKENS_LIMIT + 1), "max_tokens"),
