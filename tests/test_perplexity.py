@@ -18,6 +18,11 @@ import torch
 
 from tests.support.reference import ReferenceModel
 from tp_llama.cli import perplexity
+from tp_llama.config import EngineConfig
+from tp_llama.engine import sampling, scoring
+from tp_llama.engine.core import Engine
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
 from tp_llama.tokenizer import load_tokenizer
 
 CTX = 32
@@ -56,6 +61,48 @@ def run_cli(capfd, *args: str) -> tuple[int, str, str]:
     code = perplexity.main([*args])
     out, err = capfd.readouterr()
     return code, out, err
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_vocabulary_slices_merge_into_the_whole_distribution(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What TP ranks send (each slice's log-sum-exp, target logit and top N) merges into log_softmax over
+    the whole vocabulary, ids past the tokenizer's left out; equal logits in two slices keep id order."""
+    if kernel == "torch":
+        monkeypatch.setattr(sampling, "in_c", lambda raw: False)
+    logits = torch.randn(7, 40, generator=torch.Generator().manual_seed(3))
+    logits[2, [5, 25]] = 9.0
+    logits[:, 36:] = 50.0  # padding rows past n_words: never in the distribution
+    n_words, targets = 36, torch.tensor([0, 5, 25, 35, 17, 19, 20])
+    halves = [scoring.slice_stats(logits[:, s : s + 20], s, n_words, targets, 3) for s in (0, 20)]
+    logprob, ids, values = scoring.merge_stats(torch.cat(halves, dim=1), 2, 3)
+    whole = scoring.merge_stats(scoring.slice_stats(logits, 0, n_words, targets, 3), 1, 3)
+    want = torch.log_softmax(logits[:, :n_words].double(), dim=-1)
+    top = want.topk(3, dim=-1)
+    assert logprob.tolist() == pytest.approx(want[range(7), targets].tolist(), abs=1e-6)
+    assert values.flatten().tolist() == pytest.approx(top.values.flatten().tolist(), abs=1e-6)
+    assert ids[2, :2].tolist() == [5, 25] and torch.equal(ids[[0, 1, 3, 4, 5, 6]], top.indices[[0, 1, 3, 4, 5, 6]])
+    assert torch.equal(whole[1], ids) and torch.allclose(whole[0], logprob) and torch.allclose(whole[2], values)
+
+
+def test_a_preempted_echo_sequence_scores_each_prompt_token_once(checkpoint: Path, reference: ReferenceModel) -> None:
+    """Two prompts scored and generating in a pool that holds one and a half of them: the newer is
+    preempted and recomputed, and still has one entry per prompt token after the first, equal to the
+    reference's."""
+    block_bytes = 2 * 2 * 4 * 16 * 16 * 4  # K and V, 2 layers, 4 KV heads, 16 positions of 16 floats
+    engine = Engine.load(EngineConfig(str(checkpoint), dtype="float32", max_seq_len=64, max_batch_size=2,
+                                      prefill_budget=16, kv_cache_memory_gb=6 * block_bytes / 2**30))
+    assert engine.cache.n_blocks == 6
+    tokenizer = engine.tokenizer
+    prompts = [tokenizer.encode(TEXT[:90], bos=True)[:30], tokenizer.encode(TEXT[95:], bos=True)[:30]]
+    params = SamplingParams(30, prompt_logprobs=2, ignore_eos=True)
+    seqs = engine.generate([Sequence(str(i), ids, params) for i, ids in enumerate(prompts)])
+    assert seqs[1].preemptions > 0 and [len(s.output) for s in seqs] == [30, 30]
+    for seq, ids in zip(seqs, prompts):
+        want = torch.log_softmax(reference.logits(ids), dim=-1)
+        assert [e.token for e in seq.prompt_logprobs] == ids[1:]
+        assert [e.logprob for e in seq.prompt_logprobs] == pytest.approx(
+            [float(want[j, ids[j + 1]]) for j in range(len(ids) - 1)], abs=TOLERANCE)
+        assert all(len(e.top) == 2 for e in seq.prompt_logprobs)
 
 
 def test_ids_files_and_chunks_follow_llama_cpp() -> None:
