@@ -36,7 +36,8 @@ from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.errors import CheckpointError
 from tp_llama.kernels.quant import QUANTIZE
-from tp_llama.parallel.distributed import every_rank_agrees, leave_group, log
+from tp_llama.parallel.distributed import leave_group, log
+from tp_llama.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_SLOTS = 4  # chunks running at once: a step's rows come from several chunks when --prefill-budget allows
 
@@ -140,8 +141,7 @@ def agreement(top1: list[list[int]], other: list[list[int]]) -> tuple[int, int]:
     return same, sum(len(c) for c in top1)
 
 
-def load_ids(a: argparse.Namespace, engine: Engine) -> list[int]:
-    tokenizer = engine.tokenizer
+def load_ids(a: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
     if a.text is not None:
         return tokenizer.encode(Path(a.text).read_text(encoding="utf-8"), bos=not a.no_bos)
     ids = read_ids(Path(a.ids).read_text(encoding="utf-8"))
@@ -152,15 +152,16 @@ def load_ids(a: argparse.Namespace, engine: Engine) -> list[int]:
 
 
 def run(a: argparse.Namespace) -> None:
+    # Every rank reads and checks the same input before the model loads: a bad one stops them all at once.
+    tokenizer = load_tokenizer(Path(a.ckpt_dir) / "tokenizer.model")
+    chunks = chunk_ids(load_ids(a, tokenizer), a.ctx, a.chunks, None if a.no_bos else tokenizer.bos_id)
+    other = read_top1(a.compare_to, len(chunks), a.ctx) if a.compare_to is not None else None
+    if a.json_out is not None and not Path(a.json_out).resolve().parent.is_dir():
+        raise ValueError(f"--json {a.json_out}: its folder does not exist")
     slots = a.slots if a.slots is not None else DEFAULT_SLOTS
     config = EngineConfig(a.ckpt_dir, a.mode, a.dtype, max(a.ctx, 2), slots, a.prefill_budget, a.device, "off",
                           a.kv_cache_memory_gb, prefix_caching=False, quantize=a.quantize)
     engine = Engine.load(config)
-    with every_rank_agrees():  # every rank reads the same input, so a bad one stops all of them before any step
-        chunks = chunk_ids(load_ids(a, engine), a.ctx, a.chunks, None if a.no_bos else engine.tokenizer.bos_id)
-        other = read_top1(a.compare_to, len(chunks), a.ctx) if a.compare_to is not None else None
-        if a.json_out is not None and not Path(a.json_out).resolve().parent.is_dir():
-            raise ValueError(f"--json {a.json_out}: its folder does not exist")
     params = SamplingParams(0, prompt_logprobs=1)
     sequences = [Sequence(str(i), chunk, params) for i, chunk in enumerate(chunks)]
     tally, shown = Tally(), 0
