@@ -13,6 +13,11 @@ table of:
 4. decode speed on a Llama 3 8B-shaped model in bfloat16: ms per step at 1/8/32 rows, eager and
    captured, against the floor of reading the weights and KV cache once at the measured bandwidth.
 
+--quantized adds rows for weights quantized at load (`quantize: int8 / int4`, PyTorch's ops on
+CUDA): parity of each against the float64 reference on the dequantized weights (int8 in float32,
+eager and compiled; int4, whose CUDA op takes bfloat16 only, in bfloat16), and the 8B captured decode
+step at 1 row against the bfloat16 captured step (targets: int8 at most 0.7x its time, int4 0.55x).
+
 Exit status 1 when a check fails. `--device cpu --skip-speed` runs checks 1-2 on CPU (as the tests do).
 """
 
@@ -35,6 +40,7 @@ import torch.multiprocessing as mp
 
 from tests.support.reference import Config, ReferenceModel, greedy
 from tp_llama.checkpoint.loader import build_local_model
+from tp_llama.kernels.quant import dequantize, quantize
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.decode_step import DecodeStep
@@ -50,6 +56,8 @@ SMALL = ModelArgs(dim=256, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=1024,
                   use_scaled_rope=True, family="llama3")
 LLAMA3_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
                       rope_theta=500000.0, use_scaled_rope=True, family="llama3")
+QUANTIZED_TARGETS = {"int8": 0.7, "int4": 0.55}  # a 1-row captured step's time over bfloat16's
+MATMULS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
 PROMPTS = [[1, 17, 300, 45, 9, 800, 3], [1, 5], [1, 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 2, 77]]
 NEW_TOKENS = 12
 ROWS = []  # the table: (check, setting, result, verdict)
@@ -83,8 +91,15 @@ def reference_of(args: ModelArgs, state: dict) -> ReferenceModel:
     return ReferenceModel(cfg, {key: value.double() for key, value in state.items()})
 
 
+def dequantized(state: dict, bits: int, dtype: str) -> dict:
+    """The weights an engine in `dtype` quantizes its matmuls' to stand for, in float64 (one rank: each
+    weight quantized whole)."""
+    return {key: dequantize(quantize(value.to(getattr(torch, dtype)), bits)) if key.split(".")[-2] in MATMULS
+            else value.double() for key, value in state.items()}
+
+
 def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,
-                  max_seq_len: int = 256) -> Engine:
+                  max_seq_len: int = 256, quantize_: str = "none") -> Engine:
     """The engine the CLI and the handler serve, on weights from memory (this rank's shards of `state`)."""
     tp = info.world_size
     local = {}
@@ -95,7 +110,7 @@ def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, comp
     # A pool of max_rows sequences of max_seq_len (the default would take most of the GPU).
     token_bytes = 2 * args.n_layers * args.n_kv_heads // tp * args.head_dim * getattr(torch, dtype).itemsize
     config = EngineConfig("-", "tp", dtype, max_seq_len, max_rows, prefill_budget=max_seq_len,
-                          device=info.device.type, compile=compile_,
+                          device=info.device.type, compile=compile_, quantize=quantize_,
                           kv_cache_memory_gb=(max_rows + 1) * (max_seq_len + 16) * token_bytes / 2**30)
     return Engine.around(config, model, NoText(), args, info, time.perf_counter())
 
@@ -213,6 +228,25 @@ def nccl_world_one(expected: Expected) -> None:
     dist.destroy_process_group()
 
 
+def quantized_parity(device: str, expected: Expected) -> None:
+    """Each quantized format against the float64 reference on its dequantized weights."""
+    ids = PROMPTS[2]
+    info = DistInfo(0, 1, 0, torch.device(device), "none")
+    for bits, dtype in ((8, "float32"), (4, "bfloat16")):
+        want = reference_of(SMALL, dequantized(expected.state, bits, dtype)).logits(ids)
+        scale = want.abs().max().item()
+        for compile_ in ("off", "on") if device == "cuda" else ("off",):
+            engine = served_engine(SMALL, expected.state, info, dtype, compile_, max_rows=1, quantize_=f"int{bits}")
+            prefill, decode = step_logits(engine, ids)
+            error = max((prefill - want[:-1]).abs().max().item(), (decode[0] - want[-1]).abs().max().item())
+            setting = f"{device} int{bits} {dtype} decode {'compiled' if compile_ == 'on' else 'eager'}"
+            if dtype == "float32":
+                record("quantized parity: logits", setting, f"max abs diff {error:.2e} (limit 1e-3)", error < 1e-3)
+            else:
+                record("quantized parity: logits", setting,
+                       f"max abs diff {error / scale:.1%} of the logit scale {scale:.1f} (limit 5%)", error / scale < 0.05)
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second a device-to-device copy of 2 GiB moves (read plus write)."""
     src = torch.empty(2**30, dtype=torch.int16, device=device)
@@ -226,7 +260,42 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * src.numel() * 2 / (time.perf_counter() - started)
 
 
-def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> None:
+def step_ms(run, steps: int) -> float:
+    """ms per call of `run` (a decode step), after 3 unmeasured ones."""
+    with torch.inference_mode():
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def quantized_speed(context: int, steps: int, bf16_ms: float) -> None:
+    """The 8B captured decode step at 1 row with int8 and int4 weights, against bfloat16's."""
+    device = torch.device("cuda", 0)
+    info = DistInfo(0, 1, 0, device, "none")
+    for name, target in QUANTIZED_TARGETS.items():
+        state = random_state(LLAMA3_8B, 0, device="cuda", dtype=torch.bfloat16)
+        model = served_engine(LLAMA3_8B, state, info, "bfloat16", "off", 1, context + 8, quantize_=name).model
+        del state
+        cache = model.layers[0].attention.cache
+        per_row = -(-(context + 8) // cache.block_size)
+        captured = DecodeStep(model, 1, per_row, device, compiled=True)
+        captured.warm_up((1,))
+        row = [Row(context, [100], True, list(range(per_row)))]
+        ms = step_ms(lambda step=captured, rows=row: step(rows), steps)
+        record(f"decode speed 8B {name}", f"1 row, captured, context {context}",
+               f"{ms:.2f} ms/step, {ms / bf16_ms:.2f}x bfloat16's {bf16_ms:.2f} ms (target {target}x)",
+               ms / bf16_ms <= target)
+        del model, captured  # before the next format's weights take the GPU's memory
+        torch.cuda.empty_cache()
+
+
+def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> float:
+    """Records the bfloat16 8B rows; returns the captured 1-row step's ms (for the quantized rows)."""
     device = torch.device("cuda", 0)
     bandwidth = copy_bandwidth(device)
     info = DistInfo(0, 1, 0, device, "none")
@@ -241,6 +310,7 @@ def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> None:
     captured = DecodeStep(model, max(sizes), per_row, device, compiled=True)  # the same model and cache as the eager steps
     captured.warm_up(tuple(sizes))
     compile_s = time.perf_counter() - started
+    one_row_ms = float("nan")
     kv_per_row = context * LLAMA3_8B.n_layers * 2 * LLAMA3_8B.n_kv_heads * LLAMA3_8B.head_dim * 2
     for rows_n in sizes:
         rows = [Row(context, [100 + r], True, list(range(r * per_row, (r + 1) * per_row))) for r in range(rows_n)]
@@ -249,19 +319,14 @@ def decode_speed(sizes: tuple[int, ...], context: int, steps: int) -> None:
         for name, run in (("eager", lambda spec=batch_rows: model(Batch.build(spec, cache.block_size, cache.spare,
                                                                                device))),
                           ("captured", lambda rows=rows: captured(rows))):
-            with torch.inference_mode():
-                for _ in range(3):
-                    run()
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                for _ in range(steps):
-                    run()
-                torch.cuda.synchronize()
-            ms = (time.perf_counter() - started) / steps * 1e3
+            ms = step_ms(run, steps)
+            if rows_n == 1 and name == "captured":
+                one_row_ms = ms
             record("decode speed 8B bf16", f"{rows_n} rows, {name}, context {context}",
                    f"{ms:.2f} ms/step, floor {floor_ms:.2f} ms ({floor_ms / ms:.0%})", True)
     record("decode speed 8B bf16", "setup", f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, compile {compile_s:.0f} s, "
            f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", True)
+    return one_row_ms
 
 
 def main() -> int:
@@ -271,6 +336,7 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=512, help="KV positions each row attends over")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quantized", action="store_true", help="add the int8 / int4 rows")
     a = parser.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no GPU visible to this process", file=sys.stderr)
@@ -280,11 +346,16 @@ def main() -> int:
     started = time.perf_counter()
     expected = Expected.small()
     parity(a.device, expected)
+    if a.quantized:
+        quantized_parity(a.device, expected)
     tp2_over_gloo(a.device, expected)
     if a.device == "cuda":
         nccl_world_one(expected)
         if not a.skip_speed:
-            decode_speed(tuple(a.sizes), a.context, a.steps)
+            bf16_ms = decode_speed(tuple(a.sizes), a.context, a.steps)
+            torch.cuda.empty_cache()
+            if a.quantized:
+                quantized_speed(a.context, a.steps, bf16_ms)
     print("| check | setting | result | |\n|---|---|---|---|")
     for row in ROWS:
         print("| " + " | ".join(row) + " |")

@@ -1,6 +1,6 @@
 """The CPU matmul kinds of tp_llama.kernels on one model's weight shapes, side by side in one run.
 
-    python -m bench.kernels.matmul [--preset quarter] [--rows 1 2 4 8 16 32 128 1024] [--repeats 10]
+    python -m bench.kernels.matmul [--preset quarter] [--rows 1 2 4 8 16 32 128 1024] [--repeats 10] [--bits 8 4]
 
 For each dtype and row count: the time of one pass of x [rows, in] over every matmul weight of the
 preset's layers (what a forward with that many tokens multiplies), for PyTorch's default
@@ -8,6 +8,8 @@ F.linear (MKL / oneDNN on plain weights), oneDNN's packed weights, our tiles
 (tp_llama/kernels/cpu/matmul.c) and, on CPUs with AMX, the same tiles with bfloat16 calls of many
 rows on AMX (kernels/cpu/amx.c); the kinds take turns within each repeat and the table keeps the
 best of the repeats. GB/s = weight bytes / time: at few rows a pass can stream no faster than memory.
+--bits 8 4 adds the same weights quantized at load into the integer tiles (kernels/cpu/quant.c),
+"int8 tiles" and "int4 tiles", their GB/s counted in their own bytes (scales included).
 
 --before COMMIT_OR_FOLDER adds that checkout's tiles ("tiles before"): its own C sources, built by
 its own build.py for the same build variant and loaded into this process beside ours, multiply the
@@ -71,12 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-plain", action="store_true",
                         help="leave out PyTorch's default F.linear (most of a run at few rows on the 1B shape)")
     parser.add_argument("--before", help="older checkout (a commit or a folder) whose tiles run beside ours")
+    parser.add_argument("--bits", type=int, nargs="*", choices=[8, 4], default=[],
+                        help="add the weights quantized to these bits, in the integer tiles")
     a = parser.parse_args(argv)
     best_kind, why = choose(torch.device("cpu"), torch.float32)
     if best_kind not in ("amx", "tiles"):
         raise SystemExit(f"no tiled kernel here: {why}")
     kinds = ("plain", "onednn", "tiles", "amx") if best_kind == "amx" else ("plain", "onednn", "tiles")
     kinds = tuple(kind for kind in kinds if kind != "plain" or not a.skip_plain) + (("before",) if a.before else ())
+    kinds += tuple(f"int{bits}" for bits in a.bits)
     before = before_tiles(before_root(a.before)) if a.before else None
     shapes = weight_shapes(a.preset)
     print(f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s; {torch.get_num_threads()} threads; "
@@ -86,10 +91,12 @@ def main(argv: list[str] | None = None) -> None:
         gen = torch.Generator().manual_seed(0)
         plain = [torch.randn(shape, generator=gen).mul_(0.02).to(dtype) for shape in shapes]
         here = [kind for kind in kinds if kind != "onednn" or onednn.available(dtype)]  # AVX2: no bf16 oneDNN
-        weights = {kind: [prepare(w, kind) for w in plain] for kind in here if kind != "before"}
+        weights = {kind: [prepare(w, kind) for w in plain] for kind in here if kind not in ("before", "int8", "int4")}
+        weights |= {f"int{bits}": [prepare(w, "tiles", bits=bits) for w in plain] for bits in a.bits}
         mine = "amx" if best_kind == "amx" and dtype == torch.bfloat16 else "tiles"  # the tiles "before" runs too
         weights["before"] = weights[mine]
-        nbytes = sum(w.numel() * w.element_size() for w in plain)
+        nbytes = {kind: sum(w.numel() * w.element_size() for w in plain) for kind in kinds}
+        nbytes |= {f"int{bits}": sum(w.data.numel() for w in weights[f"int{bits}"]) for bits in a.bits}
         for rows in a.rows:
             xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
             best = dict.fromkeys(kinds, float("inf"))
@@ -109,12 +116,14 @@ def main(argv: list[str] | None = None) -> None:
             ours = min(best["tiles"], best.get("amx", float("inf")))
             rows_out.append([
                 str(dtype).removeprefix("torch."), rows, *(1e3 * best[k] for k in kinds),
-                *(nbytes / best[k] / 1e9 for k in kinds), ours / best["onednn"], ours / best.get("plain", float("nan")),
+                *(nbytes[k] / best[k] / 1e9 for k in kinds), ours / best.get("onednn", float("nan")),
+                ours / best.get("plain", float("nan")),
                 *([best[mine] / best["before"]] if before else []),
             ])
             print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in timed), flush=True)
         del weights, plain  # before the next dtype's: the 1B shape's float32 copies fill most of 24 GiB
-    names = {"plain": "F.linear", "onednn": "oneDNN", "tiles": "tiles", "amx": "AMX tiles", "before": "tiles before"}
+    names = {"plain": "F.linear", "onednn": "oneDNN", "tiles": "tiles", "amx": "AMX tiles", "before": "tiles before",
+             "int8": "int8 tiles", "int4": "int4 tiles"}
     print(table(["dtype", "rows", *(f"{names[k]} ms" for k in kinds), *(f"{names[k]} GB/s" for k in kinds),
                  "ours / oneDNN", "ours / F.linear", *(["ours / before"] if before else [])], rows_out))
 

@@ -16,8 +16,9 @@
  * products are summed exactly in int32, then added into float32 sums, block after block.
  *
  * vpmaddubsw multiplies unsigned by signed bytes into int16 pairs that saturate: int4's nibbles are
- * unsigned and x's bytes signed (pairs at most 2 * 15 * 127); int8 weights are signed, so the
- * unsigned side is |x| and the weight takes x's sign (pairs at most 2 * 127 * 127 < 2^15).
+ * unsigned and x's bytes signed (pairs at most 2 * 15 * 127, so a block's 16 pairs a lane add up in
+ * int16 too); int8 weights are signed, so the unsigned side is |x| and the weight takes x's sign
+ * (pairs at most 2 * 127 * 127 < 2^15, widened to int32 every step).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -88,19 +89,19 @@ static inline __attribute__((always_inline)) void q8_rows(struct QRows r, int64_
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = wt + b * Q8_BLOCK_BYTES, *steps = block + 2 * TILE_COLS;
         ivec sum[QROWS][VECS];
-        for (int m = 0; m < MT; m++)
-            for (int j = 0; j < VECS; j++) sum[m][j] = izero();
-        for (int s = 0; s < QSTEPS; s++)
-            for (int j = 0; j < VECS; j++) {
+        _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
+            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) sum[m][j] = izero();
+        _Pragma("GCC unroll 8") for (int s = 0; s < QSTEPS; s++)
+            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
                 qvec w = qload(steps + (s * TILE_COLS + 16 * j) * 4);
-                for (int m = 0; m < MT; m++) {
+                _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {
                     int64_t at = m * K + b * QBLOCK + 4 * s;
                     sum[m][j] = idot(sum[m][j], qset4(r.a + at), qsign(w, qset4(r.q + at)));
                 }
             }
-        for (int j = 0; j < VECS; j++) {
+        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
             vec scale = load_halves(block + 32 * j);
-            for (int m = 0; m < MT; m++)
+            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
                 acc[m][j] = vfmadd(ifloat(sum[m][j]), vmul(scale, vset1(r.d[m * blocks + b])), acc[m][j]);
         }
     }
@@ -111,23 +112,23 @@ static inline __attribute__((always_inline)) void q4_rows(struct QRows r, int64_
     int64_t blocks = K / QBLOCK;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = wt + b * Q4_BLOCK_BYTES, *steps = block + 4 * TILE_COLS;
-        ivec sum[QROWS][VECS];
-        for (int m = 0; m < MT; m++)
-            for (int j = 0; j < VECS; j++) sum[m][j] = izero();
-        for (int p = 0; p < QSTEPS / 2; p++)
-            for (int j = 0; j < VECS; j++) {
+        isums sum[QROWS][VECS];
+        _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
+            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) sum[m][j] = izero();
+        _Pragma("GCC unroll 4") for (int p = 0; p < QSTEPS / 2; p++)
+            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
                 qvec nibbles = qload(steps + (p * TILE_COLS + 16 * j) * 4);
                 qvec first = qlow(nibbles), second = qhigh(nibbles);
-                for (int m = 0; m < MT; m++) {
+                _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {
                     const int8_t *xq = r.q + m * K + b * QBLOCK + 8 * p;
-                    sum[m][j] = idot(idot(sum[m][j], first, qset4(xq)), second, qset4(xq + 4));
+                    sum[m][j] = isums_add(isums_add(sum[m][j], first, qset4(xq)), second, qset4(xq + 4));
                 }
             }
-        for (int j = 0; j < VECS; j++) {
+        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
             vec scale = load_halves(block + 32 * j), low = load_halves(block + 2 * TILE_COLS + 32 * j);
-            for (int m = 0; m < MT; m++) {
+            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {
                 int64_t at = m * blocks + b;
-                vec sums = vfmadd(ifloat(sum[m][j]), vmul(scale, vset1(r.d[at])), acc[m][j]);
+                vec sums = vfmadd(ifloat(isums_end(sum[m][j])), vmul(scale, vset1(r.d[at])), acc[m][j]);
                 acc[m][j] = vfmadd(low, vset1(r.ds[at]), sums);
             }
         }

@@ -130,6 +130,17 @@ static inline ivec idot(ivec acc, qvec u, qvec s) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
+/* A block's sums where its pairs' total stays under 2^15 (int4's nibbles): without VNNI they add as
+ * vpmaddubsw's int16 pairs, widened once a block (isums_end) instead of once a step. */
+#ifdef __AVX512VNNI__
+typedef __m512i isums;
+static inline isums isums_add(isums acc, qvec u, qvec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline ivec isums_end(isums acc) { return acc; }
+#else
+typedef __m512i isums;
+static inline isums isums_add(isums acc, qvec u, qvec s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
+static inline ivec isums_end(isums acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+#endif
 static inline vec ifloat(ivec a) { return _mm512_cvtepi32_ps(a); }
 static inline vec load_halves(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
@@ -334,6 +345,17 @@ static inline __m256i idot8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 static inline ivec idot(ivec acc, qvec u, qvec s) { return IBOTH(idot8(acc.lo, u.lo, s.lo), idot8(acc.hi, u.hi, s.hi)); }
+typedef ivec isums;
+#ifdef __AVXVNNI__
+static inline isums isums_add(isums acc, qvec u, qvec s) { return idot(acc, u, s); }
+static inline ivec isums_end(isums acc) { return acc; }
+#else
+static inline __m256i pairs8(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+static inline isums isums_add(isums acc, qvec u, qvec s) { return IBOTH(pairs8(acc.lo, u.lo, s.lo), pairs8(acc.hi, u.hi, s.hi)); }
+static inline ivec isums_end(isums acc) {
+    return IBOTH(_mm256_madd_epi16(acc.lo, _mm256_set1_epi16(1)), _mm256_madd_epi16(acc.hi, _mm256_set1_epi16(1)));
+}
+#endif
 #undef IBOTH
 static inline vec ifloat(ivec a) { return BOTH(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
 static inline vec load_halves(const void *p) {
