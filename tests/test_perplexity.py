@@ -85,18 +85,18 @@ def test_vocabulary_slices_merge_into_the_whole_distribution(kernel: str, monkey
 
 
 def test_a_preempted_echo_sequence_scores_each_prompt_token_once(checkpoint: Path, reference: ReferenceModel) -> None:
-    """Two prompts scored and generating in a pool that holds one and a half of them: the newer is
-    preempted and recomputed, and still has one entry per prompt token after the first, equal to the
+    """Two prompts scored and generating in a pool too small for both to grow a third block: the newer
+    is preempted and recomputed, and still has one entry per prompt token after the first, equal to the
     reference's."""
     block_bytes = 2 * 2 * 4 * 16 * 16 * 4  # K and V, 2 layers, 4 KV heads, 16 positions of 16 floats
     engine = Engine.load(EngineConfig(str(checkpoint), dtype="float32", max_seq_len=64, max_batch_size=2,
-                                      prefill_budget=16, kv_cache_memory_gb=6 * block_bytes / 2**30))
-    assert engine.cache.n_blocks == 6
+                                      prefill_budget=16, kv_cache_memory_gb=5 * block_bytes / 2**30))
+    assert engine.cache.n_blocks == 5
     tokenizer = engine.tokenizer
     prompts = [tokenizer.encode(TEXT[:90], bos=True)[:30], tokenizer.encode(TEXT[95:], bos=True)[:30]]
-    params = SamplingParams(30, prompt_logprobs=2, ignore_eos=True)
+    params = SamplingParams(6, prompt_logprobs=2, ignore_eos=True)
     seqs = engine.generate([Sequence(str(i), ids, params) for i, ids in enumerate(prompts)])
-    assert seqs[1].preemptions > 0 and [len(s.output) for s in seqs] == [30, 30]
+    assert seqs[1].preemptions > 0 and [len(s.output) for s in seqs] == [6, 6]
     for seq, ids in zip(seqs, prompts):
         want = torch.log_softmax(reference.logits(ids), dim=-1)
         assert [e.token for e in seq.prompt_logprobs] == ids[1:]
