@@ -1,13 +1,16 @@
 """Serving backends, applied to a built and loaded model as module swaps (gpt-fast's way).
 
-The model (tp_llama.model) is the Llama math alone. For serving, `optimize` fuses q/k/v and
+The model (tp_llama.model) is the Llama math alone. For serving, a Preparation fuses q/k/v and
 w1/w3 into one matmul each and prepares every matmul weight for the kind of matmul this process
-runs fastest (tp_llama.kernels.choose); with the C kernels it also swaps in their RMSNorm, decode
-attention and decode-only step (backend/cpu.py). Only for weights this process owns: not under
-FSDP, and the model no longer holds Meta's separate projections afterwards.
+runs fastest (tp_llama.kernels.choose), quantized where asked; with the C kernels it also swaps in
+their RMSNorm, decode attention and decode-only step (backend/cpu.py). Block by block as the
+checkpoint is read (`plan`, checkpoint.loader) or on a built model (`optimize`). Only for weights
+this process owns: not under FSDP, and the model no longer holds Meta's separate projections afterwards.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,28 +22,63 @@ from tp_llama.model import Transformer
 from tp_llama.parallel.modules import LocalLinear
 
 
+@dataclass(frozen=True)
+class Preparation:
+    """How this process prepares a model for serving: the kind of matmul (kernels.choose), why not a
+    faster one, and the weights' bits (16: as read); applied block by block as a model is read
+    (checkpoint.loader), or to a whole model (`optimize`)."""
+
+    kind: str
+    why: str
+    bits: int
+    device: torch.device
+
+    def layer(self, block: nn.Module, name: str) -> None:
+        """One block's serving modules (name: its name in the model, for errors)."""
+        if self.bits != 16:
+            for child, module in block.named_modules():
+                if isinstance(module, (nn.Linear, LocalLinear)):
+                    check_groups(f"{name}.{child}", module.weight)
+        if self.kind in ("amx", "tiles"):
+            cpu.apply_layer(block, self.kind, self.bits)
+        else:
+            fused.apply_layer(block, self.kind, self.device, self.bits)
+
+    def apply(self, model: Transformer) -> None:
+        """Every block, then the top: a model built whole."""
+        for i, block in enumerate(model.layers):
+            self.layer(block, f"layers.{i}")
+        self.top(model)
+
+    def top(self, model: Transformer) -> None:
+        """The output layer and the model-wide modules, after every block."""
+        if self.bits != 16:
+            check_groups("output", model.output.weight)
+        if self.kind in ("amx", "tiles"):
+            cpu.apply_top(model, self.kind, self.bits)
+        else:
+            fused.apply_top(model, self.kind, self.device, self.bits)
+
+
+def plan(device: torch.device, dtype: torch.dtype, traced: bool = False, quantized: str = "none") -> Preparation:
+    """The Preparation for a model of `dtype` going to `device`. traced: decode steps will go through
+    torch.compile (kernels.choose). quantized: "int8" or "int4", every matmul's weight quantized (the
+    embedding stays: a step only gathers its rows), in groups that no tensor-parallel shard may split."""
+    kind, why = choose(device, dtype, traced)
+    return Preparation(kind, why, BITS[quantized], device)
+
+
 def optimize(model: Transformer, device: torch.device | None = None, traced: bool = False,
              quantized: str = "none") -> tuple[str, str]:
-    """Swap the serving modules in, for the device the model will run on (its own unless given);
-    returns kernels.choose's (kind, why not a faster one).
+    """Swap the serving modules into a built model, for the device it will run on (its own unless
+    given); returns kernels.choose's (kind, why not a faster one).
 
     Fusing on the host and moving the fused weights afterwards leaves no fragmented copies in
-    a GPU's memory. traced: decode steps will go through torch.compile (kernels.choose).
-    quantized: "int8" or "int4", every matmul's weight quantized (the embedding stays: a step only
-    gathers its rows), in groups that no slice of a tensor-parallel shard may split.
+    a GPU's memory.
     """
-    device = device or model.norm.weight.device
-    kind, why = choose(device, model.norm.weight.dtype, traced)
-    bits = BITS[quantized]
-    if bits != 16:
-        for name, module in model.named_modules():
-            if isinstance(module, (nn.Linear, LocalLinear)):
-                check_groups(name, module.weight)
-    if kind in ("amx", "tiles"):
-        cpu.apply(model, kind, bits)
-    else:
-        fused.apply(model, kind, device, bits)
-    return kind, why
+    preparation = plan(device or model.norm.weight.device, model.norm.weight.dtype, traced, quantized)
+    preparation.apply(model)
+    return preparation.kind, preparation.why
 
 
 def matmul_weights(model: Transformer) -> list[Weight]:

@@ -152,15 +152,17 @@ class DecodeLayers(Layers):
         return ops.decode_layers(planned)
 
 
-def apply(model: Transformer, kind: str, bits: int = 16) -> None:
-    """Fuse the model's projections into the C kernels' forms ("tiles" or "amx"; bits 8 or 4: their
-    integer tiles) and swap in their modules."""
-    max_head_dim = library().constants["MAX_HEAD_DIM"]
-    for layer in model.layers:
-        c_attention = layer.attention.head_dim <= max_head_dim
-        layer.attention = (CAttention if c_attention else FusedAttention)(layer.attention, kind, bits=bits)
-        layer.feed_forward = feed_forward(layer.feed_forward, kind, bits)
-        layer.attention_norm, layer.ffn_norm = CRMSNorm(layer.attention_norm), CRMSNorm(layer.ffn_norm)
+def apply_layer(block: nn.Module, kind: str, bits: int = 16) -> None:
+    """One block's projections fused into the C kernels' forms ("tiles" or "amx"; bits 8 or 4: their
+    integer tiles), and their modules swapped in."""
+    c_attention = block.attention.head_dim <= library().constants["MAX_HEAD_DIM"]
+    block.attention = (CAttention if c_attention else FusedAttention)(block.attention, kind, bits=bits)
+    block.feed_forward = feed_forward(block.feed_forward, kind, bits)
+    block.attention_norm, block.ffn_norm = CRMSNorm(block.attention_norm), CRMSNorm(block.ffn_norm)
+
+
+def apply_top(model: Transformer, kind: str, bits: int = 16) -> None:
+    """The final norm and output layer, and the blocks' C decode layers, once every block is applied."""
     model.norm = CRMSNorm(model.norm)
     model.output = serving_linear(model.output, kind, bits=bits)
     model.layers = DecodeLayers(model.layers)

@@ -74,9 +74,11 @@ class FusedFeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
-def apply(model: Transformer, kind: str, device: torch.device | None = None, bits: int = 16) -> None:
-    """Fuse the model's projections, every matmul weight prepared for `kind` (on `device`), quantized to `bits`."""
-    for layer in model.layers:
-        layer.attention = FusedAttention(layer.attention, kind, device, bits)
-        layer.feed_forward = FusedFeedForward(layer.feed_forward, kind, device, bits)
+def apply_layer(block: nn.Module, kind: str, device: torch.device | None = None, bits: int = 16) -> None:
+    """One block's projections fused, every matmul weight prepared for `kind` (on `device`), quantized to `bits`."""
+    block.attention = FusedAttention(block.attention, kind, device, bits)
+    block.feed_forward = FusedFeedForward(block.feed_forward, kind, device, bits)
+
+
+def apply_top(model: Transformer, kind: str, device: torch.device | None = None, bits: int = 16) -> None:
     model.output = serving_linear(model.output, kind, device, bits)

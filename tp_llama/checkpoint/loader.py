@@ -1,14 +1,16 @@
 """Loading a consolidated checkpoint: local tensor-parallel shards (direct, `tp`) or FSDP (seed, `fsdp`).
 
 Direct path: each rank reads only its slices (tp_llama.checkpoint.reader) into plain local
-modules (parallel.modules.local_module, layout.TP_TABLE).
+modules (parallel.modules.local_module, layout.TP_TABLE); given a preparer (the serving backend), one
+layer at a time, each prepared for serving before the next is read, so a load holds the prepared
+layers (quantized ones are a fraction of their size) plus one layer as read, not the whole model as read.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,46 +39,93 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class Preparer(Protocol):
+    """What the serving backend does to a model as it is read (tp_llama.backend.Preparation)."""
+
+    def layer(self, block: nn.Module, name: str) -> None: ...
+
+    def top(self, model: Transformer) -> None: ...
+
+
+def skeleton(args: ModelArgs) -> Transformer:
+    with torch.device("meta"), _SkipInit():
+        return Transformer(args)
+
+
+def assign(model: Transformer, state: dict[str, torch.Tensor], family: str, group: dist.ProcessGroup | None) -> None:
+    """`state` (this rank's shards of some of the model's tensors, Meta's names) into the model: local
+    modules for tensor parallelism (group not None)."""
+    if group is not None:
+        for key, tensor in state.items():
+            name = key.removesuffix(".weight")
+            module = model.get_submodule(name)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, local_module(name, tensor, family, group))
+    model.load_state_dict(state, strict=False, assign=True)
+
+
 def build_local_model(
     args: ModelArgs, state: dict[str, torch.Tensor], tp: int, group: dist.ProcessGroup | None = None
 ) -> Transformer:
     """A Transformer holding `state` (this rank's shards, Meta's names): local modules for tp > 1."""
-    with torch.device("meta"), _SkipInit():
-        model = Transformer(args)
-    if tp > 1:
-        for name, module in list(model.named_modules()):
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, local_module(name, state[f"{name}.weight"], args.family, group))
-    model.load_state_dict(state, strict=True, assign=True)
+    model = skeleton(args)
+    missing = set(full_shapes(args)) - set(state)
+    if missing or set(state) - set(full_shapes(args)):
+        raise KeyError(f"state and model differ: missing {sorted(missing)[:5]}, unexpected "
+                       f"{sorted(set(state) - set(full_shapes(args)))[:5]}")
+    assign(model, state, args.family, group if tp > 1 else None)
     return model.requires_grad_(False)
 
 
-def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype) -> Transformer:
+def _groups(keys: list[str]) -> list[tuple[str | None, list[str]]]:
+    """Keys in the order a preparing load reads them: the embedding and final norm (None: nothing to
+    prepare, and a checkpoint that disagrees with params.json fails on its first tensor), each layer
+    ("layers.3"), then the output layer."""
+    layers: dict[str, list[str]] = {}
+    for key in keys:
+        if key.startswith("layers."):
+            layers.setdefault(".".join(key.split(".")[:2]), []).append(key)
+    first = [key for key in keys if not key.startswith("layers.") and key != "output.weight"]
+    return [(None, first), *layers.items(), (None, ["output.weight"])]
+
+
+def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype,
+                  prepare: Preparer | None = None) -> Transformer:
     """Direct path: each rank reads only its slices, straight into its local modules' weights.
 
     The model stays on the host: the backend fuses its weights there before they move to
-    `info.device` (tp_llama.engine.core.load_model).
+    `info.device` (tp_llama.engine.core.load_model); with `prepare`, layer by layer as they are read.
     """
     tp, rank = info.world_size, info.rank
+    group = dist.group.WORLD if tp > 1 else None
     expected = full_shapes(args)
     start = time.perf_counter()
-    state: dict[str, torch.Tensor] = {}
+    model = skeleton(args).requires_grad_(False)
+    nbytes = 0
     with every_rank_agrees():
         check_tp_size(args, tp)
         files = ShardFiles(find_shards(ckpt_dir), expected)
-        pieces: list[tuple[int, Piece]] = []
-        for key, full in expected.items():
-            dim = shard_dim(key, args.family) if tp > 1 else None
-            state[key] = torch.empty(local_shape(full, dim, tp), dtype=dtype)
-            pieces += plan_local_shard(files, key, full, dim, rank, tp, state[key])
-        read_pieces(files, pieces)
-        del pieces
+        for name, keys in _groups(list(expected)) if prepare is not None else [(None, list(expected))]:
+            state: dict[str, torch.Tensor] = {}
+            pieces: list[tuple[int, Piece]] = []
+            for key in keys:
+                dim = shard_dim(key, args.family) if tp > 1 else None
+                state[key] = torch.empty(local_shape(expected[key], dim, tp), dtype=dtype)
+                pieces += plan_local_shard(files, key, expected[key], dim, rank, tp, state[key])
+            read_pieces(files, pieces)
+            nbytes += sum(t.numel() * t.element_size() for t in state.values())
+            assign(model, state, args.family, group)
+            del state, pieces
+            if prepare is not None and name is not None:
+                prepare.layer(model.get_submodule(name), name)
+        if prepare is not None:
+            prepare.top(model)
         files.close()
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
         log(f"read {nbytes / 1e6:.0f} MB from {len(files.files_read())} of {len(files)} shard files "
-            f"{[p.name for p in files.files_read()]} in {time.perf_counter() - start:.1f} s", rank)
-    return build_local_model(args, state, tp, dist.group.WORLD if tp > 1 else None)
+            f"{[p.name for p in files.files_read()]} in {time.perf_counter() - start:.1f} s"
+            + (" (each layer prepared for serving as read)" if prepare is not None else ""), rank)
+    return model
 
 
 def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype) -> FSDP:

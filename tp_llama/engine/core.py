@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tp_llama.backend import Preparation
 from tp_llama.checkpoint.loader import load_fsdp_model, load_tp_model
 from tp_llama.checkpoint.params import check_tokenizer_fits, read_params
 from tp_llama.config import EngineConfig, resolve_dtype
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import StepPlan
-from tp_llama.engine.runner import ModelRunner
+from tp_llama.engine.runner import ModelRunner, plan_backend
 from tp_llama.engine.sampling import sample_rows
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.model import KVCache, ModelArgs
@@ -40,18 +41,18 @@ class StepStats:
     decode_s: float = 0.0  # steps of decode rows only
 
 
-def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs]:
-    """The checkpoint's tokenizer, hyper-parameters and this rank's model (on the host in `tp` mode)."""
+def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs, Preparation | None]:
+    """The checkpoint's tokenizer, hyper-parameters and this rank's model: in `tp` mode on the host,
+    each block prepared for serving as it is read (the Preparation)."""
     with every_rank_agrees():
         dtype = resolve_dtype(config.dtype, info.device)
         tokenizer = load_tokenizer(Path(config.ckpt_dir) / "tokenizer.model")
         args = read_params(config.ckpt_dir, tokenizer.n_words)
         check_tokenizer_fits(tokenizer, args, config.ckpt_dir)
-    if config.mode == "tp":
-        model = load_tp_model(config.ckpt_dir, args, info, dtype)
-    else:
-        model = load_fsdp_model(config.ckpt_dir, args, info, dtype)
-    return model, tokenizer, args
+        prepared = plan_backend(config, info, dtype) if config.mode == "tp" else None
+    if prepared is not None:
+        return load_tp_model(config.ckpt_dir, args, info, dtype, prepared), tokenizer, args, prepared
+    return load_fsdp_model(config.ckpt_dir, args, info, dtype), tokenizer, args, None
 
 
 @dataclass
@@ -74,14 +75,15 @@ class Engine:
         started = time.perf_counter()
         log(f"loading {config.ckpt_dir} (mode={config.mode}, world_size={info.world_size}, device={info.device})",
             info.rank)
-        model, tokenizer, args = load_model(config, info)
-        return cls.around(config, model, tokenizer, args, info, started)
+        model, tokenizer, args, prepared = load_model(config, info)
+        return cls.around(config, model, tokenizer, args, info, started, prepared)
 
     @classmethod
     def around(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs, info: DistInfo,
-               started: float) -> Engine:
-        """The engine of a built model, made ready to serve now (ModelRunner)."""
-        runner = ModelRunner(model, config, info, args, tokenizer.n_words)
+               started: float, prepared: Preparation | None = None) -> Engine:
+        """The engine of a built model, made ready to serve now (ModelRunner; `prepared`: the loader
+        already applied it)."""
+        runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared)
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({runner.dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tp_llama import backend
+from tp_llama.backend import Preparation
 from tp_llama.config import EngineConfig
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import PlanWire, Row, StepPlan
@@ -51,6 +52,12 @@ def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None
     return True, ""
 
 
+def plan_backend(config: EngineConfig, info: DistInfo, dtype: torch.dtype) -> Preparation:
+    """How this rank prepares its model for serving (`tp` mode): block by block as the loader reads it,
+    or whole (ModelRunner)."""
+    return backend.plan(info.device, dtype, traced=wants_compile(config, info.device), quantized=config.quantize)
+
+
 def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int) -> int:
     """This rank's KV-cache pool: handler.kv_cache_memory_gb, or by default most of the GPU's free
     memory, or on CPU (where the pool is touched at load) the memory of CPU_DEFAULT_SEQUENCES full
@@ -84,11 +91,11 @@ class ModelRunner:
     """A rank's model ready to serve (built by `__init__`, see the module's docstring) and its steps."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs,
-                 n_words: int | None = None):
+                 n_words: int | None = None, prepared: Preparation | None = None):
         self.model, self.info = model, info
         self.mode = config.mode
         self.n_words = args.vocab_size if n_words is None else n_words  # the ids prompt log-probabilities range over
-        kind = self._choose_backend(config) if config.mode == "tp" else None
+        kind = self._ready(config, prepared) if config.mode == "tp" else None
         compiled, why = compiles_decode(config, info.device, kind)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
         self.cache = self._allocate_pool(config, args)
@@ -103,20 +110,23 @@ class ModelRunner:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def _choose_backend(self, config: EngineConfig) -> str:
-        """Swap the serving modules in on the host, then move the model to its device; the matmul kind."""
+    def _ready(self, config: EngineConfig, prepared: Preparation | None) -> str:
+        """Swap the serving modules in on the host (unless the loader did as it read the model:
+        `prepared`), then move the model to its device; the matmul kind."""
         info = self.info
         with every_rank_agrees():
-            kind, why = backend.optimize(self.model, info.device, traced=wants_compile(config, info.device),
-                                         quantized=config.quantize)
-            if kind in ("amx", "tiles"):
+            if prepared is None:
+                prepared = plan_backend(config, info, self.dtype)
+                prepared.apply(self.model)
+            why = prepared.why
+            if prepared.kind in ("amx", "tiles"):
                 chunks = library().next_tile_min_chunks
                 ahead = "every call" if chunks == 1 else f"calls of {chunks} chunks of rows or more"
                 why = f"{library().variant} build of the C kernels; the next tile prefetched in {ahead}"
             weights = f", {config.quantize} weights" if config.quantize != "none" else ""
-            log(f"matmuls: {kind}{weights}" + (f" ({why})" if why else ""), info.rank)
+            log(f"matmuls: {prepared.kind}{weights}" + (f" ({why})" if why else ""), info.rank)
             self.model.to(info.device)
-        return kind
+        return prepared.kind
 
     def _allocate_pool(self, config: EngineConfig, args: ModelArgs) -> KVCache:
         """The KV-cache pool, every rank the same number of blocks (the fewest any rank has room for)."""
