@@ -31,12 +31,15 @@
 #define QSTEPS (QBLOCK / 4)
 #define Q8_BLOCK_BYTES (2 * TILE_COLS + QBLOCK * TILE_COLS)
 #define Q4_BLOCK_BYTES (4 * TILE_COLS + QBLOCK * TILE_COLS / 2)
-#ifdef __AVX512F__
-#define QROWS 4 /* 32 registers: 4 rows x 2 vectors of sums beside the weights' */
-#else
-#define QROWS 2 /* 16 registers: 2 rows x 2 vectors of sums, each two ymm */
-#endif
+#define QROWS 4 /* rows sharing each load of the weights: their sums (two ymm each on AVX2) fill the registers */
 #define X_BLOCK_BYTES (1 << 20) /* the quantized rows that share one pass over the weights, kept in L2 */
+#define AHEAD_BYTES 4096        /* how far ahead in its tile a block asks for lines (the next tile's first, at its end) */
+
+/* A block's lines AHEAD_BYTES on, into L1: with few rows a block is computed faster than memory
+ * streams it unasked. */
+static inline void prefetch_ahead(const uint8_t *block, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)block + AHEAD_BYTES + line, _MM_HINT_T0);
+}
 
 /* x quantized: q [M][K] and |q|, and per row and block its scale and scale * sum of q. */
 struct QRows {
@@ -82,27 +85,28 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, struct 
 }
 
 /* One tile's blocks for MT rows (rows m of r from row 0 of the call's block), their float32 sums in
- * acc [MT][TILE_COLS]. */
+ * acc [MT][VECS]. Each vector of 16 columns in turn through a block, so only MT sums are live (AVX2
+ * has 16 registers); the loop over a block's steps stays a loop, or gcc hoists every product ahead
+ * of the adds and spills them. */
 static inline __attribute__((always_inline)) void q8_rows(struct QRows r, int64_t K, const uint8_t *wt, vec acc[][VECS],
                                                          const int MT) {
     int64_t blocks = K / QBLOCK;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = wt + b * Q8_BLOCK_BYTES, *steps = block + 2 * TILE_COLS;
-        ivec sum[QROWS][VECS];
-        _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
-            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) sum[m][j] = izero();
-        _Pragma("GCC unroll 8") for (int s = 0; s < QSTEPS; s++)
-            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
+        prefetch_ahead(block, Q8_BLOCK_BYTES);
+        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
+            ivec sum[QROWS];
+            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) sum[m] = izero();
+            _Pragma("GCC unroll 1") for (int s = 0; s < QSTEPS; s++) {
                 qvec w = qload(steps + (s * TILE_COLS + 16 * j) * 4);
                 _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {
                     int64_t at = m * K + b * QBLOCK + 4 * s;
-                    sum[m][j] = idot(sum[m][j], qset4(r.a + at), qsign(w, qset4(r.q + at)));
+                    sum[m] = idot(sum[m], qset4(r.a + at), qsign(w, qset4(r.q + at)));
                 }
             }
-        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
             vec scale = load_halves(block + 32 * j);
             _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
-                acc[m][j] = vfmadd(ifloat(sum[m][j]), vmul(scale, vset1(r.d[m * blocks + b])), acc[m][j]);
+                acc[m][j] = vfmadd(ifloat(sum[m]), vmul(scale, vset1(r.d[m * blocks + b])), acc[m][j]);
         }
     }
 }
@@ -112,23 +116,22 @@ static inline __attribute__((always_inline)) void q4_rows(struct QRows r, int64_
     int64_t blocks = K / QBLOCK;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = wt + b * Q4_BLOCK_BYTES, *steps = block + 4 * TILE_COLS;
-        isums sum[QROWS][VECS];
-        _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
-            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) sum[m][j] = izero();
-        _Pragma("GCC unroll 4") for (int p = 0; p < QSTEPS / 2; p++)
-            _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
+        prefetch_ahead(block, Q4_BLOCK_BYTES);
+        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
+            isums sum[QROWS];
+            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) sum[m] = izero();
+            _Pragma("GCC unroll 1") for (int p = 0; p < QSTEPS / 2; p++) {
                 qvec nibbles = qload(steps + (p * TILE_COLS + 16 * j) * 4);
                 qvec first = qlow(nibbles), second = qhigh(nibbles);
                 _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {
                     const int8_t *xq = r.q + m * K + b * QBLOCK + 8 * p;
-                    sum[m][j] = isums_add(isums_add(sum[m][j], first, qset4(xq)), second, qset4(xq + 4));
+                    sum[m] = isums_add(isums_add(sum[m], first, qset4(xq)), second, qset4(xq + 4));
                 }
             }
-        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
             vec scale = load_halves(block + 32 * j), low = load_halves(block + 2 * TILE_COLS + 32 * j);
             _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {
                 int64_t at = m * blocks + b;
-                vec sums = vfmadd(ifloat(isums_end(sum[m][j])), vmul(scale, vset1(r.d[at])), acc[m][j]);
+                vec sums = vfmadd(ifloat(isums_end(sum[m])), vmul(scale, vset1(r.d[at])), acc[m][j]);
                 acc[m][j] = vfmadd(low, vset1(r.ds[at]), sums);
             }
         }
@@ -172,10 +175,8 @@ static void q_tiles(struct QRows r, int64_t M, int64_t K, const uint8_t *w, int6
             struct QRows rows = offset(r, m0, K);
             void *ym = (char *)y + m0 * ldy * (bf16 ? 2 : 4);
             switch (m1 - m0) {
-#if QROWS > 2
             case 4: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 4); break;
             case 3: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 3); break;
-#endif
             case 2: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 2); break;
             default: q_tile(rows, K, wt, bits, ym, ldy, i, cols, gated, bf16, 1);
             }
