@@ -75,7 +75,8 @@ else
         say "configuring ($("$CMAKE" --version | head -n 1))"
         "$CMAKE" -S "$SRC" -B "$BUILD" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
             -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-            -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+            -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+            -DLLAMA_BUILD_NUMBER="$VERSION" -DLLAMA_BUILD_COMMIT="b$VERSION"
     fi
     say "building ${TARGETS[*]} with $JOBS jobs"
     start=$(date +%s)
@@ -90,6 +91,8 @@ if [ "$HAVE" != "$WANT" ]; then
     "$PYTHON" -m pip install --quiet --no-deps "$SRC/gguf-py"
 fi
 
-"$BUILD/bin/llama-server" --version 2>&1 | grep -i version | head -n 1
+# The tree has no .git of its own: without LLAMA_BUILD_* cmake would take the enclosing
+# repository's commit for llama.cpp's version, so the tag comes from the stamp.
+echo "llama.cpp b$(cat "$STAMP") in $BUILD/bin"
 "$PYTHON" -c "import gguf, importlib.metadata as m; print('gguf', m.version('gguf'))"
 echo "LLAMACPP_BIN=$BUILD/bin"

@@ -8,7 +8,8 @@ kept for later runs and for the speed comparison), then llama-perplexity scores 
 text (`--text` a name from bench.quality.texts or a path): chunks of --ctx tokens, each on its second
 half, --chunks limiting how many (the whole wiki text is about 1,000 chunks of 512). Prints a table
 per model: PPL +/- llama.cpp's error, the change against F32, bits a weight, the time a chunk took,
-and writes everything (logs' numbers, CPU flags, llama.cpp's version) to bench/out/NAME.json
+and which tensor types each file really holds (llama-quantize falls back from a k-quant to Q5_0 or
+Q8_0 for rows whose length is no multiple of 256, as in SmolLM2's 576-wide ones), and writes everything (logs' numbers, CPU flags, llama.cpp's version) to bench/out/NAME.json
 (--out; default llamacpp_ppl_TEXT).
 
 The KV cache is float32 and flash attention off (--kv-f16 for llama.cpp's defaults), so the rows
@@ -36,10 +37,18 @@ def text_file(spec: str) -> Path:
     return texts.text_path(spec) if spec in texts.SOURCES else Path(spec)
 
 
-def n_weights(gguf_path: Path) -> int:
+def tensor_mix(gguf_path: Path) -> tuple[float, dict[str, int]]:
+    """(bits a weight over all tensors, how many tensors of each type). llama-quantize falls back to
+    other types where a row's length is no multiple of a type's block (k-quants need 256), so a
+    kind's name alone does not say what the file holds."""
     import gguf
 
-    return sum(int(t.n_elements) for t in gguf.GGUFReader(gguf_path).tensors)
+    tensors = gguf.GGUFReader(gguf_path).tensors
+    counts: dict[str, int] = {}
+    for t in tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    bits = 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+    return bits, dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,17 +70,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"llama.cpp b{version}, {args.threads} threads; CPU flags: {' '.join(flags)}", file=sys.stderr)
     results = []
     for f32 in args.gguf:
-        weights = n_weights(f32)
-        rows, base = [], None
+        rows, base, mixes = [], None, []
         for kind in args.kinds:
             path = quantized_path(f32, kind)
             seconds_q = 0.0 if kind == "F32" else llamacpp.quantize(f32, path, kind, threads=args.threads)
             run = llamacpp.perplexity(path, text, ctx=args.ctx, chunks=args.chunks, threads=args.threads, extra=extra)
             base = run.ppl if kind == "F32" else base
+            bits, mix = tensor_mix(path)
             entry = {
                 "model": str(f32.parent.name), "gguf": str(path), "kind": kind, "ppl": run.ppl, "ppl_err": run.ppl_err,
                 "delta_pct": None if base is None else 100 * (run.ppl / base - 1),
-                "bits_per_weight": 8 * path.stat().st_size / weights, "mib": path.stat().st_size / 2**20,
+                "bits_per_weight": bits, "tensor_types": mix, "mib": path.stat().st_size / 2**20,
                 "chunks": run.chunks, "seconds": run.seconds, "seconds_per_chunk": run.seconds_per_chunk,
                 "prompt_tokens_per_s": run.tokens_per_second, "quantize_seconds": seconds_q,
             }
@@ -80,10 +89,12 @@ def main(argv: list[str] | None = None) -> None:
                          "" if entry["delta_pct"] is None else f"{entry['delta_pct']:+.2f}%",
                          f"{entry['bits_per_weight']:.2f}", f"{entry['mib']:.0f}", run.chunks,
                          f"{run.seconds_per_chunk:.2f}" if run.seconds_per_chunk else "", f"{run.seconds:.0f}"])
+            mixes.append(f"{kind}: " + ", ".join(f"{n} {t}" for t, n in mix.items()))
             print(f"  {f32.parent.name} {kind}: PPL {run.ppl:.4f} over {run.chunks} chunks, {run.seconds:.0f} s",
                   file=sys.stderr)
         print(f"\n{f32.parent.name} ({f32}), {text.name}, ctx {args.ctx}:\n")
         print(table(["kind", "PPL", "vs F32", "bits/weight", "MiB", "chunks", "s/chunk", "wall s"], rows))
+        print("\ntensors by type: " + "; ".join(mixes))
     print(f"\nCPU flags: {' '.join(flags)}")
     path = write_json(args.out or f"llamacpp_ppl_{Path(args.text).stem}", {
         "llamacpp": f"b{version}", "cpu_flags": flags, "text": str(text), "ctx": args.ctx, "chunks": args.chunks,
