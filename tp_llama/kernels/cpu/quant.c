@@ -33,10 +33,10 @@
 #define Q4_BLOCK_BYTES (4 * TILE_COLS + QBLOCK * TILE_COLS / 2)
 #define QROWS 4 /* rows sharing each load of the weights: their sums (two ymm each on AVX2) fill the registers */
 #define X_BLOCK_BYTES (1 << 20) /* the quantized rows that share one pass over the weights, kept in L2 */
-#define AHEAD_BYTES 4096        /* how far ahead in its tile a block asks for lines (the next tile's first, at its end) */
+#define AHEAD_BYTES 4096 /* how far ahead in its tile a block asks for lines (the next tile's first, at its end) */
 
-/* A block's lines AHEAD_BYTES on, into L1: with few rows a block is computed faster than memory
- * streams it unasked. */
+/* A block's lines AHEAD_BYTES on, into L1 (bench/kernels/matmul.py --bits: the lines of the next
+ * tile into L2 as well, as matmul.c asks for them, bought nothing here). */
 static inline void prefetch_ahead(const uint8_t *block, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)block + AHEAD_BYTES + line, _MM_HINT_T0);
 }
