@@ -15,7 +15,7 @@ import torch
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.pages import huge_empty
 
-INT4_REFITS = 2  # least-squares rounds for each int4 group's scale and minimum (see quantize_groups)
+INT4_REFITS = 4  # least-squares rounds for each int4 group's scale and minimum (see quantize_groups)
 
 
 @dataclass(frozen=True)

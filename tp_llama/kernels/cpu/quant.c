@@ -20,9 +20,7 @@
  * int16 too); int8 weights are signed, so the unsigned side is |x| and the weight takes x's sign
  * (pairs at most 2 * 127 * 127 < 2^15, widened to int32 every step).
  */
-#include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "api.h"
 #include "simd.h"
@@ -242,60 +240,56 @@ void pack_quant_tiles(const void *q, const void *scales, const void *mins, int64
 
 static float to_half(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
 
-/* One group's int4 values for scale d and minimum m (both as fp16 holds them); its squared error. */
-static double fit4(const float *x, float d, float m, int8_t *q) {
-    double error = 0;
-    for (int i = 0; i < QBLOCK; i++) {
-        float v = d > 0 ? nearbyintf((x[i] - m) / d) : 0.0f;
-        q[i] = (int8_t)(v < 0 ? 0 : v > 15 ? 15 : v);
-        double e = (double)q[i] * d + m - x[i];
-        error += e * e;
+/* A group's int4 values (two vectors of whole numbers) for scale d and minimum m, both as fp16 holds
+ * them; its squared error. */
+static float fit4(const vec x[2], float d, float m, vec q[2]) {
+    vec step = vset1(d), low = vset1(m), error = vzero();
+    for (int h = 0; h < 2; h++) {
+        vec v = d > 0 ? vround(vdiv(vsub(x[h], low), step)) : vzero();
+        q[h] = vmin(vset1(15.0f), vmax(vzero(), v));
+        vec e = vsub(vfmadd(q[h], step, low), x[h]);
+        error = vfmadd(e, e, error);
     }
-    return error;
+    return vsum(error);
 }
 
 /* A group of int4: from its range, then `refits` rounds of least squares for the scale and minimum
  * that fit the values chosen, each kept only where it lowers the group's error (a k-quant-style
  * search, at a cost quantizing every worker start can bear). */
-static void group4(const float *x, int refits, int8_t *q, uint16_t *scale, uint16_t *low) {
-    float lo = x[0], hi = x[0];
-    for (int i = 1; i < QBLOCK; i++) {
-        lo = x[i] < lo ? x[i] : lo;
-        hi = x[i] > hi ? x[i] : hi;
-    }
+static void group4(const vec x[2], int refits, int8_t *out, uint16_t *scale, uint16_t *low) {
+    float lo = -vhighest(vmax(vsub(vzero(), x[0]), vsub(vzero(), x[1]))), hi = vhighest(vmax(x[0], x[1]));
     float d = to_half((hi - lo) / 15), m = to_half(lo);
-    double best = fit4(x, d, m, q);
+    vec q[2], trial[2];
+    float best = fit4(x, d, m, q);
     for (int round = 0; round < refits; round++) {
-        double sq = 0, sqq = 0, sx = 0, sqx = 0;
-        for (int i = 0; i < QBLOCK; i++) {
-            sq += q[i];
-            sqq += (double)q[i] * q[i];
-            sx += x[i];
-            sqx += (double)q[i] * x[i];
-        }
-        double det = QBLOCK * sqq - sq * sq;
+        float sq = vsum(vadd(q[0], q[1])), sqq = vsum(vfmadd(q[0], q[0], vmul(q[1], q[1])));
+        float sx = vsum(vadd(x[0], x[1])), sqx = vsum(vfmadd(q[0], x[0], vmul(q[1], x[1])));
+        float det = QBLOCK * sqq - sq * sq; /* whole numbers under 2^24: exact */
         if (det <= 0) break;
-        double fitted = (QBLOCK * sqx - sq * sx) / det;
-        float d2 = to_half((float)fitted), m2 = to_half((float)((sx - fitted * sq) / QBLOCK));
-        int8_t trial[QBLOCK];
-        double error = fit4(x, d2, m2, trial);
+        float fitted = (QBLOCK * sqx - sq * sx) / det;
+        float d2 = to_half(fitted), m2 = to_half((sx - fitted * sq) / QBLOCK);
+        float error = fit4(x, d2, m2, trial);
         if (!(d2 > 0) || error >= best) break;
-        best = error, d = d2, m = m2;
-        memcpy(q, trial, sizeof(trial));
+        best = error, d = d2, m = m2, q[0] = trial[0], q[1] = trial[1];
     }
+    int32_t values[QBLOCK];
+    vstore_int(values, 0xFFFF, q[0]);
+    vstore_int(values + 16, 0xFFFF, q[1]);
+    for (int i = 0; i < QBLOCK; i++) out[i] = (int8_t)values[i];
     *scale = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
     *low = _cvtss_sh(m, _MM_FROUND_TO_NEAREST_INT);
 }
 
 /* A group of int8: symmetric, its scale max |x| / 127 as fp16 holds it. */
-static void group8(const float *x, int8_t *q, uint16_t *scale) {
-    float amax = 0;
-    for (int i = 0; i < QBLOCK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    float d = to_half(amax / 127);
-    for (int i = 0; i < QBLOCK; i++) {
-        float v = d > 0 ? nearbyintf(x[i] / d) : 0.0f;
-        q[i] = (int8_t)(v < -127 ? -127 : v > 127 ? 127 : v);
+static void group8(const vec x[2], int8_t *out, uint16_t *scale) {
+    vec high = vmax(vmax(x[0], vsub(vzero(), x[0])), vmax(x[1], vsub(vzero(), x[1])));
+    float d = to_half(vhighest(high) / 127);
+    int32_t values[QBLOCK];
+    for (int h = 0; h < 2; h++) {
+        vec v = d > 0 ? vround(vdiv(x[h], vset1(d))) : vzero();
+        vstore_int(values + 16 * h, 0xFFFF, vmin(vset1(127.0f), vmax(vset1(-127.0f), v)));
     }
+    for (int i = 0; i < QBLOCK; i++) out[i] = (int8_t)values[i];
     *scale = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
 }
 
@@ -305,10 +299,8 @@ void quantize_groups(const void *w, int64_t N, int64_t K, int bf16, int bits, in
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < blocks; b++) {
-            float x[QBLOCK];
             int64_t at = n * K + b * QBLOCK;
-            vstore(x, load16(w, at, bf16, 0xFFFF));
-            vstore(x + 16, load16(w, at + 16, bf16, 0xFFFF));
+            vec x[2] = {load16(w, at, bf16, 0xFFFF), load16(w, at + 16, bf16, 0xFFFF)};
             int8_t *group = (int8_t *)q + at;
             uint16_t *scale = (uint16_t *)scales + n * blocks + b;
             if (bits == 8)
