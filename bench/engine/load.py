@@ -8,7 +8,8 @@ runs every method in turn, each after evicting the checkpoint from the page cach
 and resetting the kernel's peak-RSS counter:
   floor   pread exactly the bytes of this rank's slices into one buffer, nothing else;
   direct  tp_llama.checkpoint.loader.load_tp_model (positioned reads straight into the local modules' weights),
-          then backend.optimize (fuse, repack for the matmul kernel), as Engine.load does;
+          each block prepared for serving (fused, repacked for the matmul kernel) as soon as it is read,
+          as Engine.load does; direct-int8 and direct-int4 quantize the blocks too (handler.quantize);
   seed    tp_llama.checkpoint.loader.load_fsdp_model (converter + FSDP1), only where MP divides TP;
   merge   rank 0 torch.loads every file, concatenates them into the full state dict and
           scatters each rank its slice (what a user would otherwise write).
@@ -42,7 +43,7 @@ from tp_llama.model import ModelArgs
 from tp_llama.parallel.fsdp import make_mesh
 from tp_llama.testing.oracle import apply_tensor_parallel
 
-METHODS = ("floor", "direct", "seed", "merge")
+METHODS = ("floor", "direct", "direct-int8", "direct-int4", "seed", "merge")
 DTYPE = torch.bfloat16  # the checkpoint's own dtype: loading is then pure reading, no conversion
 # glibc raises its mmap threshold after the first large free, after which freed memory stays
 # resident and the next method would reuse it unseen. Pinning the threshold at its initial
@@ -214,9 +215,9 @@ def measure(method: str, ckpt: Path, args: ModelArgs, info: DistInfo, keep: list
     try:
         if method == "floor":
             loaded: object = read_plan(plan)
-        elif method == "direct":  # as Engine.load does: load, then fuse and repack for the matmul kernel
-            loaded = load_tp_model(ckpt, args, info, DTYPE)
-            backend.optimize(loaded)
+        elif method.startswith("direct"):  # as Engine.load does: each block prepared as it is read
+            quantized = method.partition("-")[2] or "none"
+            loaded = load_tp_model(ckpt, args, info, DTYPE, backend.plan(info.device, DTYPE, quantized=quantized))
         elif method == "seed":
             loaded = load_fsdp_model(ckpt, args, info, DTYPE)
         else:
