@@ -2,7 +2,8 @@
 # The benchmarks README.md and BENCHMARKS.md quote, with one command: installs the bench-only packages
 # into the project's venv; runs the first suite (loading, generation, TorchServe against the offline
 # CLI) and rewrites its results in BENCHMARKS.md; then sets up vLLM's CPU build and runs the README's
-# headline table, ours against vLLM, in its three rows. Hours on a 2-core VM; run it alone.
+# headline table, ours against vLLM, in its three rows; then llama.cpp and ours quantized. Hours on a
+# 2-core VM; run it alone.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
@@ -34,3 +35,11 @@ step "headline: bfloat16, greedy" "$PY" "${headline[@]}" --dtype bfloat16 --samp
 step "headline: bfloat16, temperature 0.6 top_p 0.9" "$PY" "${headline[@]}" --dtype bfloat16 \
     --sampling default-unseeded --out bench_cb-sampled
 step "headline: float32, greedy" "$PY" "${headline[@]}" --dtype float32 --sampling greedy --out bench_cb-float32
+
+# Issue 46's speed table: ours at 16, 8 and 4 bits against llama.cpp (built once for this CPU) on the
+# same weights in BF16, Q8_0, Q4_0 and Q4_K_M, and vLLM, all taking turns for five rounds.
+bash bench/setup_llamacpp.sh
+step "quantized: ours against llama.cpp" "$PY" -m bench.serving.serve --scenario levels --servers ours ours-int8 \
+    ours-int4 vllm llamacpp-bf16 llamacpp-q8_0 llamacpp-q4_0 llamacpp-q4_k_m --preset llama3.2-1b --dtype bfloat16 \
+    --tp 1 --omp-threads 2 --skip-scenarios --prompt-len 200 --new-tokens 64 --concurrency 1 8 --sampling greedy \
+    --rounds 5 --out bench_cb-llamacpp

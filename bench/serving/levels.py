@@ -1,6 +1,8 @@
-"""Concurrency levels (`--scenario levels`): this checkout, an older one and vLLM's CPU build, in one run.
+"""Concurrency levels (`--scenario levels`): this checkout (at 16, 8 and 4 bits), an older one, vLLM's CPU build
+and llama.cpp, in one run.
 
     bash bench/setup_vllm.sh                                   # once: bench/out/vllm-venv
+    bash bench/setup_llamacpp.sh                               # once: bench/out/llama.cpp
     .venv/bin/python -m bench.serving.serve --scenario levels --before COMMIT_OR_PATH [--dtype float32|bfloat16]
         [--tp 2] [--omp-threads 1] [--yaml KEY=VALUE ...] [--yaml-before KEY=VALUE ...]
         [--concurrency 1 4 16 32] [--requests 2] [--prompt-len 128] [--new-tokens 128] [--quick]
@@ -14,14 +16,21 @@ Servers, one at a time (only one is up while another is measured, the machine ha
 - "before": the same from an older checkout: a folder, or a commit checked out with
   `git worktree add` under bench/out/; its own make_archive.py builds its archive
   (--yaml-before for its keys: an older handler refuses keys it does not know).
+- "ours-int8", "ours-int4": "ours" with handler.quantize=int8 / int4 (before the --yaml overrides).
 - "vllm": vLLM's CPU build on the same weights converted to a Hugging Face folder, with
   --skip-tokenizer-init; prompts go as token ids to /v1/completions.
+- "llamacpp-KIND" (KIND f32, bf16, q8_0, q4_0, q4_k_m): llama.cpp's llama-server on the same weights,
+  an F32 GGUF written from the MP 1 checkpoint and llama-quantize's KIND of it (made once under
+  bench/out/gguf; bench/serving/llamacpp_peer.py), --llamacpp-threads threads, a slot per client of the
+  largest level, each of --llamacpp-ctx positions, prompt caching off; prompts go as token ids to its
+  /completion. The tables pair ours-int8 with llamacpp-q8_0, ours-int4 with llamacpp-q4_0 and q4_k_m.
 
 The prompt is a fixed list of --prompt-len token ids (BOS + corpus text, as the handler encodes it):
-vLLM gets the ids, our servers the text; each server's usage.prompt_tokens is checked against the
-list's length, and the first greedy tokens of ours are compared with vLLM's. Every request sends that
-one prompt, so both servers run with prefix caching off (ours: handler.prefix_caching=false before
-the --yaml overrides; `--scenario prefix` measures the cache against vLLM's).
+vLLM and llama.cpp get the ids, our servers the text; each server's usage.prompt_tokens is checked
+against the list's length, and the first greedy tokens of ours are compared with vLLM's (and the
+quantized and llama.cpp servers' with ours'). Every request sends that one prompt, so every server runs
+with prefix caching off (ours: handler.prefix_caching=false before the --yaml overrides; llama.cpp:
+no prompt cache; `--scenario prefix` measures the cache against vLLM's).
 
 Per concurrency level, each of C clients sends --requests streaming requests back to back (stop
 tokens ignored, --new-tokens each): greedy, or with --sampling default the yaml's default
@@ -59,18 +68,22 @@ from pathlib import Path
 import psutil
 
 from bench.lib.checkpoint import PRESETS, ensure_checkpoint
-from bench.lib.common import OUT, REPO, before_root, table, write_json
-from bench.lib.generation import common_prefix, prompt_text
+from bench.lib.common import OUT, REPO, before_root, write_json
+from bench.lib.generation import prompt_text
+from bench.lib.llamacpp import cpu_flags
 from bench.serving.clients import SAMPLING, Send, openai_stream, run_level, sampling_fields, torchserve_stream
 from bench.serving.latency import scenarios
+from bench.serving.levels_report import SERVERS, ours_like, plot, report
+from bench.serving.llamacpp_peer import LlamaServer, gguf_for, llamacpp_stream, llamacpp_tokens
+from bench.serving.llamacpp_peer import version as llamacpp_version
 from bench.serving.servers import (NAME, archive, git_describe, own_rendezvous, start_ready, vllm_folder,
                                    vllm_version)
 from bench.serving.vllm_peer import VLLM_VENV, VLLMServer, vllm_stream
-from tests.support.serving_util import TorchServe
+from tests.support.serving_util import TorchServe, free_ports
 from tp_llama.tokenizer import load_tokenizer
 
 WORK = OUT / "bench_cb"
-SERVERS = ("ours", "before", "vllm")
+DEFAULT_SERVERS = ("ours", "before", "vllm")
 
 
 # ---------------------------------------------------------------------------- servers
@@ -90,7 +103,7 @@ def start_torchserve(label: str, root: Path, ckpt: Path, a: argparse.Namespace, 
     print(f"[{label}] ready after {result['ready_s']:.0f} s ({root})", flush=True)
     fields = sampling_fields(a.sampling)
     send = lambda p, n: torchserve_stream(server, p, n, a.timeout, fields=fields())  # noqa: E731
-    if label == "ours" and a.api == "openai":  # the same prompt ids through /v1/completions
+    if label.startswith("ours") and a.api == "openai":  # the same prompt ids through /v1/completions
         auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
         path = f"/predictions/{NAME}/1.0/v1/completions"
         send = lambda p, n: openai_stream(server.inference_port, path, ids, n, auth, fields(), a.timeout)  # noqa: E731
@@ -124,14 +137,46 @@ def start_vllm(ckpt_mp1: Path, a: argparse.Namespace, ids: list[int],
     return result, send, server
 
 
+def llamacpp_ctx(a: argparse.Namespace, prompt_tokens: int) -> int:
+    """Positions per slot: --llamacpp-ctx, or the prompt and the longest request rounded up to 256."""
+    return a.llamacpp_ctx or 256 * -(-(prompt_tokens + max(a.new_tokens, a.check_tokens) + 1) // 256)
+
+
+def start_llamacpp(kind: str, ckpt_mp1: Path, a: argparse.Namespace, ids: list[int],
+                   stack: contextlib.ExitStack) -> tuple[dict, Send, LlamaServer]:
+    """llama-server on the same weights in `kind`, up and warmed (stopped when `stack` closes)."""
+    label, work = f"llamacpp-{kind}", WORK / f"llamacpp-{kind}"
+    shutil.rmtree(work, ignore_errors=True)
+    gguf = gguf_for(ckpt_mp1, kind, a.llamacpp_threads)
+    server = LlamaServer(gguf, free_ports(1)[0], work, max(a.concurrency), llamacpp_ctx(a, len(ids)),
+                         a.llamacpp_threads, a.llamacpp_arg)
+    result: dict = {"gguf": str(gguf), "version": llamacpp_version(), "command": server.command}
+    stack.callback(lambda: result.update(stop_returncode=server.stop()))
+    server.start()
+    result["ready_s"] = server.wait_ready(timeout=900)
+    print(f"[{label}] ready after {result['ready_s']:.0f} s", flush=True)
+    fields = sampling_fields(a.sampling)
+    send = lambda p, n: llamacpp_stream(server.port, p, n, a.timeout, fields())  # noqa: E731
+    warm = llamacpp_tokens(server.port, ids, a.check_tokens, a.timeout)  # greedy: compared with ours
+    result["prompt_tokens"] = warm["prompt_tokens"]
+    result["first_tokens"] = warm["token_ids"]
+    return result, send, server
+
+
 def start(name: str, a: argparse.Namespace, roots: dict[str, Path], ids: list[int], text: str,
-          stack: contextlib.ExitStack) -> tuple[dict, Send, TorchServe | VLLMServer]:
-    """Server `name` up and warmed; ours runs with prefix caching off, as vLLM (one prompt for all)."""
+          stack: contextlib.ExitStack) -> tuple[dict, Send, TorchServe | VLLMServer | LlamaServer]:
+    """Server `name` up and warmed; every one runs with prefix caching off (one prompt for all)."""
     if name == "vllm":
         return start_vllm(ensure_checkpoint(PRESETS[a.preset], mp=1), a, ids, stack)
+    if name.startswith("llamacpp-"):
+        return start_llamacpp(name.removeprefix("llamacpp-"), ensure_checkpoint(PRESETS[a.preset], mp=1), a, ids,
+                              stack)
     ckpt = ensure_checkpoint(PRESETS[a.preset], mp=a.tp)
-    overrides = ["handler.prefix_caching=false", *a.yaml] if name == "ours" else a.yaml_before
-    return start_torchserve(name, roots[name], ckpt, a, overrides, ids, text, stack)
+    if name == "before":
+        return start_torchserve(name, roots[name], ckpt, a, a.yaml_before, ids, text, stack)
+    quantize = name.partition("-")[2] or "none"  # ours, ours-int8, ours-int4
+    overrides = ["handler.prefix_caching=false", f"handler.quantize={quantize}", *a.yaml]
+    return start_torchserve(name, REPO, ckpt, a, overrides, ids, text, stack)
 
 
 def cpu_seconds(process: subprocess.Popen | None) -> float:
@@ -208,130 +253,12 @@ def levels(label: str, send: Send, prompt: list[int] | str, a: argparse.Namespac
     return out
 
 
-# ---------------------------------------------------------------------------- report
-
-def report(data: dict) -> str:
-    servers = {name: data["servers"][name] for name in SERVERS if "levels" in data["servers"].get(name, {})}
-    parts = []
-    headers = ["clients", "requests", "errors", "output tok/s", "TTFT p50 s", "TTFT p95 s", "latency p50 s",
-               "latency p95 s", "TPOT p50 ms"]
-    for name, res in servers.items():
-        rows = [[lv["clients"], lv["requests"], lv["errors"], lv["tokens_per_s"], lv.get("ttft_p50_s", "-"),
-                 lv.get("ttft_p95_s", "-"), lv.get("latency_p50_s", "-"), lv.get("latency_p95_s", "-"),
-                 1000 * lv["tpot_p50_s"] if lv.get("tpot_p50_s") else "-"] for lv in res["levels"]]
-        parts.append(f"### {name}\n\n" + table(headers, rows))
-    pairs = [(a, b) for a, b in (("ours", "vllm"), ("ours", "before")) if a in servers and b in servers]
-    if pairs:
-        rows = []
-        for lv in servers["ours"]["levels"]:
-            row = [lv["clients"]]
-            for a_, b_ in pairs:
-                other = next((x for x in servers[b_]["levels"] if x["clients"] == lv["clients"]), None)
-                for key in ("tokens_per_s", "ttft_p50_s", "latency_p50_s"):
-                    ok = other and lv.get(key) and other.get(key)
-                    row.append(lv[key] / other[key] if ok else "-")
-            rows.append(row)
-        heads = ["clients"] + [f"{a_}/{b_} {m}" for a_, b_ in pairs for m in ("tok/s", "TTFT p50", "latency p50")]
-        parts.append("### ratios\n\n" + table(heads, rows))
-        if data.get("rounds", 1) > 1:
-            parts.append("### ratios per round (the two runs side by side in time)\n\n" + paired(servers, pairs))
-    scen = [(name, res) for name, res in servers.items() if "short_behind_long" in res]
-    if scen:
-        rows = []
-        for name, res in scen:
-            s, d = res["short_behind_long"], res["disconnects"]
-            if "error" in s:
-                rows.append([name, "short behind long", "-", "-", s["error"]])
-            else:
-                rows.append([name, f"{s['short_tokens']} behind {s['long_tokens']}", s["alone"]["latency_s"],
-                             s["behind_latency_s"], s["ratio"]])
-            if "error" in d:
-                rows.append([name, "disconnects", "-", "-", d["error"]])
-            else:
-                rows.append([name, f"{d['probe_tokens']} after {d['clients']} x {d['long_tokens']} disconnected",
-                             d["alone"]["latency_s"], d["after_latency_s"], d["ratio"]])
-        parts.append("### latency scenarios\n\n" + table(["server", "scenario", "alone s", "with others s",
-                                                         "ratio"], rows))
-    sampling = data.get("sampling", "greedy")  # JSON of runs from before the option: greedy
-    notes = [f"- {data['preset']} preset, {data['dtype']}, prompt {data['prompt_len']} token ids, "
-             f"{data['new_tokens']} new tokens per request, sampling {sampling} ({SAMPLING[sampling]}), "
-             f"stop tokens ignored; {data['requests']} "
-             f"request(s) per client back to back; our servers TP {data['tp']} x {data['omp_threads']} OpenMP "
-             f"thread(s); vLLM cores {data['vllm_cores']}."]
-    for name, res in servers.items():
-        if res.get("prompt_tokens") != data["prompt_len"]:
-            notes.append(f"- {name}: prompt counted as {res.get('prompt_tokens')} tokens, not {data['prompt_len']}.")
-        if name != "vllm" and "vllm" in servers:
-            n = common_prefix(res.get("first_tokens", []), servers["vllm"].get("first_tokens", []))
-            notes.append(f"- {name} vs vLLM: first {n} of {data['check_tokens']} greedy tokens identical"
-                         + ("" if servers["vllm"].get("first_tokens") else " (vLLM sent no token ids)") + ".")
-        for lv in res["levels"]:
-            if lv["errors"]:
-                notes.append(f"- {name}, {lv['clients']} clients: {lv['errors']} error(s), e.g. {lv['error_samples'][0]}")
-            if lv.get("short_replies"):
-                notes.append(f"- {name}, {lv['clients']} clients: {lv['short_replies']} reply(ies) not "
-                             f"{data['new_tokens']} tokens long.")
-    for name, err in data.get("failed", {}).items():
-        notes.append(f"- {name}: not measured: {err}")
-    return "\n\n".join(parts) + "\n\n" + "\n".join(notes)
-
-
-def paired(servers: dict[str, dict], pairs: list[tuple[str, str]]) -> str:
-    """Per level and pair: the median and range of each round's ratio, and the waiting servers' CPU seconds."""
-    rows = []
-    for a_, b_ in pairs:
-        for lv in servers[a_]["levels"]:
-            other = next((x for x in servers[b_]["levels"] if x["clients"] == lv["clients"]), None)
-            if other is None or "rounds" not in lv or "rounds" not in other:
-                continue
-            row = [f"{a_}/{b_}", lv["clients"]]
-            for key in ("tokens_per_s", "ttft_p50_s"):
-                ratios = [x[key] / y[key] for x, y in zip(lv["rounds"], other["rounds"]) if x.get(key) and y.get(key)]
-                row += [statistics.median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}"] if ratios else ["-", "-"]
-            idle = [r["idle_cpu_s"] for r in lv["rounds"] + other["rounds"]]
-            rows.append([*row, len(lv["rounds"]), max(idle)])
-    return table(["pair", "clients", "tok/s ratio, median", "range", "TTFT p50 ratio, median", "range", "rounds",
-                  "waiting servers' CPU s, most"], rows)
-
-
-def plot(data: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no plot: matplotlib missing (.venv/bin/python -m pip install -r bench/requirements.txt)")
-        return None
-    fig, (tok_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in SERVERS:
-        res = data["servers"].get(name, {})
-        lvs = [lv for lv in res.get("levels", []) if lv["requests"]]
-        if not lvs:
-            continue
-        x = [lv["clients"] for lv in lvs]
-        tok_ax.plot(x, [lv["tokens_per_s"] for lv in lvs], "o-", label=name)
-        ttft_ax.plot(x, [lv["ttft_p50_s"] for lv in lvs], "o-", label=name)
-    for ax, label in ((tok_ax, "output tokens/s (all clients)"), (ttft_ax, "TTFT p50 (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(data["concurrency"], [str(c) for c in data["concurrency"]])
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-    fig.suptitle(f"{data['preset']} preset, {data['dtype']}, prompt {data['prompt_len']}, "
-                 f"{data['new_tokens']} new tokens, ours TP {data['tp']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 # ---------------------------------------------------------------------------- main
 
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--before", help="older checkout: a folder or a commit (checked out under bench/out/)")
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS),
-                        help="which to run, in this order (before needs --before)")
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS),
+                        help="which to run, in this order (before needs --before; default: ours before vllm)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--tp", type=int, default=2, help="ranks of our servers")
@@ -355,6 +282,11 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-max-model-len", type=int, default=1024)
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
+    parser.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t and -tb")
+    parser.add_argument("--llamacpp-ctx", type=int, help="positions per llama-server slot (default: prompt + "
+                        "new tokens, rounded up to 256)")
+    parser.add_argument("--llamacpp-arg", action="append", default=[],
+                        help="extra llama-server argument (repeatable; e.g. --llamacpp-arg=-fa --llamacpp-arg=off)")
     parser.add_argument("--timeout", type=float, help="seconds one request may take (default 600; 120 with --quick)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each level per server, all servers up and taking turns (1: one server at a time)")
@@ -389,12 +321,15 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     ids = tokenizer.encode(text, bos=True, eos=False)  # exactly what the handler feeds the model
     if len(ids) != a.prompt_len:
         print(f"note: the prompt text re-encodes to {len(ids)} tokens (asked {a.prompt_len})", flush=True)
-    prompts = {name: ids if name == "vllm" else text for name in servers}
+    prompts = {name: text if ours_like(name) else ids for name in servers}
 
     data: dict = {"preset": a.preset, "dtype": a.dtype, "sampling": a.sampling, "tp": a.tp, "omp_threads": a.omp_threads,
                   "prompt_len": len(ids), "prompt_ids": ids, "new_tokens": a.new_tokens, "requests": a.requests,
                   "concurrency": a.concurrency, "check_tokens": a.check_tokens, "vllm_cores": a.vllm_cores,
-                  "rounds": a.rounds, "ckpt": str(ckpt), "servers": {}, "failed": {}}
+                  "rounds": a.rounds, "ckpt": str(ckpt), "cpu_flags": cpu_flags(), "servers": {}, "failed": {}}
+    if any(name.startswith("llamacpp-") for name in servers):
+        data["llamacpp"] = {"version": llamacpp_version(), "threads": a.llamacpp_threads,
+                            "slots": max(a.concurrency), "ctx": llamacpp_ctx(a, len(ids))}
     if a.rounds == 1:
         for name in servers:
             try:
@@ -402,7 +337,7 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                     result, send, server = start(name, a, roots, ids, text, stack)
                     data["servers"][name] = result
                     result["levels"] = levels(name, send, prompts[name], a)
-                    if name != "vllm" and not a.skip_scenarios:
+                    if ours_like(name) and not a.skip_scenarios:
                         scenarios(name, server, text, a, result)
             except Exception as exc:  # one server failing still leaves the others' numbers
                 data["servers"].pop(name, None)
@@ -422,10 +357,10 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             for name, (result, _, server) in up.items():
                 result["levels"] = turns[name]
                 data["servers"][name] = result
-                if name != "vllm" and not a.skip_scenarios:
+                if ours_like(name) and not a.skip_scenarios:
                     scenarios(name, server, text, a, result)
     path = write_json(a.out, data)
-    print(report(data))
+    print(report(json.loads(path.read_text())))  # as written: with the machine write_json adds
     print(f"raw numbers: {path}")
     print(f"plot: {plot(data, path.with_suffix('.png'))}")
 

@@ -6,9 +6,10 @@
 
 - GGUFs: the MP 1 checkpoint of a preset becomes an F32 GGUF once (bench/lib/meta_gguf.py, gguf-py
   directly, no Hugging Face folder), and llama.cpp's own `llama-quantize` makes BF16, Q8_0, Q4_0 and
-  Q4_K_M from it with its default choices (Q4_0 and Q4_K_M keep the output layer in Q6_K, as every
-  GGUF people download does). Kept in bench/out/gguf/CKPT_NAME/model-KIND.gguf, redone when the
-  checkpoint, the converter or llama.cpp's version changes.
+  Q4_K_M from it with its default choices (Q4_0 and Q4_K_M put the output layer in Q6_K, Q4_K_M some
+  of the FFN-down and V matrices too).
+  Kept in bench/out/gguf/CKPT_NAME/model-KIND.gguf, redone when the checkpoint, the converter or
+  llama.cpp's version changes.
 - LlamaServer: `llama-server -m GGUF -t T -tb T -np SLOTS -c SLOTS*CTX --cont-batching` on loopback,
   a slot per client of the largest level, prompt caching off (`--no-cache-prompt --cache-ram 0` and
   `"cache_prompt": false` per request: every request sends one prompt, and ours and vLLM run with

@@ -1,6 +1,6 @@
-"""The serving benchmark: a real TorchServe on loopback (and vLLM's CPU build beside it), one scenario a run.
+"""The serving benchmark: a real TorchServe on loopback (vLLM and llama.cpp beside it), one scenario a run.
 
-    python -m bench.serving.serve [--scenario levels] [OPTIONS]   # concurrency levels: ours, before, vLLM
+    python -m bench.serving.serve [--scenario levels] [OPTIONS]   # concurrency levels: ours, before, vLLM, llama.cpp
     python -m bench.serving.serve --scenario prefix [OPTIONS]     # prefix caching and the paged KV cache
     python -m bench.serving.serve --scenario cli [OPTIONS]        # ours against the offline CLI (the first suite)
     python -m bench.serving.serve --scenario SCENARIO --help      # that scenario's options, what it measures
