@@ -9,7 +9,14 @@ import torch
 
 from tests.support.quantized import dequantize_groups, groups_of, int8_rows, weight
 from tp_llama.kernels import linear, prepare
-from tp_llama.kernels.cpu.qtiles import QuantTiled, pack, prepare_quant_swiglu, quantize_groups
+from tp_llama.kernels.cpu.qtiles import (
+    ROWS_AT_ONCE,
+    QuantTiled,
+    pack,
+    prepare_quant_swiglu,
+    prepare_quant_tiles,
+    quantize_groups,
+)
 from tp_llama.kernels.cpu.ffi import load
 from tp_llama.kernels.quant import INT4_GROUP
 
@@ -65,6 +72,12 @@ def test_c_quantized_matmul_matches_float64(bits: int, dtype: torch.dtype):
             torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale, msg=f"{out}x{k}, {rows} rows")
             alone = torch.cat([linear(x[i : i + 1], tiles) for i in range(rows)])
             assert torch.equal(alone, got), "a row's outputs depend on its batch"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_weight_packed_in_row_chunks_is_the_weight_packed_whole(bits: int):
+    w = weight(ROWS_AT_ONCE + 40, 64)
+    assert torch.equal(prepare_quant_tiles(w, bits).data, pack(quantize_groups(w, bits), bits).data)
 
 
 def test_c_quantized_swiglu_matches_float64():

@@ -13,6 +13,8 @@ after (bench/engine/step.py).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 from pathlib import Path
@@ -52,3 +54,18 @@ def huge_page_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def give_back_free_memory() -> None:
+    """Return the C heap's free memory to the system (glibc's malloc_trim; elsewhere nothing).
+
+    A load frees its 16-bit tensors as it prepares each block, but glibc keeps freed chunks its
+    growing mmap threshold moved onto the heap, and a worker would hold them for its lifetime
+    (bench/engine/memory.py)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return
+    if trim is not None:
+        trim(0)

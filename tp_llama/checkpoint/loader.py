@@ -24,6 +24,7 @@ from tp_llama.model import ModelArgs, Transformer
 from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, log
 from tp_llama.parallel.layout import check_tp_size, full_shapes, shard_dim
 from tp_llama.parallel.modules import local_module
+from tp_llama.pages import give_back_free_memory
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -121,6 +122,7 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
                 prepare.layer(model.get_submodule(name), name)
         if prepare is not None:
             prepare.top(model)
+            give_back_free_memory()
         files.close()
         log(f"read {nbytes / 1e6:.0f} MB from {len(files.files_read())} of {len(files)} shard files "
             f"{[p.name for p in files.files_read()]} in {time.perf_counter() - start:.1f} s"

@@ -15,6 +15,7 @@ import torch
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.pages import huge_empty
 
+ROWS_AT_ONCE = 4096  # rows quantized and packed at a time (a multiple of TILE_COLS)
 INT4_REFITS = 4  # least-squares rounds for each int4 group's scale and minimum (see quantize_groups)
 
 
@@ -56,19 +57,35 @@ def quantize_groups(weight: torch.Tensor, bits: int, refits: int = INT4_REFITS) 
 
 def pack(groups: tuple[torch.Tensor, ...], bits: int, gated: bool = False) -> QuantTiled:
     """quantize_groups' output in tiles, on 2 MiB pages where Linux gives them (tp_llama.pages)."""
+    data = _tiles(groups[0].shape, bits)
+    _pack_into(groups, bits, data.data_ptr())
+    return QuantTiled(data, tuple(groups[0].shape), bits, gated)
+
+
+def _tiles(shape: tuple[int, int], bits: int) -> torch.Tensor:
     lib = library()
-    q, scales = groups[0], groups[1]
-    out, k = q.shape
+    out, k = shape
     tiles = -(-out // lib.constants["TILE_COLS"])
-    data = huge_empty((tiles * (k // group_size()) * lib.quant_block_bytes(bits),), torch.uint8)
+    return huge_empty((tiles * (k // group_size()) * lib.quant_block_bytes(bits),), torch.uint8)
+
+
+def _pack_into(groups: tuple[torch.Tensor, ...], bits: int, address: int) -> None:
+    q, scales = groups[0], groups[1]
     mins = groups[2] if bits == 4 else scales
-    lib.pack_quant_tiles(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), out, k, bits, data.data_ptr())
+    library().pack_quant_tiles(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), q.shape[0], q.shape[1], bits, address)
+
+
+def prepare_quant_tiles(weight: torch.Tensor, bits: int, gated: bool = False) -> QuantTiled:
+    """weight [out, in] quantized to `bits` in tiles, ROWS_AT_ONCE rows at a time: a load then holds the
+    16-bit weight and its tiles, not a whole int8 copy between them too (bench/engine/memory.py)."""
+    lib = library()
+    out, k = weight.shape
+    data = _tiles((out, k), bits)
+    tile_bytes = k // group_size() * lib.quant_block_bytes(bits)
+    for first in range(0, out, ROWS_AT_ONCE):
+        groups = quantize_groups(weight[first : first + ROWS_AT_ONCE], bits)
+        _pack_into(groups, bits, data.data_ptr() + first // lib.constants["TILE_COLS"] * tile_bytes)
     return QuantTiled(data, (out, k), bits, gated)
-
-
-def prepare_quant_tiles(weight: torch.Tensor, bits: int) -> QuantTiled:
-    """weight [out, in] quantized to `bits` in tiles."""
-    return pack(quantize_groups(weight, bits), bits)
 
 
 def prepare_quant_swiglu(w1: torch.Tensor, w3: torch.Tensor, bits: int) -> QuantTiled | None:
@@ -78,8 +95,7 @@ def prepare_quant_swiglu(w1: torch.Tensor, w3: torch.Tensor, bits: int) -> Quant
     if ffn % run:
         return None
     runs = [w.detach().reshape(ffn // run, run, cols) for w in (w1, w3)]
-    interleaved = torch.stack(runs, dim=1).reshape(2 * ffn, cols)
-    return pack(quantize_groups(interleaved, bits), bits, gated=True)
+    return prepare_quant_tiles(torch.stack(runs, dim=1).reshape(2 * ffn, cols), bits, gated=True)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantTiled) -> torch.Tensor:
