@@ -162,6 +162,7 @@ def test_bodies_torchserve_already_decoded() -> None:
 
 def test_settings_reject_typos_and_bad_values(tmp_path: Path) -> None:
     assert settings_from_yaml({"ckpt_dir": "c"}) == HandlerSettings(EngineConfig("c"))
+    assert settings_from_yaml({"ckpt_dir": "c", "quantize": "int4"}).engine.quantize == "int4"
     for block, message in [
         ({}, "ckpt_dir"),
         ({"ckpt_dir": "c", "max_seqlen": 5}, "unknown key"),
@@ -175,6 +176,8 @@ def test_settings_reject_typos_and_bad_values(tmp_path: Path) -> None:
         ({"ckpt_dir": "c", "kv_block_size": 8}, "handler.kv_block_size must be an integer >= 16"),
         ({"ckpt_dir": "c", "kv_cache_memory_gb": -1}, "handler.kv_cache_memory_gb"),
         ({"ckpt_dir": "c", "prefix_caching": "yes"}, "handler.prefix_caching must be true or false"),
+        ({"ckpt_dir": "c", "quantize": "int3"}, "handler.quantize"),
+        ({"ckpt_dir": "c", "quantize": "int8", "mode": "fsdp"}, "needs mode 'tp'"),
     ]:
         with pytest.raises(ValueError, match=message):
             settings_from_yaml(block)
