@@ -93,9 +93,13 @@ def reference_of(args: ModelArgs, state: dict) -> ReferenceModel:
 
 def dequantized(state: dict, bits: int, dtype: str) -> dict:
     """The weights an engine in `dtype` quantizes its matmuls' to stand for, in float64 (one rank: each
-    weight quantized whole)."""
-    return {key: dequantize(quantize(value.to(getattr(torch, dtype)), bits)) if key.split(".")[-2] in MATMULS
-            else value.double() for key, value in state.items()}
+    weight quantized whole; int4 keeps the output layer in int8)."""
+    def stands_for(key: str, value: torch.Tensor) -> torch.Tensor:
+        if key.split(".")[-2] not in MATMULS:
+            return value.double()
+        return dequantize(quantize(value.to(getattr(torch, dtype)), 8 if key == "output.weight" else bits))
+
+    return {key: stands_for(key, value) for key, value in state.items()}
 
 
 def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,

@@ -92,7 +92,8 @@ def reference_weights(ckpt, family: str, tp: int, bits: int) -> tuple[ReferenceM
             continue
         dim = shard_dim(key, family) if tp > 1 else None
         parts = value.float().chunk(tp, dim) if dim is not None else [value.float()]
-        weights[key] = torch.cat([dequantize_groups(quantize_groups(part, bits)) for part in parts], dim=dim or 0)
+        part_bits = 8 if key == "output.weight" else bits  # int4 keeps the output layer in int8
+        weights[key] = torch.cat([dequantize_groups(quantize_groups(part, part_bits)) for part in parts], dim=dim or 0)
     return ReferenceModel(cfg, weights, matmul_input=int8_rows), tokenizer
 
 

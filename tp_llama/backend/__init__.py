@@ -22,6 +22,9 @@ from tp_llama.model import Transformer
 from tp_llama.parallel.modules import LocalLinear
 
 
+OUTPUT_BITS = {4: 8}  # the output layer's bits for the blocks' bits, where they differ
+
+
 @dataclass(frozen=True)
 class Preparation:
     """How this process prepares a model for serving: the kind of matmul (kernels.choose), why not a
@@ -51,13 +54,16 @@ class Preparation:
         self.top(model)
 
     def top(self, model: Transformer) -> None:
-        """The output layer and the model-wide modules, after every block."""
-        if self.bits != 16:
+        """The output layer and the model-wide modules, after every block. With int4 the output layer
+        takes int8, as llama.cpp's 4-bit types keep theirs at 6 to 8 bits: every token's logits pass
+        through it, and at 4 bits it cost the most perplexity of any layer (bench/quality/ours_ppl.py)."""
+        bits = OUTPUT_BITS.get(self.bits, self.bits)
+        if bits != 16:
             check_groups("output", model.output.weight)
         if self.kind in ("amx", "tiles"):
-            cpu.apply_top(model, self.kind, self.bits)
+            cpu.apply_top(model, self.kind, bits)
         else:
-            fused.apply_top(model, self.kind, self.device, self.bits)
+            fused.apply_top(model, self.kind, self.device, bits)
 
 
 def plan(device: torch.device, dtype: torch.dtype, traced: bool = False, quantized: str = "none") -> Preparation:
