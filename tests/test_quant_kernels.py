@@ -24,14 +24,20 @@ pytestmark = pytest.mark.skipif(load()[0] is None, reason="no C kernels on this 
 
 
 def test_c_int8_groups_are_symmetric_with_an_fp16_scale():
+    """Without refits a group's scale is its max |w| / 127; the least-squares refits only lower its error."""
     w = weight(40, 96)
-    q, scales = quantize_groups(w, 8)
+    q, scales = quantize_groups(w, 8, refits=0)
     step = (groups_of(w).abs().amax(-1) / 127).half()
     assert torch.equal(scales, step), "each group's scale: its max |w| / 127 in fp16"
     expected = (groups_of(w) / step.float()[..., None]).round().clamp(-127, 127)
     assert torch.equal(groups_of(q).float(), expected)
     error = (dequantize_groups((q, scales)) - w.double()).abs()
     assert (groups_of(error) <= step.double()[..., None] * (0.5 + 2**-10)).all()
+    refit = quantize_groups(w, 8)
+    assert refit[0].abs().max() <= 127
+    plain = groups_of(error**2).sum(-1)
+    fitted = groups_of((dequantize_groups(refit) - w.double()) ** 2).sum(-1)
+    assert (fitted <= plain * (1 + 1e-9)).all() and (fitted < plain * 0.999).any()
 
 
 def test_c_int4_groups_fit_at_least_as_well_as_their_range():

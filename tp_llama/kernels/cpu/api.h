@@ -106,7 +106,7 @@ int64_t quant_scratch_bytes(int64_t M, int64_t K);
 void pack_quant_tiles(const void *q, const void *scales, const void *mins, int64_t N, int64_t K, int bits, void *out);
 int64_t quant_block_bytes(int bits);
 /* w [N][K] float32 or bfloat16 (bf16) quantized per group of QBLOCK along k into q [N][K] and fp16
- * scales [N][K / QBLOCK]: int8 symmetric; int4 with minimums too, the scale and minimum refit by
+ * scales [N][K / QBLOCK]: int8 symmetric; int4 with minimums too; the scale (and minimum) refit by
  * least squares up to `refits` times where that lowers the group's error. */
 void quantize_groups(const void *w, int64_t N, int64_t K, int bf16, int bits, int refits, void *q, void *scales,
                      void *mins);

@@ -16,7 +16,7 @@ from tp_llama.kernels.cpu.ffi import library
 from tp_llama.pages import huge_empty
 
 ROWS_AT_ONCE = 4096  # rows quantized and packed at a time (a multiple of TILE_COLS)
-INT4_REFITS = 4  # least-squares rounds for each int4 group's scale and minimum (see quantize_groups)
+REFITS = 4  # least-squares rounds for each group's scale (and int4's minimum; see quantize_groups)
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def group_size() -> int:
     return library().constants["QBLOCK"]
 
 
-def quantize_groups(weight: torch.Tensor, bits: int, refits: int = INT4_REFITS) -> tuple[torch.Tensor, ...]:
+def quantize_groups(weight: torch.Tensor, bits: int, refits: int = REFITS) -> tuple[torch.Tensor, ...]:
     """(q [out, in] int8 (int4: values 0..15), scales [out, in / QBLOCK] float16, and for int4 the
     minimums alike): w = q * scale (+ minimum). The weight must be float32 or bfloat16, its k a
     multiple of QBLOCK."""

@@ -280,15 +280,35 @@ static void group4(const vec x[2], int refits, int8_t *out, uint16_t *scale, uin
     *low = _cvtss_sh(m, _MM_FROUND_TO_NEAREST_INT);
 }
 
-/* A group of int8: symmetric, its scale max |x| / 127 as fp16 holds it. */
-static void group8(const vec x[2], int8_t *out, uint16_t *scale) {
+/* A group's int8 values (two vectors of whole numbers) for scale d as fp16 holds it; its squared error. */
+static float fit8(const vec x[2], float d, vec q[2]) {
+    vec step = vset1(d), error = vzero();
+    for (int h = 0; h < 2; h++) {
+        vec v = d > 0 ? vround(vdiv(x[h], step)) : vzero();
+        q[h] = vmin(vset1(127.0f), vmax(vset1(-127.0f), v));
+        vec e = vsub(vmul(q[h], step), x[h]);
+        error = vfmadd(e, e, error);
+    }
+    return vsum(error);
+}
+
+/* A group of int8: symmetric, its scale max |x| / 127 as fp16 holds it, then `refits` rounds of the
+ * least-squares scale for the values chosen, each kept only where it lowers the group's error. */
+static void group8(const vec x[2], int refits, int8_t *out, uint16_t *scale) {
     vec high = vmax(vmax(x[0], vsub(vzero(), x[0])), vmax(x[1], vsub(vzero(), x[1])));
     float d = to_half(vhighest(high) / 127);
-    int32_t values[QBLOCK];
-    for (int h = 0; h < 2; h++) {
-        vec v = d > 0 ? vround(vdiv(x[h], vset1(d))) : vzero();
-        vstore_int(values + 16 * h, 0xFFFF, vmin(vset1(127.0f), vmax(vset1(-127.0f), v)));
+    vec q[2], trial[2];
+    float best = fit8(x, d, q);
+    for (int round = 0; round < refits; round++) {
+        float qq = vsum(vfmadd(q[0], q[0], vmul(q[1], q[1]))), qx = vsum(vfmadd(q[0], x[0], vmul(q[1], x[1])));
+        if (!(qq > 0)) break;
+        float d2 = to_half(qx / qq), error = fit8(x, d2, trial);
+        if (!(d2 > 0) || error >= best) break;
+        best = error, d = d2, q[0] = trial[0], q[1] = trial[1];
     }
+    int32_t values[QBLOCK];
+    vstore_int(values, 0xFFFF, q[0]);
+    vstore_int(values + 16, 0xFFFF, q[1]);
     for (int i = 0; i < QBLOCK; i++) out[i] = (int8_t)values[i];
     *scale = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
 }
@@ -304,7 +324,7 @@ void quantize_groups(const void *w, int64_t N, int64_t K, int bf16, int bits, in
             int8_t *group = (int8_t *)q + at;
             uint16_t *scale = (uint16_t *)scales + n * blocks + b;
             if (bits == 8)
-                group8(x, group, scale);
+                group8(x, refits, group, scale);
             else
                 group4(x, refits, group, scale, (uint16_t *)mins + n * blocks + b);
         }
