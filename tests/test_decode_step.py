@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from tests.support.cli_util import launch_cli
 from tests.support.run_model import BLOCK, setup_slots, slot_batch, slot_blocks
-from tp_llama.backend import fused
+from tp_llama.backend import Preparation
 from tp_llama.config import EngineConfig
 from tp_llama.engine.runner import compiles_decode
 from tp_llama.engine.decode_step import DecodeStep, bucket_sizes
@@ -40,7 +40,7 @@ def served_model(device: str) -> Transformer:
     model = Transformer(args).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.2)
-    fused.apply(model, "plain")
+    Preparation("plain", "", 16, torch.device(device)).apply(model)
     model.to(device)
     setup_slots(model, MAX_ROWS, MAX_SEQ, torch.float32, torch.device(device))
     gen = torch.Generator().manual_seed(1)
