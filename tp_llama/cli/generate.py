@@ -11,6 +11,7 @@ import argparse
 import json
 import resource
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -126,16 +127,21 @@ def run(a: argparse.Namespace) -> None:
         print(json.dumps(output), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+def on_every_rank(run: Callable[[argparse.Namespace], None], a: argparse.Namespace) -> int:
+    """run(a) on this rank: an error is logged as one line, not a traceback, and every rank leaves the
+    process group either way; the exit status, 0 or 2."""
     error = None
     try:
         run(a)
-    except (CheckpointError, ValueError, RuntimeError) as exc:
+    except (CheckpointError, ValueError, RuntimeError, OSError) as exc:
         log(f"error: {exc}")
         error = exc
     leave_group(error)
     return 0 if error is None else 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return on_every_rank(run, parse_args(argv))
 
 
 if __name__ == "__main__":

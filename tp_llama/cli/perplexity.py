@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tp_llama.cli.generate import SERVER
+from tp_llama.cli.generate import SERVER, on_every_rank
 from tp_llama.config import DEVICES, DTYPES, MODES, EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
-from tp_llama.errors import CheckpointError
 from tp_llama.kernels.quant import QUANTIZE
-from tp_llama.parallel.distributed import leave_group, log
+from tp_llama.parallel.distributed import log
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_SLOTS = 4  # chunks running at once: a step's rows come from several chunks when --prefill-budget allows
@@ -198,15 +197,7 @@ def run(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    error = None
-    try:
-        run(a)
-    except (CheckpointError, ValueError, RuntimeError, OSError) as exc:
-        log(f"error: {exc}")
-        error = exc
-    leave_group(error)
-    return 0 if error is None else 2
+    return on_every_rank(run, parse_args(argv))
 
 
 if __name__ == "__main__":
