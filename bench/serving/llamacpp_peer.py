@@ -28,9 +28,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +36,7 @@ from bench.lib import llamacpp
 from bench.lib.checkpoint import PRESETS, ensure_checkpoint
 from bench.lib.common import OUT, last_json, run_module
 from bench.lib.generation import common_prefix, prompt_text
+from bench.serving.peer_process import PeerProcess
 
 GGUF_HOME = OUT / "gguf"
 # Server name suffix -> llama-quantize's type (f32: the converted file itself).
@@ -82,67 +80,19 @@ def gguf_for(ckpt: Path, kind: str, threads: int = 2) -> Path:
 
 # ---------------------------------------------------------------------------- server
 
-class LlamaServer:
+class LlamaServer(PeerProcess):
     """One llama-server on loopback; use as a context manager."""
+
+    name = "llama-server"
 
     def __init__(self, gguf: Path, port: int, workdir: Path, slots: int, ctx: int, threads: int = 2,
                  extra_args: list[str] | None = None) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.log_path = workdir / "llama-server.log"
+        super().__init__(port, workdir, "llama-server.log")
         self.command = [
             str(llamacpp.program("llama-server")), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
             "-np", str(slots), "-c", str(slots * ctx), "--cont-batching", "--no-cache-prompt", "--cache-ram", "0",
             "--host", "127.0.0.1", "--port", str(port), *(extra_args or []),
         ]
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> LlamaServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            log.write((" ".join(self.command) + "\n").encode())
-            log.flush()
-            self.process = subprocess.Popen(self.command, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until GET /health answers 200 (503 while the model loads and warms up)."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode}\n{self.log_tail()}")
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-            try:
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return time.monotonic() - started
-            except OSError:
-                pass
-            finally:
-                conn.close()
-            time.sleep(0.5)
-        raise TimeoutError(f"llama-server not ready after {timeout} s\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM to the server's own process group, SIGKILL at the deadline."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        return self.process.returncode
 
 
 # ---------------------------------------------------------------------------- clients

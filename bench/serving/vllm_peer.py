@@ -16,17 +16,15 @@ Two halves, for two interpreters:
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench.lib.common import OUT, REPO
 from bench.serving.clients import openai_stream
+from bench.serving.peer_process import PeerProcess
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", OUT / "vllm-venv"))
 SERVED_NAME = "bench"
@@ -89,15 +87,16 @@ def preloads(venv: Path = VLLM_VENV) -> str:
     return f"{tcmalloc}:{iomp}"
 
 
-class VLLMServer:
+class VLLMServer(PeerProcess):
     """One vLLM OpenAI-compatible server on loopback; use as a context manager."""
+
+    name = "vLLM"
+    poll_s = 1.0  # it compiles the model first: about a minute here
 
     def __init__(self, hf_dir: Path, port: int, workdir: Path, dtype: str, max_model_len: int,
                  cores: str = "0-1", kv_gib: int = 1, extra_args: list[str] | None = None,
                  venv: Path = VLLM_VENV, prefix_caching: bool = False) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.log_path = workdir / "vllm.log"
+        super().__init__(port, workdir, "vllm.log")
         self.command = [
             str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(hf_dir), "--served-model-name", SERVED_NAME,
@@ -109,57 +108,10 @@ class VLLMServer:
         self.env = dict(os.environ, LD_PRELOAD=preloads(venv), VLLM_CPU_OMP_THREADS_BIND=cores,
                         VLLM_CPU_KVCACHE_SPACE=str(kv_gib), TMPDIR=str(workdir / "tmp"))
         self.env.pop("PYTHONPATH", None)
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> VLLMServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.command, cwd=self.workdir, env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until GET /health answers 200 (vLLM compiles the model first: about a minute here)."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.process.returncode}\n{self.log_tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return time.monotonic() - started
-            except OSError:
-                pass
-            finally:
-                conn.close()
-            time.sleep(1.0)
-        raise TimeoutError(f"vLLM not ready after {timeout} s\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM to the server's own process group (its engine core is a child), SIGKILL at the deadline."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        pgid = self.process.pid  # start_new_session: the group is the server's own
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait()
-        try:  # children that outlived the parent
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return self.process.returncode
+        super().start()
 
 
 def vllm_stream(port: int, prompt_ids: list[int], max_tokens: int, timeout: float = 600,
