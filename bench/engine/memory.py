@@ -21,11 +21,9 @@ import subprocess
 import sys
 
 from bench.lib.checkpoint import PRESETS, ensure_checkpoint
-from bench.lib.common import REPO, table, write_json
+from bench.lib.common import REPO, WEIGHT_BITS, table, write_json
 from tp_llama.checkpoint.params import read_params
 from tp_llama.parallel.layout import full_shapes
-
-BITS = {"none": 16, "int8": 8.5, "int4": 5.0}  # a matmul weight's bits, scales included (docs/checkpoints.md)
 
 WORKER = """
 import json, sys
@@ -63,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     for quantize in a.quantize:
         model, twin = measure(str(full), quantize, a.kv_gb), measure(str(empty), quantize, a.kv_gb)
         layers_mb = model["rss_mb"] - twin["rss_mb"]
-        expected_mb = layer_weights * BITS[quantize] / 8 / 2**20
+        expected_mb = layer_weights * WEIGHT_BITS[quantize] / 8 / 2**20
         results.append({"quantize": quantize, "model": model, "one_layer": twin, "layers_mb": layers_mb,
                         "expected_layers_mb": expected_mb, "largest_16bit_tensor_mb": largest_mb})
         rows.append([quantize, f"{model['rss_mb']:.0f}", f"{twin['rss_mb']:.0f}", f"{layers_mb:.0f}",

