@@ -24,12 +24,16 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.plan import Row
 from tp_llama.engine.sampling import SamplingParams, TokenLogprobs, check_params
+
+if TYPE_CHECKING:
+    from tp_llama.engine.constraint import Constraint
 
 
 @dataclass(eq=False)
@@ -54,6 +58,7 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     reported: int = 0  # output tokens already handed to the client
+    constraint: Constraint | None = None  # a structured output's grammar state (rank 0; engine/constraint.py)
 
     @property
     def finished(self) -> bool:
