@@ -105,6 +105,11 @@ class Tokenizer(abc.ABC):
         """Id -> name of the tokens the tokenizer adds around text (BOS, EOS, chat markers)."""
         return {}
 
+    @abc.abstractmethod
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes as it adds them to decoded text; control tokens are b"\\xff" + their name,
+        the marking grammar engines (llguidance) read as "never part of text"."""
+
     def decode(self, ids: list[int]) -> str:
         """Decode ``ids``; an id outside the vocabulary is a caller bug, so it raises."""
         ids = [int(i) for i in ids]
@@ -134,6 +139,18 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _decode_ids(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
+
+    def token_bytes(self) -> list[bytes]:
+        sp, pieces = self._sp, []
+        for i in range(self.n_words):
+            piece = sp.id_to_piece(i)
+            if sp.is_byte(i):  # byte fallback: <0xAB>
+                pieces.append(bytes([int(piece[3:5], 16)]))
+            elif sp.is_control(i) or sp.is_unknown(i):
+                pieces.append(b"\xff" + piece.encode("utf-8"))
+            else:
+                pieces.append(piece.replace("\u2581", " ").encode("utf-8"))
+        return pieces
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Llama 2 [INST] format: the system prompt joins the first user turn."""
@@ -190,6 +207,11 @@ class TiktokenTokenizer(Tokenizer):
 
     def _decode_ids(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
+
+    def token_bytes(self) -> list[bytes]:
+        n_base = self.n_words - LLAMA3_NUM_SPECIAL
+        pieces = [self._enc.decode_single_token_bytes(i) for i in range(n_base)]
+        return pieces + [b"\xff" + name.encode("ascii") for name in LLAMA3_SPECIAL_TOKENS]
 
     def special_names(self) -> dict[int, str]:
         return {i: name for name, i in self.special_ids.items()}

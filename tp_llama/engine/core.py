@@ -67,6 +67,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         self._last_step_s = 0.0
+        self._masks = None  # rank 0's grammar-mask worker, made with the first constrained row
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -139,6 +140,9 @@ class Engine:
             picked, logprobs, scores = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
             touched = scheduler.commit(scheduled, picked, logprobs, scores)
+            for seq in touched:
+                if seq.constraint is not None and seq.constraint.failed:
+                    scheduler.cancel(seq, "error")
             if on_step is not None:
                 on_step(touched)
             if end:
@@ -176,13 +180,19 @@ class Engine:
         """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row
         (with its log-probabilities where the sequence asks), and each row's prompt log-probabilities."""
         started = time.perf_counter()
+        sampling = [seq for row, seq in zip(scheduled.rows, scheduled.sequences) if row.sample]
+        constrained = [r for r, seq in enumerate(sampling) if seq.constraint is not None]
+        masks = self._start_masks(sampling) if constrained else None
         _, logits, scores = self.runner.run(StepPlan(scheduled.rows, end))
         if logits is not None and logits.shape[-1] > self.tokenizer.n_words:
             # An embedding padded past the tokenizer: its extra rows were never trained and no id past
             # the tokenizer's can be decoded, so none is picked.
             logits = logits[:, : self.tokenizer.n_words].contiguous()
-        sampling = [seq for row, seq in zip(scheduled.rows, scheduled.sequences) if row.sample]
-        picked, logprobs = sample_rows(logits, sampling) if logits is not None else ([], [])
+        picked, logprobs = [], []
+        if logits is not None:
+            allowed = masks.result() if masks is not None else None
+            picked, logprobs = sample_rows(logits, sampling, allowed, constrained)
+            self._advance_constraints(sampling, constrained, picked)
         seconds = time.perf_counter() - started
         if scheduled.prompt_tokens:
             self.stats.prefill_tokens += scheduled.prompt_tokens
@@ -191,3 +201,21 @@ class Engine:
             self.stats.decode_tokens += len(scheduled.rows)
             self.stats.decode_s += seconds
         return picked, logprobs, scores
+
+    def _start_masks(self, sampling: list[Sequence]):
+        """The grammar masks of the step's constrained rows, computed while the forward runs."""
+        if self._masks is None:
+            from tp_llama.engine.constraint import Masks  # llguidance only where a grammar is used
+
+            self._masks = Masks()
+        return self._masks.start([seq.constraint for seq in sampling], self.tokenizer.n_words)
+
+    def _advance_constraints(self, sampling: list[Sequence], constrained: list[int], picked: list[int]) -> None:
+        """Each constrained row's grammar takes its picked token; a grammar that fails (a limit hit while
+        computing its mask) ends its sequence, logged, as "error"."""
+        for r in constrained:
+            seq = sampling[r]
+            if seq.finished or picked[r] in self.tokenizer.stop_ids:
+                continue
+            if not seq.constraint.advance(picked[r]):
+                log(f"sequence {seq.id}: its grammar failed: {seq.constraint.error}", self.rank)

@@ -10,8 +10,10 @@ inverse CDF in token order with one uniform from the row's own generator: a seed
 consumes one number of its stream per step, whatever runs beside it. Every filter is a threshold
 on the logit, found without sorting the vocabulary: by tp_llama's C kernel on CPUs that have it
 (kernels/cpu/sample.c), elsewhere by bisection over the logits' sortable bits, which needs no
-host sync. Log-probabilities are those of the model's own distribution (log_softmax of the raw
-logits, before penalties and temperature), as vLLM returns by default.
+host sync. A row under a structured output's grammar first has every token its grammar refuses set
+to -inf (engine/constraint.py). Log-probabilities are those of the model's own distribution
+(log_softmax of the raw logits, before penalties, grammar masks and temperature), as vLLM returns by
+default.
 """
 
 from __future__ import annotations
@@ -79,13 +81,18 @@ def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
 
 
-def sample_rows(logits: torch.Tensor, rows: list[History]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row of logits [R, V] (float32), and its log-probabilities where the row asks."""
+def sample_rows(logits: torch.Tensor, rows: list[History], allowed: torch.Tensor | None = None,
+                constrained: list[int] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of logits [R, V] (float32), and its log-probabilities where the row asks;
+    the rows listed in `constrained` take only the tokens their bits in `allowed` (a bitmask
+    [R, ceil(V / 32)] int32) permit."""
     if not rows:
         return [], []
     raw = logits
     if any(row.params.penalized for row in rows):
         logits = (_penalize_in_c if in_c(logits) else penalize)(logits, rows)
+    if constrained:
+        logits = apply_masks(logits, allowed, list(constrained))
     picked = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
     greedy = [r for r, row in enumerate(rows) if row.params.temperature == 0]
     sampled = [r for r, row in enumerate(rows) if row.params.temperature > 0]
@@ -99,6 +106,16 @@ def sample_rows(logits: torch.Tensor, rows: list[History]) -> tuple[list[int], l
         picked[sampled] = draw(logits, sampled, params, uniforms)
     tokens = picked.tolist()
     return tokens, _logprobs(raw, rows, tokens)
+
+
+def apply_masks(logits: torch.Tensor, bits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of logits [R, V] whose listed rows hold -inf wherever their bitmask's bit is clear."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits[rows].unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
+    masked = logits.clone()
+    at = torch.tensor(rows, device=logits.device)
+    masked[at] = torch.where(allowed.to(logits.device), logits[at], float("-inf"))
+    return masked
 
 
 def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
