@@ -25,10 +25,12 @@ from typing import Any, NoReturn
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
+from tp_llama.engine.constraint import grammar_tokenizer
 from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Scheduler, Sequence
 from tp_llama.parallel.distributed import exit_now
+from tp_llama.serving.grammars import COMPILE_LIMIT_S, GrammarCompiler, Pending
 from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.native import NativeRequest, parse_request
 from tp_llama.serving.openai_api import MODELS, PATHS, error_body, models_list, parse_openai
@@ -66,6 +68,8 @@ class LlamaHandler(BaseHandler):
         self.response_timeout_s = float("inf")
         self.model_name = "llama"
         self.metrics: ServingMetrics | None = None
+        self.grammars: GrammarCompiler | None = None
+        self.compiling: dict[str, tuple[Pending, str]] = {}  # request id -> its grammar, its front door
 
     def initialize(self, context: Any) -> None:
         """Read the yaml handler block and load the checkpoint on this rank (joins the process group)."""
@@ -89,6 +93,7 @@ class LlamaHandler(BaseHandler):
             self.model_name = getattr(context, "model_name", None) or self.model_name
             self.metrics = ServingMetrics(getattr(context, "metrics", None), self.model_name,
                                           self.scheduler.pool.n_blocks)
+            self.grammars = GrammarCompiler(grammar_tokenizer(self.engine.tokenizer))
         logger.info(
             "rank %d/%d ready on %s (%d threads): %s (%s tokenizer, mode=%s, %s, up to %d sequences) loaded in %.2f s",
             self.engine.rank, self.engine.world_size, self.engine.device, torch.get_num_threads(), ckpt_dir,
@@ -110,12 +115,16 @@ class LlamaHandler(BaseHandler):
         answered_before = {rid for rid in ids if rid in self.live}
         self._cancel_absent(set(ids))
         answers = self._admit(data, ids)
+        self._settle_grammars(answers)
         self._expire()
         try:
-            self.engine.run(self.scheduler, self._call_budget_s(), until_finished=True,
-                            on_step=lambda _: self._after_step())
+            # A grammar still compiling is answered in this call (a refusal must be a 400): the running
+            # sequences go on stepping meanwhile, and the call ends once every grammar is settled.
+            self.engine.run(self.scheduler, COMPILE_LIMIT_S if self.compiling else self._call_budget_s(),
+                            until_finished=not self.compiling, on_step=lambda _: self._after_step())
         except Exception as exc:
             _stop_worker(self.engine.rank, exc)
+        self._settle_grammars(answers, wait=True)
         replies = [self._reply(idx, rid, answers.get(rid)) for idx, rid in enumerate(ids)]
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
         self._update_metrics()
@@ -133,9 +142,10 @@ class LlamaHandler(BaseHandler):
             return 0.0
         return self.settings.decode_call_ms / 1000
 
-    def _after_step(self) -> None:
+    def _after_step(self) -> bool:
         """Per live request: its first-token time, and the newly shown text of this step. A stop string
-        ends its sequence here, between steps, through the scheduler."""
+        ends its sequence here, between steps, through the scheduler. True: end the call now (the
+        grammars this call waits for are settled)."""
         for live in self.live.values():
             if not live.first_token_seen:
                 first = next((seq for seq in live.seqs if seq.first_token_at is not None), None)
@@ -145,6 +155,29 @@ class LlamaHandler(BaseHandler):
                         self.metrics.first_token(first)
             for seq in live.api.advance():
                 self.scheduler.cancel(seq, "stop")
+        return bool(self.compiling) and all(pending.ready for pending, _ in self.compiling.values())
+
+    def _settle_grammars(self, answers: dict[str, tuple[str, Any]], wait: bool = False) -> None:
+        """Requests whose grammar is compiled join the queue, each sequence with its own matcher; a refused
+        grammar is the request's answer (wait: block until every grammar is settled, at most the limit)."""
+        for rid, (pending, door) in list(self.compiling.items()):
+            if wait and not pending.ready:
+                try:
+                    pending.future.result(timeout=max(0.0, pending.started + COMPILE_LIMIT_S - time.perf_counter()))
+                except Exception:  # a refusal is read below, as pending.result()
+                    pass
+            if not pending.ready:
+                continue
+            del self.compiling[rid]
+            live = self.live[rid]
+            try:
+                constraint = pending.result()
+                for i, seq in enumerate(live.seqs):
+                    seq.constraint = constraint if i == 0 else constraint.fork()
+                self._add(live.seqs)
+            except RequestError as exc:
+                del self.live[rid]
+                answers[rid] = (door, exc)
 
     def _update_metrics(self) -> None:
         if self.metrics is None:
@@ -176,6 +209,7 @@ class LlamaHandler(BaseHandler):
         """TorchServe drops a job whose client closed its connection: its absence is the signal."""
         for rid in [rid for rid in self.live if rid not in present]:
             live = self.live.pop(rid)
+            self.compiling.pop(rid, None)
             for seq in live.seqs:
                 self.scheduler.cancel(seq)
             self._log_end(rid, live, "cancelled: the client disconnected")
@@ -221,7 +255,10 @@ class LlamaHandler(BaseHandler):
                     api = NativeRequest(parse_request(request, self.settings, tokenizer, self.engine.args.vocab_size),
                                         tokenizer.decode)
                 seqs = api.sequences(rid)
-                self._add(seqs)
+                if api.job.grammar is not None:
+                    self.compiling[rid] = (self.grammars.submit(api.job.grammar), "openai" if openai else "native")
+                else:
+                    self._add(seqs)
             except RequestError as exc:
                 answers[rid] = ("openai" if openai else "native", exc)
                 continue

@@ -124,9 +124,10 @@ class Engine:
         return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool)
 
     def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
-            on_step: Callable[[list[Sequence]], None] | None = None) -> None:
+            on_step: Callable[[list[Sequence]], bool | None] | None = None) -> None:
         """Rank 0: steps until the scheduler has no work left, until one more step would pass
-        `budget_s`, or (until_finished) until a sequence finishes; the other ranks follow.
+        `budget_s`, (until_finished) until a sequence finishes, or until `on_step` returns True; the
+        other ranks follow.
 
         The last plan sent has `end` set, so no other rank is left waiting for a plan.
         """
@@ -143,8 +144,9 @@ class Engine:
             for seq in touched:
                 if seq.constraint is not None and seq.constraint.failed:
                     scheduler.cancel(seq, "error")
-            if on_step is not None:
-                on_step(touched)
+            if on_step is not None and on_step(touched) and not end:
+                self.release()
+                return
             if end:
                 return
             if not scheduler.has_work() or (until_finished and any(seq.finished for seq in touched)):

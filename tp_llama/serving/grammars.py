@@ -20,23 +20,13 @@ from typing import Any
 import llguidance
 
 from tp_llama.engine.constraint import Constraint, parser_limits
-from tp_llama.serving.request import RequestError
+from tp_llama.serving.request import GrammarSpec, RequestError
 
 COMPILE_LIMIT_S = 1.0
 CACHED_GRAMMARS = 256
 # Replies are compact JSON with readable separators: free whitespace lets a model pad a reply
 # without end (vLLM's disable_any_whitespace exists for this).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """A request's constraint: kind "json" (a JSON schema), "regex", "choice" or "grammar" (GBNF or
-    Lark); `text` is its canonical text (the cache key); `param` the request field it came from."""
-
-    kind: str
-    text: str
-    param: str
 
 
 def llguidance_grammar(spec: GrammarSpec) -> str:

@@ -31,10 +31,12 @@ from tp_llama.serving.request import (
     text_prompt_ids,
 )
 from tp_llama.serving.settings import HandlerSettings
+from tp_llama.serving.structured import constrained_reply
 from tp_llama.serving.stream import StreamDecoder
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-          "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream", "cache_salt")
+          "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream", "cache_salt",
+          "response_format", "structured_outputs")
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 
@@ -58,9 +60,10 @@ def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer:
     prompt_ids = _prompt_ids(body, tokenizer)
     max_new_tokens = fit_max_new_tokens(integer_field(body, "max_new_tokens"), "max_new_tokens",
                                         len(prompt_ids), settings)
-    params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"),
-                             boolean_field(body, "ignore_eos"))
-    return Job(prompt_ids, params, boolean_field(body, "stream"), cache_salt_field(body))
+    ignore_eos = boolean_field(body, "ignore_eos")
+    params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"), ignore_eos)
+    return Job(prompt_ids, params, boolean_field(body, "stream"), cache_salt_field(body),
+               constrained_reply(body, ignore_eos))
 
 
 class NativeRequest:

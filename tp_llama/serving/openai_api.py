@@ -33,6 +33,7 @@ from tp_llama.serving.request import (
     type_name,
 )
 from tp_llama.serving.settings import HandlerSettings
+from tp_llama.serving.structured import constrained_reply
 
 MODELS = "v1/models"
 PATHS = (COMPLETIONS, CHAT)
@@ -68,7 +69,6 @@ _DEFAULT_ONLY = {
         "functions": (_null_or([]), "functions are not supported"),
         "function_call": (_null_or("none"), "function_call is not supported"),
         "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "parallel_tool_calls must be a boolean"),
-        "response_format": (_null_or({"type": "text"}), "response_format other than {\"type\": \"text\"} is not supported"),
         "store": (_null_or(False), "store is not supported"),
     },
 }
@@ -80,7 +80,7 @@ _HONOURED = {
 # which its clients send.
 _COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
            "frequency_penalty", "presence_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "cache_salt",
-           "return_token_ids"}
+           "return_token_ids", "response_format", "structured_outputs"}
 
 
 def error_body(error: RequestError) -> dict[str, Any]:
@@ -273,7 +273,7 @@ def parse_openai(
     params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs, ignore_eos)
     if echo:
         params = replace(params, prompt_logprobs=logprobs)
-    job = Job(prompts[0], params, stream, cache_salt_field(body))
+    job = Job(prompts[0], params, stream, cache_salt_field(body), constrained_reply(body, ignore_eos))
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created,

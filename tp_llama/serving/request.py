@@ -38,6 +38,16 @@ class ChatTokenizer(Protocol):
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A structured output: kind "json" (a JSON schema), "regex", "choice" or "grammar" (GBNF or Lark);
+    `text` is its canonical text (the compiled-grammar cache's key); `param` the request field it came from."""
+
+    kind: str
+    text: str
+    param: str
+
+
+@dataclass(frozen=True)
 class Job:
     """A validated request: what the engine needs plus how to answer."""
 
@@ -45,6 +55,7 @@ class Job:
     params: SamplingParams
     stream: bool
     cache_salt: str | None = None  # the prefix cache is shared only between requests of the same salt
+    grammar: GrammarSpec | None = None  # the reply's constraint (serving/grammars.py compiles it)
 
 
 class FrontDoor(Protocol):

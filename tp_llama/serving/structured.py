@@ -15,14 +15,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tp_llama.serving.grammars import GrammarSpec
-from tp_llama.serving.request import RequestError, type_name
+from tp_llama.serving.request import GrammarSpec, RequestError, type_name
 
 MAX_CHOICES = 1024
 MAX_GRAMMAR_CHARS = 100_000
 _ANY_OBJECT = json.dumps({"type": "object"})
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _OPTIONS = {"disable_any_whitespace", "disable_fallback"}
+
+
+def constrained_reply(body: dict[str, Any], ignore_eos: bool) -> GrammarSpec | None:
+    """grammar_spec, refusing ignore_eos beside it (a grammar ends a reply with the end-of-sequence token)."""
+    spec = grammar_spec(body)
+    if spec is not None and ignore_eos:
+        raise RequestError(f"ignore_eos cannot be combined with {spec.param}: the grammar ends the reply with "
+                           "the end-of-sequence token", param="ignore_eos")
+    return spec
 
 
 def grammar_spec(body: dict[str, Any]) -> GrammarSpec | None:
