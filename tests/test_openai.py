@@ -14,13 +14,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import pytest
+import re
 import torch
 
 openai = pytest.importorskip("openai")
 
 
-from tests.support.hostile_corpus import hostile_corpus
+from tests.support.hostile_corpus import hostile_corpus, hostile_grammars
 from tests.support.reference import ReferenceModel
 from tests.support.serving_util import TorchServe
 
@@ -288,3 +290,62 @@ def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: Torc
     assert len(statuses) == len(jobs) >= 1000
     assert beside and all(text == alone.choices[0].text for text in beside)
     assert client.completions.create(**long).choices[0].text == alone.choices[0].text
+
+
+KEEPER = {"type": "object", "additionalProperties": False, "required": ["name", "watch"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "watch": {"enum": ["dawn", "dusk"]},
+                         "years": {"type": "integer", "minimum": 1, "maximum": 40}}}
+
+
+def test_structured_outputs_through_the_official_client(client) -> None:
+    """response_format json_schema (chat), vLLM's structured_outputs regex and choice (completions, streamed)
+    on random weights: every reply is what its constraint allows, and ends."""
+    for seed in range(3):
+        got = client.chat.completions.create(
+            model="llama", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "keeper", "schema": KEEPER, "strict": True}})
+        assert got.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(got.choices[0].message.content), KEEPER)
+    chunks = client.completions.create(model="llama", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=7,
+                                       stream=True, extra_body={"structured_outputs": {"regex": "[A-Z][a-z]{2,6}-[0-9]{3}"}})
+    chunks = list(chunks)
+    assert re.fullmatch("[A-Z][a-z]{2,6}-[0-9]{3}", "".join(c.choices[0].text for c in chunks if c.choices))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    picked = client.completions.create(model="llama", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=8,
+                                       extra_body={"structured_outputs": {"choice": ["port", "starboard"]}})
+    assert picked.choices[0].text in ("port", "starboard")
+
+
+def test_hostile_grammars_are_refused_in_bounded_time_beside_a_running_batch(server: TorchServe, client) -> None:
+    """Each grammar that cannot be enforced is a 400 within the compile limit and a little, on both paths,
+    while long greedy requests run beside them and end exactly as they do alone; pathological but valid
+    ones are served."""
+    long = {"model": "llama", "prompt": PROMPT, "max_tokens": NEW_TOKENS_LIMIT, "temperature": 0}
+    alone = client.completions.create(**long).choices[0].text
+    stop, beside = threading.Event(), []
+
+    def keep_running() -> None:
+        while not stop.is_set():
+            beside.append("".join(c.choices[0].text for c in client.completions.create(**long, stream=True)))
+
+    runner = threading.Thread(target=keep_running, daemon=True)
+    runner.start()
+    problems: list[str] = []
+
+    def one(job) -> None:
+        path, (fields, refused) = job
+        body = {"prompt": PROMPT} if path == "v1/completions" else {"messages": MESSAGES}
+        started = time.monotonic()
+        reply = _post(server, path, json.dumps({**body, "max_tokens": 16, "temperature": 0, **fields}).encode())
+        took = time.monotonic() - started
+        if reply.status != (400 if refused else 200) or took > 5:
+            problems.append(f"{path} {str(fields)[:80]}: {reply.status} after {took:.1f} s {reply.body[:160]!r}")
+
+    time.sleep(1)  # the long request is decoding
+    jobs = [(path, case) for case in hostile_grammars() for path in ("v1/completions", "v1/chat/completions")]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, jobs))
+    stop.set()
+    runner.join(timeout=180)
+    assert not problems, "\n".join(problems)
+    assert beside and all(text == alone for text in beside)

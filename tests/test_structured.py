@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import torch
 
+from tests.support.schemas import SCHEMAS
 from tests.test_handler_unit import final_json, run_to_end, serve
 from tp_llama.config import EngineConfig
 from tp_llama.engine.constraint import grammar_tokenizer
@@ -30,35 +31,6 @@ from tp_llama.serving.structured import grammar_spec
 MAX_NEW = 160
 PROMPT = "Describe the lighthouse keeper as JSON:"
 
-# Bounded schemas: every object closed (additionalProperties false), every string, array and number
-# bounded, so a reply of random tokens must end.
-_NAME = {"type": "string", "minLength": 1, "maxLength": 6}
-SCHEMAS = [
-    {"type": "object", "properties": {"name": _NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "additionalProperties": False, "required": ["keeper"],
-     "properties": {"keeper": {"type": "object", "additionalProperties": False, "required": ["name", "shift"],
-                               "properties": {"name": _NAME, "shift": {"enum": ["dawn", "dusk", "night"]},
-                                              "years": {"type": "integer", "minimum": 1, "maximum": 60}}}}},
-    {"type": "object", "additionalProperties": False, "required": ["readings"],
-     "properties": {"readings": {"type": "array", "minItems": 1, "maxItems": 3,
-                                 "items": {"type": "integer", "minimum": -50, "maximum": 50}}}},
-    {"type": "array", "minItems": 2, "maxItems": 4, "items": {"enum": ["red", "green", 7, None, True]}},
-    {"$defs": {"lamp": {"type": "object", "additionalProperties": False, "required": ["watts"],
-                        "properties": {"watts": {"type": "integer", "minimum": 10, "maximum": 999}}}},
-     "type": "object", "additionalProperties": False, "required": ["main"],
-     "properties": {"main": {"$ref": "#/$defs/lamp"}, "spare": {"$ref": "#/$defs/lamp"}}},
-    {"type": "object", "additionalProperties": False, "required": ["signal"],
-     "properties": {"signal": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
-                                         {"type": "string", "maxLength": 3},
-                                         {"type": "boolean"}]}}},
-    {"type": "object", "additionalProperties": False, "required": ["code", "day", "id"],
-     "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-                    "day": {"type": "string", "format": "date"},
-                    "id": {"type": "string", "format": "uuid"}}},
-    {"type": "object", "additionalProperties": False, "required": ["ratio"],
-     "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1}, "ok": {"type": "boolean"}}},
-]
 SEEDS = range(6)
 
 
@@ -175,6 +147,7 @@ HOSTILE = [
     ("regex", "(?<=a)b", "look"),
     ("grammar", "root ::= undefined_rule", "undefined_rule"),
     ("grammar", 'start: "a" | ', None),
+    ("grammar", "start: x\nx: x", "matches no reply"),
 ]
 
 

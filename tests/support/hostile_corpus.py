@@ -203,3 +203,40 @@ def hostile_corpus(seed: int, max_seq_len: int, max_body: int, server_cap: int) 
         + _structure()
     )
     return cases
+
+
+def hostile_grammars() -> list[tuple[dict, bool]]:
+    """(structured-output fields, whether they must be refused) for the live-server test: grammars a server
+    must refuse with a 400 in bounded time, and pathological but valid ones it must simply serve
+    (llguidance's lexer is not a backtracking one, so "catastrophic" patterns cost it nothing)."""
+    deep: dict = {"type": "integer"}
+    for _ in range(400):
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    refused = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": {
+            "type": "array", "uniqueItems": True}}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": {
+            "type": "string", "format": "no-such-format"}}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/x"}}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "l", "schema": {
+            "type": "string", "pattern": "(?<=a)b"}}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": "not a schema"}}},
+        {"structured_outputs": {"json": "{\"type\": "}},
+        {"structured_outputs": {"regex": "(unclosed"}},
+        {"structured_outputs": {"regex": "a{1000000}"}},  # too slow to compile: refused at the time limit
+        {"structured_outputs": {"grammar": "root ::= missing"}},
+        {"structured_outputs": {"grammar": "start: x\nx: x"}},
+        {"structured_outputs": {"choice": []}},
+        {"structured_outputs": {"choice": [1, 2]}},
+        {"structured_outputs": {"structural_tag": "{}"}},
+        {"structured_outputs": {"json": {"type": "object"}, "regex": "a"}},
+    ]
+    served = [
+        {"structured_outputs": {"regex": "(a+)+$"}},
+        {"structured_outputs": {"regex": "(a|aa)*b"}},
+        {"structured_outputs": {"regex": "(x+x+)+y"}},
+        {"structured_outputs": {"json": {"enum": [f"value-{i:05d}" for i in range(3000)]}}},
+        {"response_format": {"type": "json_object"}},
+    ]
+    return [(fields, True) for fields in refused] + [(fields, False) for fields in served]

@@ -141,4 +141,8 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=parser_limits(), log_level=0)
         if matcher.is_error():
             raise RequestError(explain(spec, matcher.get_error()), param=spec.param)
+        probe = matcher.deep_copy()  # the first mask: a grammar whose language is empty fails here
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise RequestError(f"{spec.param}: the grammar matches no reply at all", param=spec.param)
         return matcher
