@@ -1,20 +1,30 @@
 """The block pool and the scheduler's use of it: accounting that must not leak, the prefix cache
-(chained keys, the token check, LRU eviction, salts), preemption when the pool runs dry.
+(chained keys, the token check, LRU eviction, salts), preemption when the pool runs dry, groups of
+sequences of one prompt (n > 1) sharing its blocks.
 
-The checks run the scheduler with a stand-in for the model that "picks" tokens from each row's
-own history, so whatever a sequence produces depends only on its tokens, not on the batch: a
-preempted sequence must then end with the tokens it would have had alone.
+The checks run the scheduler with a stand-in for the model: a KV cache of token ids that each step
+makes the plan's block copies in, then writes every row's tokens to, at the slots of the row's block
+table; each sampler then "picks" its token from the row's history as read back through that table
+(and one draw of its generator, if it has one). Whatever a sequence produces depends only on its
+tokens, never on the batch, and a wrong block table, a block shared too far or a missing copy shows as
+a history that is not the sequence's: a preempted sequence or a group's member must end with the
+tokens it would have had alone.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
+import torch
 
 from tp_llama.engine import blocks
 from tp_llama.engine.blocks import BlockPool
-from tp_llama.engine.scheduler import SamplingParams, Scheduler, Sequence
+from tp_llama.engine.plan import StepPlan
+from tp_llama.engine.scheduler import Scheduled, SamplingParams, Scheduler, Sequence
 
 SIZE = 4
+KV: weakref.WeakKeyDictionary[Scheduler, dict[int, int]] = weakref.WeakKeyDictionary()  # each pool's cache slots
 
 
 def scheduler_of(n_blocks: int, running: int = 8, max_seq_len: int = 64, budget: int = 64,
@@ -22,49 +32,81 @@ def scheduler_of(n_blocks: int, running: int = 8, max_seq_len: int = 64, budget:
     return Scheduler(running, max_seq_len, budget, frozenset({2}), BlockPool(n_blocks, SIZE, caching))
 
 
-def seq(name: str, prompt: list[int], max_new: int = 4, salt: str | None = None) -> Sequence:
-    return Sequence(name, list(prompt), SamplingParams(max_new), cache_salt=salt)
+def seq(name: str, prompt: list[int], max_new: int = 4, salt: str | None = None, **params) -> Sequence:
+    return Sequence(name, list(prompt), SamplingParams(max_new, **params), cache_salt=salt)
 
 
-def next_token(history: list[int]) -> int:
-    """A deterministic function of a sequence's tokens so far (never the stop token 2)."""
-    return 3 + (sum(history) * 31 + len(history)) % 90
+def group(name: str, prompt: list[int], n: int, max_new: int = 4, **params) -> list[Sequence]:
+    """n sequences of one prompt: the first, then its forks."""
+    first = seq(name, prompt, max_new, **params)
+    return [first] + [Sequence(f"{name}#{i}", list(prompt), first.params, fork_of=first) for i in range(1, n)]
+
+
+def next_token(history: list[int], generator: torch.Generator | None = None) -> int:
+    """A deterministic function of a sequence's tokens so far (never the stop token 2), and of one draw
+    of its generator where it samples."""
+    draw = 0 if generator is None else int(torch.randint(1 << 30, (), generator=generator))
+    return 3 + (sum(history) * 31 + len(history) + draw) % 90
+
+
+def forward(scheduler: Scheduler, plan: Scheduled) -> list[int]:
+    """The stand-in model's step (see the module's docstring): one token per sampler."""
+    kv = KV.setdefault(scheduler, {})
+    slot = lambda table, p: table[p // SIZE] * SIZE + p % SIZE  # noqa: E731
+    for src, dst in StepPlan(plan.rows).copies:  # before any row writes
+        assert src != dst and plan.rows
+        for o in range(SIZE):
+            kv[dst * SIZE + o] = kv.get(src * SIZE + o, -1)
+    for row, s in zip(plan.rows, plan.sequences):
+        assert row.blocks == s.blocks[: len(row.blocks)]
+        assert len(row.blocks) * SIZE >= row.start + len(row.tokens)
+        assert row.tokens == s.tokens[row.start : row.start + len(row.tokens)]
+        for p, token in enumerate(row.tokens, row.start):
+            kv[slot(row.blocks, p)] = token
+    picked = []
+    for row, samplers in zip([r for r in plan.rows if r.sample], plan.samplers, strict=True):
+        history = [kv.get(slot(row.blocks, p), -1) for p in range(row.start + len(row.tokens))]
+        for member in samplers:
+            assert history == member.tokens, member.id
+            picked.append(next_token(history, member.generator))
+    return picked
+
+
+def step(scheduler: Scheduler) -> Scheduled:
+    plan = scheduler.schedule()
+    scheduler.commit(plan, forward(scheduler, plan))
+    check_books(scheduler)
+    return plan
 
 
 def run(scheduler: Scheduler, limit: int = 1000) -> int:
-    """Steps to the end; checks every planned row against the sequence it belongs to."""
-    steps = 0
+    """Steps to the end, the books checked after each; returns the prompt tokens the steps computed."""
+    steps = prompt_tokens = 0
     while scheduler.has_work():
-        plan = scheduler.schedule()
-        picked = []
-        for row, s in zip(plan.rows, plan.sequences):
-            assert row.blocks == s.blocks[: len(row.blocks)]
-            assert len(row.blocks) * SIZE >= row.start + len(row.tokens)
-            assert row.tokens == s.tokens[row.start : row.start + len(row.tokens)]
-            if row.sample:
-                picked.append(next_token(s.tokens))
-        scheduler.commit(plan, picked)
-        check_books(scheduler)
+        prompt_tokens += step(scheduler).prompt_tokens
         steps += 1
         assert steps < limit
-    return steps
+    return prompt_tokens
 
 
 def check_books(scheduler: Scheduler) -> None:
-    """Every block's reference count is the number of running tables holding it; free = unreferenced."""
+    """Every block's reference count is the number of running tables holding it (a group not forked
+    yet: its forks' blocks kept for their copies too); free = unreferenced."""
     pool = scheduler.pool
     holders = [0] * pool.n_blocks
     for s in scheduler.running:
-        for b in s.blocks:
+        for b in s.blocks + [b for fork in s.forks for b in fork.blocks]:
             holders[b] += 1
+    for s in scheduler.waiting:
+        assert not s.blocks and not any(fork.blocks for fork in s.forks)
     assert [b.refs for b in pool.blocks] == holders
     assert set(pool.free) == {b.id for b in pool.blocks if b.refs == 0}
     for key, block_id in pool.cached.items():
         assert pool.blocks[block_id].key == key
 
 
-def alone(prompt: list[int], max_new: int) -> list[int]:
-    s = seq("alone", prompt, max_new)
+def alone(prompt: list[int], max_new: int, **params) -> list[int]:
+    s = seq("alone", prompt, max_new, **params)
     scheduler = scheduler_of(64, caching=False)
     scheduler.add(s)
     run(scheduler)
@@ -79,7 +121,7 @@ def test_blocks_are_taken_as_sequences_grow_and_all_come_back_however_they_end()
         scheduler.add(s)
     plan = scheduler.schedule()
     assert [len(s.blocks) for s in seqs] == [1, 2, 4, 5]  # each prompt's blocks, taken at admission
-    scheduler.commit(plan, [next_token(s.tokens) for s in seqs])
+    scheduler.commit(plan, forward(scheduler, plan))
     scheduler.cancel(seqs[1])  # a client that left
     scheduler.cancel(seqs[2], "stop")  # a stop string
     scheduler.cancel(seqs[3], "timeout")
@@ -103,7 +145,7 @@ def test_a_shared_prefix_is_prefilled_once_and_its_blocks_are_shared_while_both_
     assert second.cached_tokens == third.cached_tokens == 12
     assert [(r.start, len(r.tokens)) for r in plan.rows] == [(12, 2), (12, 4)]  # only the suffixes
     assert second.blocks[:3] == third.blocks[:3] and all(scheduler.pool.blocks[b].refs == 2 for b in second.blocks[:3])
-    scheduler.commit(plan, [next_token(second.tokens), next_token(third.tokens)])
+    scheduler.commit(plan, forward(scheduler, plan))
     run(scheduler)
     assert second.output == alone(second.prompt_ids, 8) and third.output == alone(third.prompt_ids, 8)
     assert (scheduler.prefix_hits, scheduler.prefix_queries) == (24, 15 + 14 + 16)
@@ -173,8 +215,7 @@ def test_free_blocks_stay_cached_and_the_least_recently_freed_go_first():
     # ones), then new's partial one; new's cached blocks and filler's survive.
     big = seq("big", list(range(80, 95)), 1)
     scheduler.add(big)
-    plan = scheduler.schedule()
-    scheduler.commit(plan, [next_token(big.tokens)])
+    step(scheduler)
     run(scheduler)
     again_old, again_new = seq("o2", list(range(20, 29)), 1), seq("n2", list(range(40, 49)), 1)
     scheduler.add(again_new)
@@ -201,3 +242,147 @@ def test_when_the_pool_runs_dry_the_newest_is_preempted_and_finishes_with_its_ow
 def test_a_pool_that_cannot_hold_one_sequence_is_refused():
     with pytest.raises(ValueError, match="cannot hold one sequence of max_seq_len 64"):
         scheduler_of(15, max_seq_len=64)
+
+
+def seeded_alone(members: list[Sequence], seed: int) -> list[list[int]]:
+    """What each member of a group seeded `seed` has alone: member i with seed + i."""
+    first = members[0]
+    return [alone(first.prompt_ids, first.params.max_new_tokens, temperature=1.0, seed=seed + i)
+            for i in range(len(members))]
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-caching"])
+@pytest.mark.parametrize("prompt_len", [10, 8], ids=["partial-last-block", "whole-blocks"])
+def test_a_group_computes_its_prompt_once_and_each_member_draws_as_it_would_alone(caching: bool, prompt_len: int):
+    prompt = list(range(20, 20 + prompt_len))
+    scheduler = scheduler_of(32, caching=caching)
+    members = group("g", prompt, 3, max_new=9, temperature=1.0, seed=5)
+    for s in members:
+        scheduler.add(s)
+    assert list(scheduler.waiting) == members[:1]
+    plan = step(scheduler)  # the whole prompt in one row, its logits sampled by the three
+    assert [len(r.tokens) for r in plan.rows] == [prompt_len] and plan.samplers == [members]
+    assert scheduler.running == members and all(len(s.output) == 1 for s in members)
+    full = prompt_len // SIZE
+    shared = members[0].blocks[:full]
+    assert all(s.blocks[:full] == shared for s in members)
+    assert all(scheduler.pool.blocks[b].refs == 3 for b in shared)
+    copies = StepPlan(step(scheduler).rows).copies  # each fork's own copy of the last, partly filled block
+    assert copies == ([(members[0].blocks[full], s.blocks[full]) for s in members[1:]] if prompt_len % SIZE else [])
+    computed = plan.prompt_tokens + run(scheduler)
+    assert computed == prompt_len
+    assert [s.output for s in members] == seeded_alone(members, 5)
+    assert len({tuple(s.output) for s in members}) == 3  # seed + index: three streams
+    assert scheduler.pool.used == 0
+    apart = scheduler_of(32, caching=caching)  # the same three as separate requests: three prompts computed
+    for s in [seq(str(i), prompt, 9) for i in range(3)]:
+        apart.add(s)
+    assert run(apart) == 3 * prompt_len
+
+
+def test_groups_and_single_sequences_share_a_dry_pool_and_every_member_ends_with_its_own_tokens():
+    """Forked members preempted (and recomputed alone), groups preempted before their fork (they stay
+    groups); the books checked at every step."""
+    scheduler = scheduler_of(10, max_seq_len=40)  # 40 positions: far from all of them at once
+    groups = [group(f"g{i}", [10 + i] * 6, 3, max_new=20, temperature=1.0, seed=100 * i) for i in range(2)]
+    single = seq("s", [30] * 7, 20)
+    for members in groups:
+        for s in members:
+            scheduler.add(s)
+    scheduler.add(single)
+    run(scheduler)
+    forks = [s for members in groups for s in members[1:]]
+    assert scheduler.preemptions > 0 and sum(s.preemptions for s in forks) > 0
+    for i, members in enumerate(groups):
+        assert [s.output for s in members] == seeded_alone(members, 100 * i)
+    assert single.output == alone(single.prompt_ids, 20)
+    assert scheduler.pool.used == 0
+
+
+def test_a_group_preempted_before_its_first_token_stays_a_group():
+    scheduler = scheduler_of(8, max_seq_len=32, budget=2)  # one prompt token a step beside a decode row
+    older = seq("old", [9] * 3, 20)
+    scheduler.add(older)
+    step(scheduler)
+    members = group("g", list(range(40, 60)), 2, max_new=4, temperature=1.0, seed=3)
+    for s in members:
+        scheduler.add(s)
+    while scheduler.has_work():
+        before = members[0].preemptions
+        plan = step(scheduler)
+        if members[0].preemptions > before:  # the group went before its first token, whole
+            assert members[0] in scheduler.waiting and not members[0].output
+            assert members[0].forks == [members[1]] and not members[1].blocks
+        # and came back as one: the fork's only rows are its own decode rows
+        assert all(len(r.tokens) == 1 and members[1].output for r, s in zip(plan.rows, plan.sequences)
+                   if s is members[1])
+    assert members[0].preemptions == 1 and members[1].preemptions == 0
+    assert [s.output for s in members] == seeded_alone(members, 3)
+    assert older.output == alone(older.prompt_ids, 20)
+
+
+def test_a_member_cancelled_frees_only_its_blocks_before_or_after_the_fork():
+    scheduler = scheduler_of(32)
+    prompt = list(range(20, 30))  # 2 full blocks and a partial one
+    members = group("g", prompt, 4, max_new=6, temperature=1.0, seed=9)
+    for s in members:
+        scheduler.add(s)
+    scheduler.schedule()  # admitted: 3 blocks for the prompt, one kept for each fork's copy
+    assert scheduler.pool.used == 3 + 3
+    scheduler.cancel(members[3])  # not forked yet: its kept block goes back
+    assert scheduler.pool.used == 3 + 2 and members[0].forks == members[1:3]
+    check_books(scheduler)
+    scheduler.cancel(members[0])  # the group's first: the next one carries the group in its place
+    assert scheduler.running == [members[1]] and members[1].forks == [members[2]] and scheduler.pool.used == 3 + 1
+    check_books(scheduler)
+    step(scheduler)  # the prompt again (that plan was never run), the group's first tokens
+    assert scheduler.running == members[1:3] and scheduler.pool.used == 3 + 1
+    scheduler.cancel(members[2])  # forked: its own block goes, the shared ones lose one reference
+    assert scheduler.pool.used == 3 and all(scheduler.pool.blocks[b].refs == 1 for b in members[1].blocks)
+    run(scheduler)
+    want = seeded_alone(members, 9)
+    assert members[1].output == want[1] and members[2].output == want[2][:1]
+    assert [s.finish_reason for s in members] == ["cancelled", "length", "cancelled", "cancelled"]
+    assert scheduler.pool.used == 0
+
+
+def test_groups_that_cannot_run_are_refused_when_added():
+    scheduler = scheduler_of(8, running=3, max_seq_len=32)
+    first = seq("a", [5] * 9, 4)
+    scheduler.add(first)
+    with pytest.raises(ValueError, match="prompt, params and cache_salt"):
+        scheduler.add(Sequence("b", [5] * 8, first.params, fork_of=first))
+    with pytest.raises(ValueError, match="prompt, params and cache_salt"):
+        scheduler.add(Sequence("b", [5] * 9, SamplingParams(5), fork_of=first))
+    scheduler.add(Sequence("b", [5] * 9, first.params, fork_of=first))
+    scheduler.add(Sequence("c", [5] * 9, first.params, fork_of=first))
+    with pytest.raises(ValueError, match="a group of 4 sequences exceeds the 3"):
+        scheduler.add(Sequence("d", [5] * 9, first.params, fork_of=first))
+    wide = seq("w", [5] * 29, 3)  # 8 blocks, and one for the fork's copy: more than the pool's 8
+    scheduler.add(wide)
+    with pytest.raises(ValueError, match="needs 9 KV-cache blocks, the pool has 8"):
+        scheduler.add(Sequence("w2", [5] * 29, wide.params, fork_of=wide))
+    scored = seq("p", [5] * 3, 0, prompt_logprobs=1)
+    scheduler.add(scored)
+    with pytest.raises(ValueError, match="n > 1 needs max_new_tokens >= 1"):
+        scheduler.add(Sequence("p2", [5] * 3, scored.params, fork_of=scored))
+    scheduler.schedule()
+    with pytest.raises(ValueError, match="before that one is scheduled"):
+        scheduler.add(Sequence("late", [5] * 9, first.params, fork_of=first))
+    assert len(first.forks) == 2
+
+
+def test_a_group_taken_back_whole_when_one_of_it_is_refused_leaves_nothing_behind():
+    """The handler adds a request's sequences all or none: on a refusal it cancels every one of them."""
+    scheduler = scheduler_of(16, running=2)
+    members = group("g", [5] * 6, 3)
+    with pytest.raises(ValueError, match="a group of 3 sequences exceeds the 2"):
+        for s in members:
+            scheduler.add(s)
+    for s in members:
+        scheduler.cancel(s)
+    assert not scheduler.has_work() and all(s.finish_reason == "cancelled" for s in members)
+    single = seq("s", [7] * 5, 3)
+    scheduler.add(single)
+    run(scheduler)
+    assert single.output == alone(single.prompt_ids, 3) and scheduler.pool.used == 0

@@ -37,6 +37,11 @@ def step(scheduler: Scheduler, pick=lambda row: 7):
     return plan
 
 
+def group(name: str, prompt_len: int, n: int, max_new: int = 4, **kw) -> list[Sequence]:
+    first = seq(name, prompt_len, max_new, **kw)
+    return [first] + [Sequence(f"{name}#{i}", first.prompt_ids, first.params, fork_of=first) for i in range(1, n)]
+
+
 def test_prompts_are_prefilled_in_chunks_within_the_budget_while_others_decode():
     scheduler = scheduler_of(4, max_seq_len=64, prefill_budget=8)
     a, b = seq("a", 3, max_new=10), seq("b", 20)
@@ -114,6 +119,49 @@ def test_requests_that_cannot_fit_are_refused_before_taking_a_slot():
     assert not scheduler.has_work()
 
 
+def test_a_groups_members_take_their_first_tokens_from_one_row_then_decode_and_stop_each_on_its_own():
+    scheduler = scheduler_of(8, max_seq_len=64, prefill_budget=4)  # blocks of 4
+    a, b, c = members = group("g", 6, 3, max_new=3)
+    other = seq("o", 2, max_new=5)
+    for s in members + [other]:
+        scheduler.add(s)
+    plan = step(scheduler)  # 4 of the group's 6 prompt tokens: nobody samples
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 4, False)] and plan.samplers == []
+    plan = scheduler.schedule()  # the prompt's last 2 tokens, sampled by the three; the other's prompt
+    assert [(r.start, len(r.tokens)) for r in plan.rows] == [(4, 2), (0, 2)]
+    assert plan.samplers == [members, [other]] and plan.prompt_tokens == 4
+    touched = scheduler.commit(plan, [EOS, 5, 6, 9])  # one token per sampler, in order
+    assert set(touched) == {a, b, c, other}
+    assert (a.output, a.finish_reason, b.output, c.output, other.output) == ([], "stop", [5], [6], [9])
+    assert scheduler.running == [b, c, other] and a.blocks == []
+    # a's blocks went back but the forks hold the full one; each fork copies a's partial block into its own
+    src = plan.rows[0].blocks[1]
+    plan = scheduler.schedule()
+    assert [(r.start, r.tokens, r.copy) for r in plan.rows] == [(6, [5], (src, b.blocks[1])),
+                                                             (6, [6], (src, c.blocks[1])), (2, [9], None)]
+    assert b.blocks[0] == c.blocks[0] == plan.rows[0].blocks[0] and scheduler.pool.blocks[b.blocks[0]].refs == 2
+    scheduler.commit(plan, [EOS, 8, 9])
+    assert (b.finish_reason, c.output) == ("stop", [6, 8])
+    while scheduler.has_work():
+        plan = step(scheduler)
+        assert all(r.copy is None for r in plan.rows)  # a copy is made once
+    assert (c.output, c.finish_reason, other.finish_reason) == ([6, 8, 7], "length", "length")
+    assert scheduler.pool.used == 0
+
+
+def test_a_groups_first_member_cancelled_while_its_first_tokens_are_picked_hands_the_group_on():
+    scheduler = scheduler_of(4, max_seq_len=64, prefill_budget=64)
+    a, b, c = members = group("g", 6, 3)
+    for s in members:
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    scheduler.cancel(a)  # b carries the group on, in a's place and with its blocks
+    assert scheduler.running == [b] and b.forks == [c] and a.blocks == []
+    scheduler.commit(plan, [4, 5, 6])  # a's pick is dropped; b is credited with the row it now owns
+    assert (a.output, b.output, c.output) == ([], [5], [6]) and b.computed == c.computed == 6
+    assert scheduler.running == [b, c] and scheduler.pool.used == 2 + 1
+
+
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     torch.manual_seed(0)
@@ -169,9 +217,9 @@ def test_the_plan_comes_back_whole_from_its_wire():
     from tp_llama.engine.plan import PlanWire, Row, StepPlan
 
     wire = PlanWire(max_rows=4, max_tokens=16, max_blocks=12)
-    plan = StepPlan([Row(7, [5], True, [3, 9]), Row(0, [1, 2, 3], False, [4]), Row(32, [8, 9], True, [0, 1, 2])],
-                    end=False)
-    assert wire.decode(wire.encode(plan)) == plan
+    plan = StepPlan([Row(7, [5], True, [3, 9], copy=(6, 9)), Row(0, [1, 2, 3], False, [4]),
+                     Row(32, [8, 9], True, [0, 1, 2], 2, 1, 11), Row(7, [6], True, [3, 0], copy=(6, 0))], end=False)
+    assert wire.decode(wire.encode(plan)) == plan and wire.decode(wire.encode(plan)).copies == [(6, 9), (6, 0)]
     assert wire.decode(wire.encode(StepPlan([]))) == StepPlan([])
     with pytest.raises(ValueError, match="exceeds the wire's capacity"):
         wire.encode(StepPlan([Row(0, [1], True, list(range(13)))]))

@@ -182,7 +182,7 @@ class Engine:
         """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row
         (with its log-probabilities where the sequence asks), and each row's prompt log-probabilities."""
         started = time.perf_counter()
-        sampling = [seq for row, seq in zip(scheduled.rows, scheduled.sequences) if row.sample]
+        sampling = [seq for group in scheduled.samplers for seq in group]
         constrained = [r for r, seq in enumerate(sampling) if seq.constraint is not None]
         masks = self._start_masks(sampling) if constrained else None
         _, logits, scores = self.runner.run(StepPlan(scheduled.rows, end))
@@ -192,6 +192,8 @@ class Engine:
             logits = logits[:, : self.tokenizer.n_words].contiguous()
         picked, logprobs = [], []
         if logits is not None:
+            if len(sampling) > len(logits):  # a group's first tokens (n > 1): its sequences pick from one row
+                logits = logits[[r for r, group in enumerate(scheduled.samplers) for _ in group]]
             allowed = masks.result() if masks is not None else None
             picked, logprobs = sample_rows(logits, sampling, allowed, constrained)
             self._advance_constraints(sampling, constrained, picked)

@@ -19,6 +19,10 @@ class Row:
     score: int = -1
     scored: int = 0
     next_token: int = -1
+    # (src, dst): before the step's forward, block dst becomes a copy of block src. A sequence forked
+    # from its group's prompt (n > 1) takes its own copy of the prompt's last, partly filled block on
+    # its first row.
+    copy: tuple[int, int] | None = None
 
     def targets(self) -> list[int]:
         """The token each scored position predicts."""
@@ -32,15 +36,20 @@ class StepPlan:
     rows: list[Row]
     end: bool = True
 
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        """The block copies (src, dst) every rank makes before the step's forward."""
+        return [row.copy for row in self.rows if row.copy is not None]
+
 
 class PlanWire:
     """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
 
-    Layout: [end, n_rows, rows x (start, length, sample, n_blocks, score, scored, next_token), tokens...,
-    block ids...].
+    Layout: [end, n_rows, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
+    copy dst), tokens..., block ids...]; a row without a copy has -1 for both.
     """
 
-    FIELDS = 7
+    FIELDS = 9
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
@@ -53,7 +62,7 @@ class PlanWire:
             raise ValueError(f"plan of {len(plan.rows)} rows / {len(tokens)} tokens / {len(blocks)} blocks exceeds "
                              "the wire's capacity")
         rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score,
-                                                 row.scored, row.next_token)]
+                                                 row.scored, row.next_token, *(row.copy or (-1, -1)))]
         wire = torch.zeros(self.size, dtype=torch.long)
         head = [int(plan.end), len(plan.rows)] + rows
         wire[: len(head)] = torch.tensor(head, dtype=torch.long)
@@ -72,8 +81,8 @@ class PlanWire:
         at += self.max_tokens
         blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
         rows, t, b = [], 0, 0
-        for start, length, sample, n_blocks, score, scored, next_token in fields:
+        for start, length, sample, n_blocks, score, scored, next_token, src, dst in fields:
             rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
-                            next_token))
+                            next_token, (src, dst) if src >= 0 else None))
             t, b = t + length, b + n_blocks
         return StepPlan(rows, end=bool(end))

@@ -180,6 +180,8 @@ class ModelRunner:
             else:
                 plan = self.wire.decode(broadcast_from_rank0(torch.zeros(self.wire.size, dtype=torch.long),
                                                              self.info.device))
+        if plan.copies:
+            self._copy_blocks(plan.copies)
         unscored: list[list[TokenLogprobs] | None] = [None] * len(plan.rows)
         if not plan.rows:
             return plan, None, unscored
@@ -189,6 +191,12 @@ class ModelRunner:
         if self.decode_step is not None and self.decode_step.accepts(plan.rows):
             return plan, self.decode_step(plan.rows), unscored
         return plan, self.model(self._batch(plan.rows)), unscored
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """The plan's block copies (src, dst), in every layer's cache, before its forward."""
+        src, dst = torch.tensor(pairs, dtype=torch.long).to(self.info.device).t()
+        for layer in self.model.layers:
+            layer.attention.cache.copy_blocks(src, dst)
 
     def _batch(self, rows: list[Row], all_logits: bool = False) -> Batch:
         spec = [(r.start, r.tokens, r.sample, r.blocks) for r in rows]

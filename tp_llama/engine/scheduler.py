@@ -16,6 +16,11 @@ sequences decode.
 Memory decides how many run: a sequence is admitted when the blocks its prompt still needs (after
 the prefix cache's hits) are free, and grows a block at a time; when the pool runs dry mid-decode
 the newest sequence is preempted (its blocks freed, its tokens recomputed later, as vLLM does).
+
+n > 1 (a group: sequences of one prompt, `Sequence.fork_of`): the group's first sequence carries the
+others until its first token, so the prompt is computed once; at that row every member takes its first
+token from the same logits (`Scheduled.samplers`), then each fork shares the prompt's full blocks by
+reference count and takes its own copy of the last, partly filled one (`Row.copy`), as vLLM v0 did.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ class Sequence:
     finished_at: float | None = None
     reported: int = 0  # output tokens already handed to the client
     constraint: Constraint | None = None  # a structured output's grammar state (rank 0; engine/constraint.py)
+    # n > 1: a fork names its group's first sequence (same prompt, params and cache salt), which carries
+    # it (`forks`) until their first token; from then on each sequence of the group is on its own.
+    fork_of: Sequence | None = None
+    forks: list[Sequence] = field(default_factory=list)
+    copy: tuple[int, int] | None = None  # a new fork's block copy (src, dst), sent with its next row
 
     @property
     def finished(self) -> bool:
@@ -82,11 +92,15 @@ class Sequence:
 
 @dataclass
 class Scheduled:
-    """One planned step on rank 0: its rows, and the sequence each row belongs to."""
+    """One planned step on rank 0: its rows, the sequence each row belongs to, who samples from each
+    sampling row."""
 
     rows: list[Row]
     sequences: list[Sequence]
     prompt_tokens: int  # how many of the rows' tokens are prompt
+    # One list per sampling row, in row order: the sequences that pick a token from its logits (the
+    # row's own sequence; at a group's first token, the group: its first sequence, then its forks).
+    samplers: list[list[Sequence]]
 
 
 def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: int) -> None:
@@ -135,32 +149,80 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; one that can never run is refused here (ValueError), before it takes a block."""
+        """Queue a sequence; one that can never run is refused here (ValueError), before it takes a block.
+
+        n > 1: add the group's first sequence, then the others, each with `fork_of` naming the first,
+        before the first is scheduled. Member i of a seeded group draws with seed + i, an unseeded
+        one with its own random seed.
+        """
         check_sequence(seq.prompt_ids, seq.params, self.max_seq_len)
-        params = seq.params
+        params, leader, index = seq.params, seq.fork_of, 0
+        if leader is not None:
+            self._check_fork(seq, leader)
+            index = len(leader.forks) + 1
         if params.temperature > 0:
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            seed = params.seed + index if params.seed is not None else secrets.randbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
-        self.waiting.append(seq)
+        (self.waiting if leader is None else leader.forks).append(seq)
+
+    def _check_fork(self, seq: Sequence, leader: Sequence) -> None:
+        if (seq.prompt_ids, seq.params, seq.cache_salt) != (leader.prompt_ids, leader.params, leader.cache_salt):
+            raise ValueError("a fork has the prompt, params and cache_salt of the sequence it forks from")
+        if leader.fork_of is not None or leader.cached_tokens is not None or leader not in self.waiting:
+            raise ValueError("a fork is added after its group's first sequence and before that one is scheduled")
+        if seq.params.max_new_tokens < 1:
+            raise ValueError("n > 1 needs max_new_tokens >= 1")
+        n, prompt = len(leader.forks) + 2, len(seq.prompt_ids)
+        if n > self.max_running:
+            raise ValueError(f"a group of {n} sequences exceeds the {self.max_running} that may run at once")
+        blocks = self.pool.blocks_for(prompt) + (n - 1) * (prompt % self.pool.size != 0)
+        if blocks > self.pool.n_blocks:
+            raise ValueError(f"a group of {n} sequences of a {prompt}-token prompt needs {blocks} KV-cache blocks, "
+                             f"the pool has {self.pool.n_blocks}")
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End a sequence wherever it is (client gone, timeout, stop string); its blocks are free for the next step."""
         if seq.finished:
             return
+        leader = seq.fork_of
+        if leader is not None and seq in leader.forks:  # not forked yet: only the block kept for its copy goes
+            leader.forks.remove(seq)
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+        elif seq.forks:
+            self._hand_over(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         self._finish(seq, reason)
+
+    def _hand_over(self, seq: Sequence) -> None:
+        """A group's first sequence leaves before its first token: the next one carries the group on, in
+        its place, with its blocks and progress (the block kept for its own copy goes back)."""
+        heir, *rest = seq.forks
+        self.pool.release(heir.blocks)
+        heir.blocks, heir.keys, heir.computed = seq.blocks, seq.keys, seq.computed
+        heir.cached_tokens, heir.prompt_logprobs = seq.cached_tokens, list(seq.prompt_logprobs)
+        heir.fork_of, heir.forks = None, rest
+        for fork in rest:
+            fork.fork_of = heir
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue[queue.index(seq)] = heir
+        seq.blocks, seq.keys, seq.forks = [], [], []
 
     def schedule(self) -> Scheduled:
         """The next step: every decoding sequence (each given room for its token), then prompt chunks
         up to the budget's rows."""
         rows: list[Row] = []
         owners: list[Sequence] = []
+        samplers: list[list[Sequence]] = []
         for seq in [s for s in self.running if not s.prefilling]:
             if seq not in self.running or not self._room_for(seq, seq.computed + 1):
                 continue  # preempted to make room for an older one
-            rows.append(Row(seq.computed, [seq.output[-1]], True, self._table(seq, seq.computed + 1)))
+            rows.append(Row(seq.computed, [seq.output[-1]], True, self._table(seq, seq.computed + 1), copy=seq.copy))
+            seq.copy = None
             owners.append(seq)
+            samplers.append([seq])
         budget = start = max(self.prefill_budget - len(rows), self.prefill_budget // 2, 1)
         for seq in [s for s in self.running if s.prefilling] + list(self.waiting):
             if budget == 0:
@@ -174,18 +236,26 @@ class Scheduler:
             sample = end == len(tokens) and seq.params.max_new_tokens > 0
             rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *_prompt_scores(seq, seq.computed, end)))
             owners.append(seq)
-        return Scheduled(rows, owners, start - budget)
+            if sample:
+                samplers.append([seq, *seq.forks])
+        return Scheduled(rows, owners, start - budget, samplers)
 
     def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None,
                scores: list[list[TokenLogprobs] | None] | None = None) -> list[Sequence]:
-        """Record the step's results (one picked token per sampling row, and its log-probabilities
-        where asked for; per row, the prompt log-probabilities it scored); returns the sequences it touched."""
+        """Record the step's results (one picked token per sampler, `step.samplers` flattened, and its
+        log-probabilities where asked for; per row, the prompt log-probabilities it scored); returns the
+        sequences it touched."""
         now = time.perf_counter()
         tokens = iter(zip(picked, logprobs or [None] * len(picked)))
+        samplers = iter(step.samplers)
+        touched = list(step.sequences)
         for row, seq, scored in zip(step.rows, step.sequences, scores or [None] * len(step.rows)):
-            if seq.finished:  # cancelled while its step ran
-                if row.sample:
-                    next(tokens)
+            group = next(samplers) if row.sample else [seq]
+            picks = [next(tokens) for _ in group] if row.sample else []
+            touched += group[1:]
+            # Cancelled while its step ran: left alone, unless a group's next sequence took its place.
+            seq = next((s for s in group if not s.finished), None)
+            if seq is None:
                 continue
             seq.computed += len(row.tokens)
             self._remember_full_blocks(seq)
@@ -195,32 +265,59 @@ class Scheduler:
                 if seq.params.max_new_tokens == 0 and seq.computed >= len(seq.prompt_ids):
                     self._finish(seq, "length")  # prompt log-probabilities only
                 continue
-            token, token_logprobs = next(tokens)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            if token in self.stop_ids and not seq.params.ignore_eos:
-                self._finish(seq, "stop")
-                continue
-            seq.output.append(token)
-            if token_logprobs is not None:
-                seq.logprobs.append(token_logprobs)
-            if len(seq.output) >= seq.params.max_new_tokens or seq.computed + 1 >= self.max_seq_len:
-                self._finish(seq, "length")
-        return step.sequences
+            at = self.running.index(seq) + 1
+            for i, fork in enumerate(seq.forks):  # before any token: a stop token frees its sequence's blocks
+                self._fork(seq, fork)
+                self.running.insert(at + i, fork)
+            seq.forks = []
+            for member, (token, token_logprobs) in zip(group, picks):
+                if not member.finished:
+                    self._take(member, token, token_logprobs, now)
+        return touched
+
+    def _take(self, seq: Sequence, token: int, token_logprobs: TokenLogprobs | None, now: float) -> None:
+        """A sequence's picked token: the next of its output, or its end."""
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        if token in self.stop_ids and not seq.params.ignore_eos:
+            self._finish(seq, "stop")
+            return
+        seq.output.append(token)
+        if token_logprobs is not None:
+            seq.logprobs.append(token_logprobs)
+        if len(seq.output) >= seq.params.max_new_tokens or seq.computed + 1 >= self.max_seq_len:
+            self._finish(seq, "length")
+
+    def _fork(self, seq: Sequence, fork: Sequence) -> None:
+        """A group's prompt is computed: `fork` shares its full blocks and takes the block kept for it
+        at admission as its own copy of the last, partly filled one (made before its next row)."""
+        full = seq.computed // self.pool.size
+        shared = seq.blocks[:full]
+        self.pool.take(shared)
+        if fork.blocks:
+            fork.copy = (seq.blocks[full], fork.blocks[0])
+        fork.blocks = shared + fork.blocks
+        fork.keys, fork.computed = list(seq.keys), seq.computed
+        fork.cached_tokens, fork.prompt_logprobs = seq.cached_tokens, list(seq.prompt_logprobs)
 
     def _admit(self, seq: Sequence) -> bool:
-        """Move the head of the queue to running with blocks for all its tokens, the prefix cache's first."""
-        if len(self.running) >= self.max_running or seq is not self.waiting[0]:
+        """Move the head of the queue to running with blocks for all its tokens, the prefix cache's first
+        (a group: its prompt's blocks once, and a block for each fork's copy of the last, partly filled one)."""
+        running = len(self.running) + sum(len(s.forks) for s in self.running)
+        if running + 1 + len(seq.forks) > self.max_running or seq is not self.waiting[0]:
             return False
         tokens = seq.tokens
         scoring = seq.params.prompt_logprobs is not None  # cached blocks hold no logits: every position is computed
         hits = [] if scoring else self.pool.match(tokens[:-1], seq.cache_salt)  # the last token is computed, for its logits
         reviving = sum(1 for b in hits if self.pool.blocks[b].refs == 0)  # cached but free: they leave the queue
         needed = self.pool.blocks_for(len(tokens)) - len(hits)
-        if needed + reviving > len(self.pool.free):
+        copies = len(seq.forks) if len(tokens) % self.pool.size else 0
+        if needed + reviving + copies > len(self.pool.free):
             return False
         self.pool.take(hits)
         seq.blocks = hits + self.pool.allocate(needed)
+        for fork in seq.forks:
+            fork.blocks = self.pool.allocate(1) if copies else []
         seq.keys = [self.pool.blocks[b].key for b in hits]
         seq.computed = len(hits) * self.pool.size
         if seq.cached_tokens is None:
@@ -245,9 +342,13 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        """Back to the head of the queue, to be recomputed; a group before its first token goes whole."""
         self.running.remove(seq)
         self.pool.release(seq.blocks)
-        seq.blocks, seq.keys, seq.computed = [], [], 0
+        for fork in seq.forks:
+            self.pool.release(fork.blocks)
+            fork.blocks = []
+        seq.blocks, seq.keys, seq.computed, seq.copy = [], [], 0, None
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)

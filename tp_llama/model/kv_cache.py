@@ -64,6 +64,13 @@ class KVCache:
         self.k[:, locations] = k.transpose(0, 1)
         self.v[:, locations] = v.transpose(0, 1)
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block dst[i] becomes a copy of block src[i] (block ids, on the cache's device)."""
+        heads, _, hd = self.k.shape
+        for cache in (self.k, self.v):
+            blocks = cache.view(heads, -1, self.block_size * hd)
+            blocks.index_copy_(1, dst, blocks.index_select(1, src))
+
 
 def attend(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, done: int = 0) -> torch.Tensor:
     """Attention [T, heads, hd] of the batch's tokens from index `done` on (q, k rotated), after
