@@ -25,7 +25,8 @@ Four kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comp
 
 Weights quantized at load (`bits` 8 or 4) take the C kernels' integer tiles where the kind is
 "tiles" or "amx" (kernels/cpu/qtiles.py), and PyTorch's own int8/int4 matmuls elsewhere
-(kernels/quant.py).
+(kernels/quant.py). Checkpoints Meta quantized (int4 QLoRA / SpinQuant, fp8) run their own formats
+on PyTorch's ops (kernels/metaquant.py).
 
 A prepared weight replaces the plain one, so it costs no memory of its own.
 """
@@ -42,13 +43,14 @@ from tp_llama.kernels.cpu import ffi
 from tp_llama.kernels.cpu.build import cpu_flags
 from tp_llama.kernels.cpu.ops import Tiled, prepare_swiglu_tiles, prepare_tiles, tileable, tiled_linear
 from tp_llama.kernels.cpu.qtiles import QuantTiled, prepare_quant_swiglu, prepare_quant_tiles, quant_linear
+from tp_llama.kernels.metaquant import Fp8Weight, Int4Weight, fp8_linear, int4_linear
 from tp_llama.kernels.quant import Quantized, quantize, quantized_linear
 
 KINDS = ("amx", "tiles", "onednn", "plain")
-Weight = torch.Tensor | Tiled | QuantTiled | Quantized
+Weight = torch.Tensor | Tiled | QuantTiled | Quantized | Int4Weight | Fp8Weight
 
-__all__ = ["KINDS", "QuantTiled", "Quantized", "Tiled", "Weight", "choose", "cpu_flags", "linear", "prepare",
-           "prepare_swiglu", "warm_up"]
+__all__ = ["KINDS", "Fp8Weight", "Int4Weight", "QuantTiled", "Quantized", "Tiled", "Weight", "choose", "cpu_flags",
+           "linear", "prepare", "prepare_swiglu", "warm_up"]
 
 
 def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tuple[str, str]:
@@ -103,6 +105,10 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         return quant_linear(x, weight)
     if isinstance(weight, Quantized):
         return quantized_linear(x, weight)
+    if isinstance(weight, Int4Weight):
+        return int4_linear(x, weight)
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight)
     if weight.is_mkldnn:
         return onednn.linear(x, weight)
     return F.linear(x, weight)

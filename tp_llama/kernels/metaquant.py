@@ -1,0 +1,263 @@
+"""The matmuls of Meta's own quantized checkpoints, on PyTorch's ops (every device).
+
+- int4 (Llama 3.2 1B/3B QLoRA and SpinQuant: torchao's 8da4w, `Int8DynActInt4WeightLinear`): each
+  weight holds int4 values (-8..7, one per int8) in groups of `group` along k with a float32 scale (and
+  zero point) a group, w = (q - zero) * scale. Each matmul first quantizes its input per token to int8,
+  asymmetric, over the whole row (the scale and zero point from the row's minimum and maximum, both
+  widened to include zero), then multiplies the dequantized input by the dequantized weight in float32.
+  QLoRA adds its adaptor on the unquantized input, x @ A^T @ B^T * lora_scale; SpinQuant's w2 takes
+  a Walsh-Hadamard transform of its input first (ExecuTorch's online rotation).
+- fp8 (Llama 3.1 405B): float8 e4m3 weights, one float32 scale per row of each k slice (a checkpoint
+  shard's columns); on CUDA GPUs with float8 matmuls through torch._scaled_mm, each input row quantized
+  to float8 with its own scale (its largest magnitude, capped at `activation_ub`). Elsewhere the loader
+  converts the weights to the serving dtype (`dequantize_fp8`).
+
+A row-parallel weight under tensor parallelism holds only its slice of k, but a token's range (and the
+Hadamard transform) spans the whole row: `Across` brings in the other ranks' parts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tp_llama.kernels.quant import INT4_ROWS, pack_int4
+
+ACT_MIN, ACT_MAX = -128, 127  # the int8 range of a token's quantized activations
+ACT_EPS = torch.finfo(torch.float32).eps  # the smallest activation step (torchao's eps)
+TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes PyTorch's int4 matmuls take
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+FP8_ACTIVATION_UB = 1200.0  # Meta's cap on an input row's largest magnitude before its fp8 scale
+
+
+class Across(Protocol):
+    """What a row-parallel weight's input needs from the other ranks (tp_llama.checkpoint gives it)."""
+
+    rank: int
+    size: int
+
+    def row_range(self, bounds: torch.Tensor) -> torch.Tensor:
+        """bounds [T, 2] of (max, -min) over this rank's part of each row: the whole row's, in place."""
+        ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, k] on every rank: [size, T, k], the ranks' parts in rank order."""
+        ...
+
+
+@dataclass
+class Int4Weight:
+    """A weight [out, k] as torchao's 8da4w holds it. `q` (int8, -8..7), `scales` and `zeros` ([out,
+    k / group], float32) until `pack` lays them out for the device's int4 matmul; `lora_a` [rank, k] and
+    `lora_b` [out, rank] (float32) QLoRA's adaptor; `hadamard`: the input is rotated first."""
+
+    shape: tuple[int, int]
+    group: int
+    q: torch.Tensor | None
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    lora_scale: float = 1.0
+    hadamard: bool = False
+    across: Across | None = None
+    packed: torch.Tensor | None = field(default=None, repr=False)
+    scales_zeros: torch.Tensor | None = field(default=None, repr=False)
+    dense: torch.Tensor | None = field(default=None, repr=False)  # group sizes the int4 matmuls lack
+
+    def dequantize(self) -> torch.Tensor:
+        """The float64 weight [out, k] (before packing)."""
+        out, k = self.shape
+        q = self.q.double().view(out, k // self.group, self.group)
+        zeros = self.zeros.double() if self.zeros is not None else 0.0
+        return ((q - zeros[..., None] if self.zeros is not None else q) * self.scales.double()[..., None]).view(out, k)
+
+
+def check_int4(name: str, weight: Int4Weight) -> None:
+    """Shapes and values a matmul relies on; ValueError naming the tensor otherwise."""
+    out, k = weight.shape
+    groups = (out, k // weight.group)
+    if k % weight.group:
+        raise ValueError(f"{name}: groups of {weight.group} do not divide k = {k}")
+    if weight.q is None or weight.q.dtype != torch.int8 or tuple(weight.q.shape) != (out, k):
+        raise ValueError(f"{name}: int4 values must be int8 [{out}, {k}]")
+    if int(weight.q.min()) < -8 or int(weight.q.max()) > 7:
+        raise ValueError(f"{name}: int4 values must lie in -8..7, found {int(weight.q.min())}..{int(weight.q.max())}")
+    for part, tensor in (("scales", weight.scales), ("zeros", weight.zeros)):
+        if tensor is not None and tuple(tensor.shape) != groups:
+            raise ValueError(f"{name}.{part}: shape {tuple(tensor.shape)}, expected {groups} "
+                             f"(groups of {weight.group})")
+
+
+def fuse_int4(weights: list[Int4Weight]) -> Int4Weight:
+    """One weight whose outputs are the weights' outputs side by side (q/k/v, w1/w3): the same input
+    quantization (one input row), the adaptors' A stacked and their B block-diagonal."""
+    first = weights[0]
+    if len({(w.shape[1], w.group, w.lora_scale, w.hadamard, w.lora_a is None) for w in weights}) != 1:
+        raise ValueError("only weights of one k, group, adaptor scale and rotation fuse")
+    zeros = None
+    if any(w.zeros is not None for w in weights):
+        zeros = torch.cat([w.zeros if w.zeros is not None else torch.zeros_like(w.scales) for w in weights])
+    lora_a = lora_b = None
+    if first.lora_a is not None:
+        lora_a = torch.cat([w.lora_a for w in weights])
+        lora_b = torch.block_diag(*[w.lora_b for w in weights])
+    out = sum(w.shape[0] for w in weights)
+    return replace(first, shape=(out, first.shape[1]), q=torch.cat([w.q for w in weights]),
+                   scales=torch.cat([w.scales for w in weights]), zeros=zeros, lora_a=lora_a, lora_b=lora_b,
+                   packed=None, scales_zeros=None, dense=None)
+
+
+def pack(weight: Int4Weight, device: torch.device | None = None) -> Int4Weight:
+    """The weight laid out for the int4 matmul on `device` (PyTorch's tinygemm packing, whose 4-bit values
+    are q + 8 and whose zero point stands at 8: w = (q + 8 - 8) * scale + zero', zero' = -zero * scale); a
+    group size those matmuls lack keeps a dequantized float32 weight. The int8 values are dropped."""
+    device = device or weight.scales.device
+    if weight.packed is not None or weight.dense is not None:
+        return weight
+    out, k = weight.shape
+    lora = {name: None if getattr(weight, name) is None else getattr(weight, name).to(device)
+            for name in ("lora_a", "lora_b")}
+    if weight.group not in TINYGEMM_GROUPS:
+        dense = weight.dequantize().float().to(device)
+        return replace(weight, q=None, zeros=None, dense=dense, **lora)
+    rows = out + (-out % INT4_ROWS)
+    q = F.pad(weight.q.to(torch.int32) + 8, (0, 0, 0, rows - out))
+    scales = F.pad(weight.scales.float(), (0, 0, 0, rows - out))
+    zeros = -F.pad(weight.zeros.float(), (0, 0, 0, rows - out)) * scales if weight.zeros is not None \
+        else torch.zeros_like(scales)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CUDA's tinygemm takes bfloat16 only
+    scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(device, dtype)
+    return replace(weight, q=None, zeros=None, packed=pack_int4(q, device), scales_zeros=scales_zeros,
+                   scales=weight.scales.to(device), **lora)
+
+
+def quantize_rows(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """x [T, k] (float32) quantized to int8 per row and dequantized, as torchao's per-token asymmetric
+    quantization does: bounds [T, 2] hold each row's (max, -min), taken over the whole row."""
+    high = bounds[:, :1].clamp(min=0)
+    low = (-bounds[:, 1:]).clamp(max=0)
+    scale = ((high - low) / float(ACT_MAX - ACT_MIN)).clamp(min=ACT_EPS)
+    zero = (ACT_MIN - torch.round(low / scale)).clamp(ACT_MIN, ACT_MAX)
+    q = (torch.round(x * (1.0 / scale)) + zero).clamp(ACT_MIN, ACT_MAX)
+    return (q - zero) * scale
+
+
+def row_bounds(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2]: each row's (max, -min)."""
+    return torch.stack([x.amax(dim=-1), -x.amin(dim=-1)], dim=-1)
+
+
+def walsh_hadamard(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """x [..., n] times the Sylvester Hadamard matrix of n (a power of two), over sqrt(n) if normalized:
+    log2(n) butterfly passes of (a + b, a - b)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"a Walsh-Hadamard transform needs a power of two, not {n}")
+    lead = x.shape[:-1]
+    y = x.reshape(-1, n)
+    half = 1
+    while half < n:
+        pairs = y.view(-1, n // (2 * half), 2, half)
+        y = torch.stack([pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]], dim=2).view(-1, n)
+        half *= 2
+    y = y.view(*lead, n)
+    return y / math.sqrt(n) if normalize else y
+
+
+def rotate(x: torch.Tensor, across: Across | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's part of H x / sqrt(n), each whole row's bounds) for x [T, k] this rank's part of
+    each row. The whole row's Hadamard matrix is H_size (x) H_k: each rank transforms its own part,
+    the parts are gathered, and a butterfly over the ranks finishes every rank's part (all of them, so
+    every rank knows each row's range without another collective)."""
+    if across is None or across.size == 1:
+        y = walsh_hadamard(x)
+        return y, row_bounds(y)
+    parts = across.gather(walsh_hadamard(x, normalize=False))  # [size, T, k]
+    size, rows, k = parts.shape
+    whole = walsh_hadamard(parts.permute(1, 2, 0), normalize=False).permute(0, 2, 1)  # [T, size, k]
+    whole = whole / math.sqrt(size * k)
+    return whole[:, across.rank].contiguous(), row_bounds(whole.reshape(rows, size * k))
+
+
+def int4_matmul(xq: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """xq [T, k] @ the weight^T, in float32 (bfloat16 inputs on CUDA, whose int4 matmul takes no other)."""
+    if weight.dense is not None:
+        return xq @ weight.dense.T
+    if xq.device.type == "cuda":
+        y = torch.ops.aten._weight_int4pack_mm(xq.bfloat16(), weight.packed, weight.group, weight.scales_zeros)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, weight.packed, weight.group, weight.scales_zeros)
+    return y[:, : weight.shape[0]].float()
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """x [..., k] @ weight^T (plus the adaptor), in x's dtype, computed in float32."""
+    if weight.packed is None and weight.dense is None:
+        packed = pack(weight, x.device)
+        weight.__dict__.update(packed.__dict__)  # packed once, in place: the module keeps this object
+    out, k = weight.shape
+    flat = x.reshape(-1, k).float()
+    if weight.hadamard:
+        flat, bounds = rotate(flat, weight.across)
+    else:
+        bounds = row_bounds(flat)
+        if weight.across is not None and weight.across.size > 1:
+            bounds = weight.across.row_range(bounds)
+    y = int4_matmul(quantize_rows(flat, bounds), weight)
+    if weight.lora_a is not None:
+        y = y + (flat @ weight.lora_a.T) @ weight.lora_b.T * weight.lora_scale
+    return y.to(x.dtype).reshape(*x.shape[:-1], out)
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 q [rows, cols] times scales [rows, n] (n groups along each row, n = 1: a scale a row), as
+    Meta's reference loader makes the embedding and output layer: float32 products, then `dtype`."""
+    rows, cols = q.shape
+    scales = scales.reshape(rows, -1).float()
+    groups = scales.shape[1]
+    return (q.float().view(rows, groups, cols // groups) * scales[..., None]).view(rows, cols).to(dtype)
+
+
+@dataclass
+class Fp8Weight:
+    """A weight [out, k] in float8 e4m3 on a CUDA device: `slices` (one contiguous float8 tensor [out,
+    k_i] per k slice) and `scales` (float32 [1, out] per slice), w = data * scale per row of a slice."""
+
+    shape: tuple[int, int]
+    slices: list[torch.Tensor]
+    scales: list[torch.Tensor]
+    activation_ub: float = FP8_ACTIVATION_UB
+
+
+def fp8_matmuls(device: torch.device) -> bool:
+    """Whether `device` runs torch._scaled_mm on float8 (CUDA, compute capability 8.9 and up)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x [..., k] @ weight^T on CUDA: each k slice's input rows quantized to float8 with a scale each
+    (the row's largest magnitude, capped at activation_ub, over FP8_MAX), the products in bfloat16."""
+    out, k = weight.shape
+    flat = x.reshape(-1, k)
+    y = None
+    start = 0
+    for data, scales in zip(weight.slices, weight.scales):
+        part = flat[:, start : start + data.shape[1]].float()
+        start += data.shape[1]
+        top = part.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12, max=weight.activation_ub)
+        x_scale = top / FP8_MAX
+        xq = (part / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        product = torch._scaled_mm(xq, data.t(), scale_a=x_scale, scale_b=scales, out_dtype=torch.bfloat16,
+                                   use_fast_accum=True)
+        y = product if y is None else y + product
+    return y.to(x.dtype).reshape(*x.shape[:-1], out)
+
+
+def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8 data [rows, cols] times a float32 scale per row, in float32, then `dtype`."""
+    return (data.float() * scales.reshape(-1, 1).float()).to(dtype)
