@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tp_llama.backend import cpu, fused
+from tp_llama.backend import cpu, fused, metaquant
 from tp_llama.kernels import Weight, choose
 from tp_llama.kernels.quant import BITS, check_groups
 from tp_llama.model import Transformer
@@ -38,6 +38,9 @@ class Preparation:
 
     def layer(self, block: nn.Module, name: str) -> None:
         """One block's serving modules (name: its name in the model, for errors)."""
+        if metaquant.holds_meta_weights(block):  # a checkpoint Meta quantized (its loader refuses self.bits)
+            metaquant.apply_layer(block, self.kind, self.device)
+            return
         if self.bits != 16:
             for child, module in block.named_modules():
                 if isinstance(module, (nn.Linear, LocalLinear)):

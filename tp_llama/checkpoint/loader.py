@@ -17,12 +17,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tp_llama.checkpoint.formats import read_format
+from tp_llama.checkpoint.quantized import Layout
 from tp_llama.checkpoint.reader import Piece, ShardFiles, local_shape, plan_local_shard, read_pieces
 from tp_llama.checkpoint.shards import check_keys, find_shards, load_shard
 from tp_llama.errors import CheckpointError
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, log
-from tp_llama.parallel.layout import check_tp_size, full_shapes, shard_dim
+from tp_llama.parallel.layout import check_tp_size, full_shapes
 from tp_llama.parallel.modules import local_module
 from tp_llama.pages import give_back_free_memory
 
@@ -42,6 +44,8 @@ class _SkipInit(TorchFunctionMode):
 
 class Preparer(Protocol):
     """What the serving backend does to a model as it is read (tp_llama.backend.Preparation)."""
+
+    bits: int  # 16: the weights as read; 8 or 4: quantized at load (refused for a quantized checkpoint)
 
     def layer(self, block: nn.Module, name: str) -> None: ...
 
@@ -87,8 +91,9 @@ def _groups(keys: list[str]) -> list[tuple[str | None, list[str]]]:
     for key in keys:
         if key.startswith("layers."):
             layers.setdefault(".".join(key.split(".")[:2]), []).append(key)
-    first = [key for key in keys if not key.startswith("layers.") and key != "output.weight"]
-    return [(None, first), *layers.items(), (None, ["output.weight"])]
+    last = [key for key in keys if key.startswith("output.")]
+    first = [key for key in keys if not key.startswith("layers.") and key not in last]
+    return [(None, first), *layers.items(), (None, last)]
 
 
 def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype,
@@ -100,22 +105,28 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
     """
     tp, rank = info.world_size, info.rank
     group = dist.group.WORLD if tp > 1 else None
-    expected = full_shapes(args)
     start = time.perf_counter()
     model = skeleton(args).requires_grad_(False)
     nbytes = 0
     with every_rank_agrees():
         check_tp_size(args, tp)
-        files = ShardFiles(find_shards(ckpt_dir), expected)
-        for name, keys in _groups(list(expected)) if prepare is not None else [(None, list(expected))]:
+        paths = find_shards(ckpt_dir)
+        layout = quantized_layout(ckpt_dir, args, paths, tp, dtype, info.device, prepare)
+        if layout.fmt.quantized:
+            log(f"checkpoint format: {layout.fmt.describe()}", rank)
+        files = ShardFiles(paths, layout.full, layout.check_file if layout.fmt.quantized else None)
+        keys_in_order = list(layout.specs)
+        for name, keys in _groups(keys_in_order) if prepare is not None else [(None, keys_in_order)]:
             state: dict[str, torch.Tensor] = {}
             pieces: list[tuple[int, Piece]] = []
             for key in keys:
-                dim = shard_dim(key, args.family) if tp > 1 else None
-                state[key] = torch.empty(local_shape(expected[key], dim, tp), dtype=dtype)
-                pieces += plan_local_shard(files, key, expected[key], dim, rank, tp, state[key])
+                spec = layout.specs[key]
+                dim = spec.dim if tp > 1 else None
+                state[key] = torch.empty(local_shape(spec.full, dim, tp), dtype=spec.dtype)
+                pieces += plan_local_shard(files, key, spec.full, dim, rank, tp, state[key])
             read_pieces(files, pieces)
             nbytes += sum(t.numel() * t.element_size() for t in state.values())
+            layout.assemble(model, state, rank, tp, len(paths), group)
             assign(model, state, args.family, group)
             del state, pieces
             if prepare is not None and name is not None:
@@ -130,6 +141,21 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
     return model
 
 
+def quantized_layout(ckpt_dir: str | Path, args: ModelArgs, paths: list[Path], tp: int, dtype: torch.dtype,
+                     device: torch.device, prepare: Preparer | None) -> Layout:
+    """The checkpoint's format and what a rank reads of it; quantizing at load is refused for a checkpoint
+    that comes quantized (its weights would be quantized twice)."""
+    fmt = read_format(ckpt_dir, len(paths))
+    bits = getattr(prepare, "bits", 16)
+    if fmt.quantized and bits != 16:
+        asked = {8: "int8", 4: "int4"}.get(bits, f"{bits} bits")
+        raise CheckpointError(
+            f"{ckpt_dir}: quantize {asked!r} was asked for, but this checkpoint comes quantized "
+            f"({fmt.describe()}): it is served in its own format; set quantize to none (handler.quantize in the "
+            "yaml, --quantize on the command line)")
+    return Layout.build(args, fmt, paths, tp, dtype, device)
+
+
 def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype) -> FSDP:
     """Seed path: each rank loads the file of MP rank (rank % MP), then the converter and FSDP."""
     # FSDP, DTensor and the converter import torch._dynamo: only this mode pays for them.
@@ -141,6 +167,10 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
 
     paths = find_shards(ckpt_dir)
     mp = len(paths)
+    fmt = read_format(ckpt_dir, mp)
+    if fmt.quantized:
+        raise CheckpointError(f"{ckpt_dir}: fsdp mode reads 16-bit checkpoints only, and this one is quantized "
+                              f"({fmt.describe()}); use mode 'tp'")
     if info.world_size % mp:
         raise CheckpointError(
             f"fsdp mode needs a world size that is a multiple of the checkpoint's MP size {mp}, "

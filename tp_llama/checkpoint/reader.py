@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +63,11 @@ class ShardFiles:
     tells where each tensor's bytes start in the file. No weight page is read through it.
     """
 
-    def __init__(self, paths: list[Path], expected: dict[str, tuple[int, ...]]):
+    def __init__(self, paths: list[Path], expected: dict[str, tuple[int, ...]],
+                 check: Callable[[dict[str, torch.Tensor], Path], None] | None = None):
         self.paths = paths
         self.expected = expected
+        self.check = check  # the format's own checks of a file's tensors (checkpoint.quantized.Layout)
         self._open: dict[int, dict[str, torch.Tensor]] = {}
         self._offsets: dict[int, dict[str, int | None]] = {}
 
@@ -75,6 +78,8 @@ class ShardFiles:
         path = self.paths[mp_rank]
         state = load_shard(path)
         check_keys(state, self.expected, path)
+        if self.check is not None:
+            self.check(state, path)
         inode, maps = os.stat(path).st_ino, _mappings()
         starts = [m[0] for m in maps]
         offsets: dict[str, int | None] = {}

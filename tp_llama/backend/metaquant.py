@@ -1,0 +1,82 @@
+"""Serving modules for the blocks of a checkpoint Meta quantized (kernels/metaquant.py's weights, put in
+by checkpoint.quantized as the block is read).
+
+q/k/v fuse into one int4 weight and w1/w3 into another, which is exact: they share their input, so its
+per-token quantization is the same, and the adaptors stack (A) and sit block-diagonal (B). Every int4
+weight is packed for the device that runs it. With the C kernels the norms and decode attention are
+theirs; the matmuls stay on PyTorch's int4 op, so a decode step runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tp_llama.backend.cpu import CAttention, CRMSNorm
+from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held, serving_linear
+from tp_llama.kernels import Fp8Weight, Int4Weight, Weight, prepare
+from tp_llama.kernels.cpu.ffi import library
+from tp_llama.kernels.metaquant import fuse_int4, pack
+from tp_llama.parallel.modules import LocalLinear
+
+META_WEIGHTS = (Int4Weight, Fp8Weight)
+
+
+def holds_meta_weights(block: nn.Module) -> bool:
+    """Whether the block's linears hold a quantized checkpoint's own weights."""
+    return any(isinstance(m, LocalLinear) and isinstance(m.weight, META_WEIGHTS) for m in block.modules())
+
+
+def _fused(weights: list[Weight], kind: str, device: torch.device) -> Weight:
+    """The weights' outputs side by side as one weight, prepared for `kind` on `device`."""
+    if all(isinstance(w, Int4Weight) for w in weights):
+        return pack(fuse_int4(weights), device)
+    if all(isinstance(w, Fp8Weight) for w in weights) and all(len(w.slices) == 1 for w in weights):
+        return Fp8Weight((sum(w.shape[0] for w in weights), weights[0].shape[1]),
+                         [torch.cat([w.slices[0] for w in weights])],
+                         [torch.cat([w.scales[0] for w in weights], dim=1)], weights[0].activation_ub)
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return held(prepare(torch.cat([w.detach() for w in weights]), kind, device))
+    raise ValueError(f"cannot fuse weights of kinds {sorted({type(w).__name__ for w in weights})}")
+
+
+def _serving(module: nn.Module, kind: str, device: torch.device) -> LocalLinear:
+    """A row-parallel layer (wo, w2) with its weight packed or prepared, its collective kept."""
+    weight = module.weight
+    if isinstance(weight, Int4Weight):
+        module.weight = pack(weight, device)
+        return module
+    if isinstance(weight, Fp8Weight):
+        return module
+    return serving_linear(module, kind, device)
+
+
+def _fused_attention(cls: type, attention: nn.Module, kind: str, device: torch.device) -> FusedAttention:
+    """An instance of `cls` (FusedAttention or CAttention) over the block's own projections."""
+    fused = cls.__new__(cls)
+    nn.Module.__init__(fused)
+    fused.head_dim = attention.head_dim
+    fused.widths = (attention.wq.weight.shape[0], attention.wk.weight.shape[0])
+    fused.wqkv = _fused([attention.wq.weight, attention.wk.weight, attention.wv.weight], kind, device)
+    fused.wo = _serving(attention.wo, kind, device)
+    fused.cache = attention.cache
+    return fused
+
+
+def _fused_feed_forward(ffn: nn.Module, kind: str, device: torch.device) -> FusedFeedForward:
+    fused = FusedFeedForward.__new__(FusedFeedForward)
+    nn.Module.__init__(fused)
+    fused.w13 = _fused([ffn.w1.weight, ffn.w3.weight], kind, device)
+    fused.w2 = _serving(ffn.w2, kind, device)
+    return fused
+
+
+def apply_layer(block: nn.Module, kind: str, device: torch.device) -> None:
+    """One block's serving modules for `kind` of matmul on `device` (the C kernels' norms and decode
+    attention where kind is theirs)."""
+    c_kernels = kind in ("amx", "tiles")
+    c_attention = c_kernels and block.attention.head_dim <= library().constants["MAX_HEAD_DIM"]
+    block.attention = _fused_attention(CAttention if c_attention else FusedAttention, block.attention, kind, device)
+    block.feed_forward = _fused_feed_forward(block.feed_forward, kind, device)
+    if c_kernels:
+        block.attention_norm, block.ffn_norm = CRMSNorm(block.attention_norm), CRMSNorm(block.ffn_norm)
