@@ -36,6 +36,7 @@ from tp_llama.serving.native import NativeRequest, parse_request
 from tp_llama.serving.openai_api import MODELS, PATHS, error_body, models_list, parse_openai
 from tp_llama.serving.request import Live, RequestError, json_line
 from tp_llama.serving.settings import HandlerSettings, device_of, resolve_ckpt_dir, settings_from_yaml
+from tp_llama.serving.tool_use import resolve_tool_format
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class LlamaHandler(BaseHandler):
         self.settings = settings = replace(settings, engine=engine)
         started = time.perf_counter()
         self.engine = Engine.load(settings.engine)
+        self.settings = settings = replace(settings, tool_format=resolve_tool_format(
+            settings.tool_format, self.engine.tokenizer.family, self.engine.args.dim))
         # One token end to end now, so the first client does not pay for lazy kernel/collective setup.
         warm_up = Sequence("warm-up", self.engine.tokenizer.encode("Hello", bos=True), SamplingParams(1))
         self.engine.generate([warm_up])

@@ -5,8 +5,8 @@ What each format allows (tool_format.py writes the prompts):
 - ``llama3_json``: exactly one call per reply, ``{"name": ..., "parameters": {...}}``, optionally
   with ``"type": "function"`` first and ``<|python_tag|>`` before it. Meta's Llama 3.1 guide
   supports a single call per reply in this format, so ``parallel`` changes nothing here.
-- ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1), g(b="x")]``: 1..N calls
-  when ``parallel`` is true, exactly one when false.
+- ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1), g(b="x")]``: 1 to
+  MAX_CALLS calls when ``parallel`` is true, exactly one when false.
 
 The grammar is Lark for llguidance. JSON calls embed each tool's ``parameters`` schema with
 ``%json``, so llguidance itself enforces every JSON schema feature it supports and rejects the rest
@@ -33,6 +33,7 @@ _PY_STRING_OPTIONS = {"json_allowed_escapes": 'nrbtf\\"'}
 _CALL_START = r"[ \t\n\r]*(\{|\[|<\|python_tag\|>)(?s:.*)"
 _TEXT_RULE = f"TEXT: /(?s:.*)/ & ~/{_CALL_START}/"
 _SPACE = " \t\n\r"
+MAX_CALLS = 8  # a pythonic reply's calls at most: a list without end would run to max_tokens, never a call
 _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                 "writeOnly", "$schema", "$id", "$defs", "definitions"}
 _KEYWORDS = {
@@ -140,7 +141,7 @@ def tool_call_grammar(tools: list[dict], choice: str | dict, tool_format: str, p
         call = " | ".join(alternatives)
     else:
         call = rules.new(" | ".join(_pythonic_call(rules, f) for f in chosen))
-        call = f'"[" {call} (", " {call})* "]"' if parallel else f'"[" {call} "]"'
+        call = f'"[" {call} (", " {call}){{0,{MAX_CALLS - 1}}} "]"' if parallel else f'"[" {call} "]"'
     start = f"<|python_tag|>? ({call})"
     head = f"start: TEXT | {start}\n{_TEXT_RULE}" if choice == "auto" else f"start: {start}"
     return head + "\n" + "\n".join(f"{k}: {v}" for k, v in rules.rules.items()) + "\n"

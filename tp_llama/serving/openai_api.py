@@ -34,6 +34,7 @@ from tp_llama.serving.request import (
 )
 from tp_llama.serving.settings import HandlerSettings
 from tp_llama.serving.structured import constrained_reply
+from tp_llama.serving.tool_use import resolve_tool_format, tool_use
 
 MODELS = "v1/models"
 PATHS = (COMPLETIONS, CHAT)
@@ -64,17 +65,15 @@ _DEFAULT_ONLY = {
     },
     CHAT: {
         **_DEFAULT_ONLY_COMMON,
-        "tools": (_null_or([]), "tools are not supported"),
-        "tool_choice": (_null_or("none"), "tool_choice is not supported"),
-        "functions": (_null_or([]), "functions are not supported"),
-        "function_call": (_null_or("none"), "function_call is not supported"),
-        "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "parallel_tool_calls must be a boolean"),
+        "functions": (_null_or([]), "functions are deprecated by OpenAI and not supported: send tools"),
+        "function_call": (_null_or("none"), "function_call is deprecated by OpenAI and not supported: send tool_choice"),
         "store": (_null_or(False), "store is not supported"),
     },
 }
 _HONOURED = {
     COMPLETIONS: {"prompt", "max_tokens", "logprobs", "echo"},
-    CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"},
+    CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+           "parallel_tool_calls"},
 }
 # ignore_eos, top_k, min_p, repetition_penalty, cache_salt and return_token_ids are vLLM's extensions,
 # which its clients send.
@@ -255,14 +254,16 @@ def parse_openai(
     ignore_eos = boolean_field(body, "ignore_eos")
     include_usage = _include_usage(body, stream)
     stops = _stop_strings(body)
-    logprobs, echo, texts = _logprobs_asked(body, path), False, None
+    logprobs, echo, texts, tools = _logprobs_asked(body, path), False, None, None
     if path == CHAT:
         if "max_tokens" in body and "max_completion_tokens" in body:
             raise RequestError("send only one of max_completion_tokens and max_tokens", param="max_tokens")
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if "messages" not in body:
             raise RequestError("messages is required", param="messages")
-        prompts = [chat_prompt_ids(_chat_messages(body["messages"]), tokenizer)]
+        tools = tool_use(body, resolve_tool_format(settings.tool_format, tokenizer.family))
+        messages = _chat_messages(body["messages"])
+        prompts = [tools.prompt_ids(messages, tokenizer) if tools else chat_prompt_ids(messages, tokenizer)]
     else:
         key = "max_tokens"
         if "prompt" not in body:
@@ -273,9 +274,18 @@ def parse_openai(
     params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs, ignore_eos)
     if echo:
         params = replace(params, prompt_logprobs=logprobs)
-    job = Job(prompts[0], params, stream, cache_salt_field(body), constrained_reply(body, ignore_eos))
+    grammar = constrained_reply(body, ignore_eos)
+    if tools is not None and tools.choice != "none":
+        if grammar is not None:
+            raise RequestError(f"send either tools (with tool_choice other than none) or {grammar.param}, not both",
+                               param=grammar.param)
+        if ignore_eos:
+            raise RequestError("ignore_eos cannot be combined with tools: a call ends with the end-of-sequence "
+                               "token", param="ignore_eos")
+        grammar = tools.grammar
+    job = Job(prompts[0], params, stream, cache_salt_field(body), grammar)
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created,
                          return_token_ids=boolean_field(body, "return_token_ids"), prompts=prompts,
-                         prompt_texts=texts or [None], echo=echo)
+                         prompt_texts=texts or [None], echo=echo, tools=tools)

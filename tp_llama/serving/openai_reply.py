@@ -19,6 +19,7 @@ from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.openai_logprobs import LegacyLogprobs, chat_logprobs, joined
 from tp_llama.serving.request import Job, json_line
 from tp_llama.serving.stream import StopWatcher, StreamDecoder
+from tp_llama.serving.tool_use import ToolReply, ToolUse
 
 COMPLETIONS = "v1/completions"
 CHAT = "v1/chat/completions"
@@ -42,6 +43,7 @@ class Choice:
     pending: list[TokenLogprobs] = field(default_factory=list)  # streamed: log-probabilities not sent yet
     pending_ids: list[int] = field(default_factory=list)  # streamed: token ids not sent yet
     echoed: bool = False  # streamed: the prompt part went out
+    tool: ToolReply | None = None  # chat with tools: the reply's calls
     done: bool = False  # streamed: its finish chunk went out
 
     @property
@@ -72,6 +74,7 @@ class OpenAIRequest:
     decode: Callable[[list[int]], str] | None = None
     choices: list[Choice] = field(default_factory=list)
     started: bool = False  # chat: the assistant's role went out
+    tools: ToolUse | None = None  # chat: the request's tools
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -103,6 +106,8 @@ class OpenAIRequest:
             choice = Choice(i, seq, echo, None if self.chat else LegacyLogprobs(self.decode))
             if follow:  # text followed step by step when streamed or when stop strings must be watched for
                 choice.decoder, choice.watcher = StreamDecoder(self.decode), StopWatcher(self.stops)
+            if self.tools is not None:
+                choice.tool = ToolReply(self.tools)
             self.choices.append(choice)
         return [choice.seq for choice in self.choices]
 
@@ -141,6 +146,8 @@ class OpenAIRequest:
         return json_line(self.final_reply()) if self.finished else ""
 
     def finish_reason(self, choice: Choice) -> str:
+        if choice.tool is not None and choice.seq.finished and choice.tool.finished_as_call:
+            return "tool_calls"
         return "stop" if choice.stopped else choice.seq.finish_reason
 
     def timed_out(self) -> bool:
@@ -168,15 +175,17 @@ class OpenAIRequest:
         return joined(prompt, choice.lists.generated(logprobs))
 
     def _chunk(self, choice: Choice, text: str | None, finish_reason: str | None,
-               logprobs: list[TokenLogprobs] = (), token_ids: list[int] = ()) -> dict[str, Any]:
+               logprobs: list[TokenLogprobs] = (), token_ids: list[int] = (), calls: list[dict] = ()) -> dict[str, Any]:
         echo = self.echo and not choice.echoed and choice.prompt_scored
         lp = self._logprobs(choice, list(logprobs), echo) if logprobs or echo else None
         if self.chat:
             delta: dict[str, Any] = {}
             if not self.started:
                 delta["role"] = "assistant"
-            if text is not None:
+            if text is not None and (text or not calls):
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = list(calls)
             choice_out = {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             chunk = {**self._head("chat.completion.chunk"), "choices": [choice_out]}
         else:
@@ -197,10 +206,15 @@ class OpenAIRequest:
         for choice in self.choices:
             echo = self.echo and not choice.echoed and choice.prompt_scored and (choice.seq.output
                                                                                  or choice.seq.finished)
-            if (choice.unsent or choice.pending or (self.return_token_ids and choice.pending_ids)
+            text, calls = choice.unsent, []
+            if choice.tool is not None:
+                text, calls = choice.tool.feed(choice.unsent)
+                if choice.seq.finished:
+                    text += choice.tool.flush()
+            if (text or calls or choice.pending or (self.return_token_ids and choice.pending_ids)
                     or (self.chat and not self.started) or echo):
-                events.append(self._chunk(choice, choice.unsent, None, choice.pending, choice.pending_ids))
-                choice.unsent, choice.pending, choice.pending_ids = "", [], []
+                events.append(self._chunk(choice, text, None, choice.pending, choice.pending_ids, calls))
+            choice.unsent, choice.pending, choice.pending_ids = "", [], []
         if self.timed_out():
             return _sse(events) + _event({"error": timeout_error()}) + DONE
         for choice in self.choices:
@@ -224,8 +238,12 @@ class OpenAIRequest:
             logprobs = self._logprobs(choice, seq.logprobs, self.echo)
             reason = self.finish_reason(choice)
             if self.chat:
-                entry = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": reason}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if choice.tool is not None:
+                    message["content"], calls, _ = choice.tool.finish(text)
+                    message["tool_calls"] = calls
+                    reason = self.finish_reason(choice)
+                entry = {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
             else:
                 text = choice.echo_text + text if self.echo else text
                 entry = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason}

@@ -1,0 +1,187 @@
+"""Tool calling on /v1/chat/completions, on random weights: every call the server reports parses, names a
+given tool (the named one when one is forced) and its arguments validate against that tool's
+parameters (the `jsonschema` library); streamed deltas add up to the whole reply; a forced choice is
+always a call; a reply's calls go back into the history and are served again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jsonschema
+import pytest
+
+from tests.test_handler_unit import final_json, run_to_end, serve
+from tp_llama.config import EngineConfig
+from tp_llama.engine.constraint import grammar_tokenizer
+from tp_llama.engine.core import Engine
+from tp_llama.serving.grammars import GrammarCompiler
+from tp_llama.serving.openai_api import parse_openai
+from tp_llama.serving.openai_reply import CHAT
+from tp_llama.serving.request import RequestError
+from tp_llama.serving.settings import HandlerSettings
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                   "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "system", "content": "You can look things up."}, {"role": "user", "content": "Weather in Oslo?"}]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+PATH = {"r": "v1/chat/completions"}
+MAX_SEQ_LEN = 2048  # the tools' definitions make a long prompt with the small test tokenizer
+SETTINGS = HandlerSettings(EngineConfig("/ckpt", max_seq_len=MAX_SEQ_LEN), default_max_new_tokens=64,
+                           max_new_tokens_limit=200, temperature=1.0, top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def engine(synthetic_checkpoint) -> Engine:
+    return Engine.load(EngineConfig(str(synthetic_checkpoint("llama3", mp=1)), "tp", "float32",
+                                    max_seq_len=MAX_SEQ_LEN, max_batch_size=4, prefill_budget=512))
+
+
+@pytest.fixture(scope="module")
+def compiler(engine: Engine) -> GrammarCompiler:
+    return GrammarCompiler(grammar_tokenizer(engine.tokenizer))
+
+
+def make_handler(engine, compiler, tool_format: str):
+    import handler.llama_handler as llama_handler
+
+    h = llama_handler.LlamaHandler()
+    h.engine, h.grammars = engine, compiler
+    h.settings = dataclasses.replace(SETTINGS, tool_format=tool_format)
+    h.scheduler = engine.new_scheduler()
+    return h
+
+
+def ask(handler, seed: int, stream: bool = False, **fields) -> list:
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 200, "temperature": 1.0, "seed": seed,
+            "stream": stream, **fields}
+    return run_to_end(handler, {"r": json.dumps(body).encode()}, paths=PATH)["r"]
+
+
+def check_calls(calls: list[dict], choice) -> None:
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        name = call["function"]["name"]
+        assert name in SCHEMAS and (choice != NAMED or name == "get_time")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
+
+
+def streamed_message(replies: list) -> tuple[str | None, list[dict], str]:
+    """The content, the calls and the finish reason that a client puts together from the deltas."""
+    content, calls, reason = None, {}, None
+    for piece, _, _ in replies:
+        for line in piece.splitlines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                delta = choice["delta"]
+                if delta.get("content"):
+                    content = (content or "") + delta["content"]
+                for d in delta.get("tool_calls", []):
+                    call = calls.setdefault(d["index"], {"id": None, "type": "function",
+                                                         "function": {"name": None, "arguments": ""}})
+                    call["id"] = d.get("id") or call["id"]
+                    call["function"]["name"] = d.get("function", {}).get("name") or call["function"]["name"]
+                    call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
+                reason = choice["finish_reason"] or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("tool_format", ["llama3_json", "pythonic"])
+@pytest.mark.parametrize("choice", ["required", NAMED, "auto"], ids=["required", "named", "auto"])
+def test_calls_parse_name_a_tool_and_validate_streamed_or_not(engine, compiler, tool_format, choice):
+    handler = make_handler(engine, compiler, tool_format)
+    calls_seen = 0
+    for seed in range(3):
+        whole = final_json(ask(handler, seed, tool_choice=choice))["choices"][0]
+        message, reason = whole["message"], whole["finish_reason"]
+        if choice != "auto" or reason == "tool_calls":
+            assert reason == "tool_calls" and message["content"] is None, whole
+            check_calls(message["tool_calls"], choice)
+            calls_seen += 1
+            if tool_format == "llama3_json":
+                assert len(message["tool_calls"]) == 1
+        else:
+            assert message["tool_calls"] == [] and not message["content"].lstrip().startswith(("{", "["))
+        content, calls, streamed_reason = streamed_message(ask(handler, seed, stream=True, tool_choice=choice))
+        assert streamed_reason == reason and (content or "") == (message["content"] or "")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+               [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert calls_seen or choice == "auto"
+
+
+def test_pythonic_parallel_calls_are_a_list_and_one_when_parallel_is_off(engine, compiler):
+    handler = make_handler(engine, compiler, "pythonic")
+    counts = set()
+    for seed in range(6):
+        for parallel in (True, False):
+            reply = final_json(ask(handler, seed, tool_choice="required", parallel_tool_calls=parallel))
+            calls = reply["choices"][0]["message"]["tool_calls"]
+            check_calls(calls, "required")
+            assert parallel or len(calls) == 1
+            counts.add(len(calls))
+    assert max(counts) >= 1
+
+
+def test_a_reply_s_calls_and_their_results_go_back_into_the_history(engine, compiler):
+    handler = make_handler(engine, compiler, "llama3_json")
+    reply = final_json(ask(handler, 1, tool_choice="required"))["choices"][0]["message"]
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": reply["tool_calls"]},
+                          {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": '{"ok": true}'}]
+    again = final_json(run_to_end(handler, {"r": json.dumps({
+        "messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 8, "temperature": 0}).encode()},
+        paths=PATH)["r"])["choices"][0]
+    assert again["finish_reason"] in ("stop", "length") and again["message"]["tool_calls"] == []
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": True}, "parallel_tool_calls", "one call per reply"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "either tools"),
+    ({"tools": TOOLS, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+])
+def test_bad_tool_requests_are_refused_naming_the_field(engine, fields, param, message):
+    body = json.dumps({"messages": MESSAGES, **fields}).encode()
+    with pytest.raises(RequestError, match=message) as info:
+        parse_openai(CHAT, {"body": body}, SETTINGS, engine.tokenizer, engine.args.vocab_size, "m", "r")
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("tool_format", ["llama3_json", "pythonic"])
+def test_a_parameter_schema_the_grammar_cannot_enforce_is_a_400_naming_it(engine, compiler, tool_format):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]
+    body = json.dumps({"messages": MESSAGES, "tools": tools, "tool_choice": "required"}).encode()
+    got = serve(make_handler(engine, compiler, tool_format), [[("r", body)]], PATH)["r"][0]
+    error = json.loads(got[0])["error"]
+    assert got[1].status[got[2]] == 400 and error["param"] == "tools" and "uniqueItems" in error["message"]
+
+
+def test_a_llama2_checkpoint_refuses_tools(synthetic_checkpoint):
+    from tp_llama.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(synthetic_checkpoint("llama2", mp=1) / "tokenizer.model")
+    body = json.dumps({"messages": MESSAGES, "tools": TOOLS}).encode()
+    with pytest.raises(RequestError, match="Llama 2") as info:
+        parse_openai(CHAT, {"body": body}, SETTINGS, tokenizer, 512, "m", "r")
+    assert info.value.param == "tools"
+
+
+def test_tool_choice_none_adds_no_grammar_and_answers_in_text(engine, compiler):
+    handler = make_handler(engine, compiler, "pythonic")
+    got = serve(handler, [[("r", json.dumps({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none",
+                                              "max_tokens": 4, "temperature": 0}).encode())]], PATH)
+    assert "r" not in handler.compiling and got["r"]
