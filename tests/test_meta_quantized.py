@@ -67,6 +67,22 @@ def test_int4_matmul_is_torchaos_8da4w_with_metas_adaptor(group: int):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_bfloat16_models_take_exact_input_steps_and_scale_pairs():
+    """A bfloat16 model's int4 matmuls: the input's integer steps (exact in bfloat16), each scale as two
+    bfloat16 parts, two matmuls whose bfloat16 outputs are summed in float32: within bfloat16's rounding
+    of the output of torchao's float32 module."""
+    from tp_llama.kernels.metaquant import pack
+
+    module, state = torchao_layer(96, 256, 32, seed=2)
+    weight = pack(Int4Weight((96, 256), 32, state["0.weight"], state["0.scales"], state["0.zeros"]),
+                  torch.device("cpu"), bf16=True)
+    assert weight.scales_zeros.shape == (2, 8, 96, 2) and weight.scales_zeros.dtype == torch.bfloat16
+    rows = (torch.randn(6, 256) * 4).bfloat16()
+    want = module(rows.float())
+    got = int4_linear(rows, weight).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=2**-8 * want.abs().max().item())
+
+
 def test_activations_quantize_as_torchaos_per_token_asymmetric_int8():
     from torchao.quantization.utils import per_token_dynamic_quant
 

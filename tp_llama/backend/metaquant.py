@@ -27,10 +27,10 @@ def holds_meta_weights(block: nn.Module) -> bool:
     return any(isinstance(m, LocalLinear) and isinstance(m.weight, META_WEIGHTS) for m in block.modules())
 
 
-def _fused(weights: list[Weight], kind: str, device: torch.device) -> Weight:
+def _fused(weights: list[Weight], kind: str, device: torch.device, bf16: bool) -> Weight:
     """The weights' outputs side by side as one weight, prepared for `kind` on `device`."""
     if all(isinstance(w, Int4Weight) for w in weights):
-        return pack(fuse_int4(weights), device)
+        return pack(fuse_int4(weights), device, bf16)
     if all(isinstance(w, Fp8Weight) for w in weights) and all(len(w.slices) == 1 for w in weights):
         return Fp8Weight((sum(w.shape[0] for w in weights), weights[0].shape[1]),
                          [torch.cat([w.slices[0] for w in weights])],
@@ -40,43 +40,46 @@ def _fused(weights: list[Weight], kind: str, device: torch.device) -> Weight:
     raise ValueError(f"cannot fuse weights of kinds {sorted({type(w).__name__ for w in weights})}")
 
 
-def _serving(module: nn.Module, kind: str, device: torch.device) -> LocalLinear:
+def _serving(module: nn.Module, kind: str, device: torch.device, bf16: bool) -> LocalLinear:
     """A row-parallel layer (wo, w2) with its weight packed or prepared, its collective kept."""
     weight = module.weight
     if isinstance(weight, Int4Weight):
-        module.weight = pack(weight, device)
+        module.weight = pack(weight, device, bf16)
         return module
     if isinstance(weight, Fp8Weight):
         return module
     return serving_linear(module, kind, device)
 
 
-def _fused_attention(cls: type, attention: nn.Module, kind: str, device: torch.device) -> FusedAttention:
+def _fused_attention(cls: type, attention: nn.Module, kind: str, device: torch.device,
+                     bf16: bool) -> FusedAttention:
     """An instance of `cls` (FusedAttention or CAttention) over the block's own projections."""
     fused = cls.__new__(cls)
     nn.Module.__init__(fused)
     fused.head_dim = attention.head_dim
     fused.widths = (attention.wq.weight.shape[0], attention.wk.weight.shape[0])
-    fused.wqkv = _fused([attention.wq.weight, attention.wk.weight, attention.wv.weight], kind, device)
-    fused.wo = _serving(attention.wo, kind, device)
+    fused.wqkv = _fused([attention.wq.weight, attention.wk.weight, attention.wv.weight], kind, device, bf16)
+    fused.wo = _serving(attention.wo, kind, device, bf16)
     fused.cache = attention.cache
     return fused
 
 
-def _fused_feed_forward(ffn: nn.Module, kind: str, device: torch.device) -> FusedFeedForward:
+def _fused_feed_forward(ffn: nn.Module, kind: str, device: torch.device, bf16: bool) -> FusedFeedForward:
     fused = FusedFeedForward.__new__(FusedFeedForward)
     nn.Module.__init__(fused)
-    fused.w13 = _fused([ffn.w1.weight, ffn.w3.weight], kind, device)
-    fused.w2 = _serving(ffn.w2, kind, device)
+    fused.w13 = _fused([ffn.w1.weight, ffn.w3.weight], kind, device, bf16)
+    fused.w2 = _serving(ffn.w2, kind, device, bf16)
     return fused
 
 
 def apply_layer(block: nn.Module, kind: str, device: torch.device) -> None:
     """One block's serving modules for `kind` of matmul on `device` (the C kernels' norms and decode
-    attention where kind is theirs)."""
+    attention where kind is theirs); a bfloat16 model's int4 weights take bfloat16 inputs (kernels.metaquant.pack)."""
+    bf16 = block.attention_norm.weight.dtype == torch.bfloat16
     c_kernels = kind in ("amx", "tiles")
     c_attention = c_kernels and block.attention.head_dim <= library().constants["MAX_HEAD_DIM"]
-    block.attention = _fused_attention(CAttention if c_attention else FusedAttention, block.attention, kind, device)
-    block.feed_forward = _fused_feed_forward(block.feed_forward, kind, device)
+    block.attention = _fused_attention(CAttention if c_attention else FusedAttention, block.attention, kind, device,
+                                       bf16)
+    block.feed_forward = _fused_feed_forward(block.feed_forward, kind, device, bf16)
     if c_kernels:
         block.attention_norm, block.ffn_norm = CRMSNorm(block.attention_norm), CRMSNorm(block.ffn_norm)

@@ -112,10 +112,14 @@ def fuse_int4(weights: list[Int4Weight]) -> Int4Weight:
                    packed=None, scales_zeros=None, dense=None)
 
 
-def pack(weight: Int4Weight, device: torch.device | None = None) -> Int4Weight:
+def pack(weight: Int4Weight, device: torch.device | None = None, bf16: bool = False) -> Int4Weight:
     """The weight laid out for the int4 matmul on `device` (PyTorch's tinygemm packing, whose 4-bit values
     are q + 8 and whose zero point stands at 8: w = (q + 8 - 8) * scale + zero', zero' = -zero * scale); a
-    group size those matmuls lack keeps a dequantized float32 weight. The int8 values are dropped."""
+    group size those matmuls lack keeps a dequantized float32 weight. The int8 values are dropped.
+
+    bf16 (CPU): for bfloat16 inputs, whose int4 matmul is PyTorch's vectorized one (its float32 one is
+    not): each float32 scale and zero' as a bfloat16 pair (high part, remainder) [2, k / group, out, 2],
+    two matmuls summed, so the scales keep about 16 bits of their 24."""
     device = device or weight.scales.device
     if weight.packed is not None or weight.dense is not None:
         return weight
@@ -131,20 +135,31 @@ def pack(weight: Int4Weight, device: torch.device | None = None) -> Int4Weight:
     zeros = -F.pad(weight.zeros.float(), (0, 0, 0, rows - out)) * scales if weight.zeros is not None \
         else torch.zeros_like(scales)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CUDA's tinygemm takes bfloat16 only
-    scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(device, dtype)
+    scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    if bf16 and device.type == "cpu":
+        high = scales_zeros.bfloat16()
+        scales_zeros = torch.stack([high, (scales_zeros - high.float()).bfloat16()])
+    scales_zeros = scales_zeros.to(device, scales_zeros.dtype if scales_zeros.dim() == 4 else dtype)
     return replace(weight, q=None, zeros=None, packed=pack_int4(q, device), scales_zeros=scales_zeros,
                    scales=weight.scales.to(device), **lora)
 
 
-def quantize_rows(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """x [T, k] (float32) quantized to int8 per row and dequantized, as torchao's per-token asymmetric
-    quantization does: bounds [T, 2] hold each row's (max, -min), taken over the whole row."""
+def quantize_steps(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q - zero [T, k], scale [T, 1]): x [T, k] (float32) quantized to int8 per row as torchao's per-token
+    asymmetric quantization does, bounds [T, 2] holding each row's (max, -min) over the whole row. The
+    steps are integers in -255..255, exact in bfloat16."""
     high = bounds[:, :1].clamp(min=0)
     low = (-bounds[:, 1:]).clamp(max=0)
     scale = ((high - low) / float(ACT_MAX - ACT_MIN)).clamp(min=ACT_EPS)
     zero = (ACT_MIN - torch.round(low / scale)).clamp(ACT_MIN, ACT_MAX)
     q = (torch.round(x * (1.0 / scale)) + zero).clamp(ACT_MIN, ACT_MAX)
-    return (q - zero) * scale
+    return q - zero, scale
+
+
+def quantize_rows(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """x [T, k] (float32) quantized to int8 per row and dequantized (quantize_steps times the scale)."""
+    steps, scale = quantize_steps(x, bounds)
+    return steps * scale
 
 
 def row_bounds(x: torch.Tensor) -> torch.Tensor:
@@ -184,10 +199,17 @@ def rotate(x: torch.Tensor, across: Across | None) -> tuple[torch.Tensor, torch.
     return whole[:, across.rank].contiguous(), row_bounds(whole.reshape(rows, size * k))
 
 
-def int4_matmul(xq: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    """xq [T, k] @ the weight^T, in float32 (bfloat16 inputs on CUDA, whose int4 matmul takes no other)."""
+def int4_matmul(steps: torch.Tensor, scale: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """(steps * scale) [T, k] @ the weight^T in float32: the quantized input as its integer steps and each
+    row's scale (bfloat16 inputs on CUDA, whose int4 matmul takes no other)."""
     if weight.dense is not None:
-        return xq @ weight.dense.T
+        return (steps * scale) @ weight.dense.T
+    if weight.scales_zeros.dim() == 4:  # the bfloat16 pairs: exact steps, two matmuls
+        exact = steps.bfloat16()
+        y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(exact, weight.packed, weight.group, part).float()
+                for part in weight.scales_zeros)
+        return y[:, : weight.shape[0]] * scale
+    xq = steps * scale
     if xq.device.type == "cuda":
         y = torch.ops.aten._weight_int4pack_mm(xq.bfloat16(), weight.packed, weight.group, weight.scales_zeros)
     else:
@@ -198,7 +220,7 @@ def int4_matmul(xq: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """x [..., k] @ weight^T (plus the adaptor), in x's dtype, computed in float32."""
     if weight.packed is None and weight.dense is None:
-        packed = pack(weight, x.device)
+        packed = pack(weight, x.device, x.dtype == torch.bfloat16)
         weight.__dict__.update(packed.__dict__)  # packed once, in place: the module keeps this object
     out, k = weight.shape
     flat = x.reshape(-1, k).float()
@@ -208,7 +230,7 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
         bounds = row_bounds(flat)
         if weight.across is not None and weight.across.size > 1:
             bounds = weight.across.row_range(bounds)
-    y = int4_matmul(quantize_rows(flat, bounds), weight)
+    y = int4_matmul(*quantize_steps(flat, bounds), weight)
     if weight.lora_a is not None:
         y = y + (flat @ weight.lora_a.T) @ weight.lora_b.T * weight.lora_scale
     return y.to(x.dtype).reshape(*x.shape[:-1], out)
