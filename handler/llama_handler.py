@@ -274,13 +274,16 @@ class LlamaHandler(BaseHandler):
         return answers
 
     def _add(self, seqs: list[Sequence]) -> None:
-        """All of a request's sequences join the queue, or none (the ones added are taken back)."""
+        """All of a request's sequences join the queue, or none (the ones added are taken back); the engine's
+        own limits (a group larger than the batch or the KV pool) are the client's 400."""
         try:
             for seq in seqs:
                 self.scheduler.add(seq)
-        except Exception:
+        except Exception as exc:
             for seq in seqs:
                 self.scheduler.cancel(seq)
+            if isinstance(exc, ValueError):
+                raise RequestError(f"the request cannot be scheduled: {exc}") from None
             raise
 
     def _expire(self) -> None:

@@ -4,7 +4,9 @@ Reply: {"text", "token_ids", "finish_reason", "usage"} as one JSON object (usage
 completion_tokens, and cached_prompt_tokens, the prompt tokens found in the prefix cache), or streamed as one JSON
 line per TorchServe call with the new text and ids, the last one carrying finish_reason and usage;
 with "logprobs": N, also "logprobs", one entry per token id: its log-probability and the N most
-likely tokens'.
+likely tokens'. With "n" > 1: {"choices": [{"index", "text", "token_ids", "finish_reason"}, ...], "usage"}
+(the prompt counted once), streamed as one JSON line per choice and call, each with its "index", and a
+last line of {"usage"}.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tp_llama.serving.request import (
     integer_field,
     json_line,
     logprobs_field,
+    n_field,
     native_logprobs,
     request_body,
     sampling_params,
@@ -36,7 +39,7 @@ from tp_llama.serving.stream import StreamDecoder
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
           "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream", "cache_salt",
-          "response_format", "structured_outputs")
+          "response_format", "structured_outputs", "n")
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 
@@ -63,7 +66,7 @@ def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer:
     ignore_eos = boolean_field(body, "ignore_eos")
     params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"), ignore_eos)
     return Job(prompt_ids, params, boolean_field(body, "stream"), cache_salt_field(body),
-               constrained_reply(body, ignore_eos))
+               constrained_reply(body, ignore_eos), n_field(body, settings))
 
 
 class NativeRequest:
@@ -73,41 +76,65 @@ class NativeRequest:
 
     def __init__(self, job: Job, decode: Callable[[list[int]], str]):
         self.job, self.decode = job, decode
-        self.stream = StreamDecoder(decode) if job.stream else None
-        self.seq: Sequence | None = None
+        self.streams = [StreamDecoder(decode) for _ in range(job.n)] if job.stream else None
+        self.seqs: list[Sequence] = []
+        self.done: set[int] = set()  # streamed, n > 1: the choices whose last line went out
 
     @property
     def content_type(self) -> str:
-        return NDJSON_TYPE if self.stream else JSON_TYPE
+        return NDJSON_TYPE if self.streams else JSON_TYPE
 
     def sequences(self, rid: str) -> list[Sequence]:
+        """The request's sequences: one, or a group of n prefilled once."""
         job = self.job
-        self.seq = Sequence(rid, job.prompt_ids, job.params, job.cache_salt)
-        return [self.seq]
+        for i in range(job.n):
+            first = self.seqs[0] if self.seqs else None
+            self.seqs.append(Sequence(rid if i == 0 else f"{rid}#{i}", job.prompt_ids, job.params, job.cache_salt,
+                                      fork_of=first))
+        return self.seqs
 
     def advance(self) -> list[Sequence]:
         """After a step: nothing to watch (the stream's text is taken when the reply is written)."""
         return []
 
+    def usage(self) -> dict[str, Any]:
+        first = self.seqs[0]
+        return {"prompt_tokens": len(first.prompt_ids), "completion_tokens": sum(len(s.output) for s in self.seqs),
+                "cached_prompt_tokens": first.cached_tokens or 0}
+
     def reply(self, timeout_s: float) -> str:
         """This call's reply: the new tokens of a streamed request, or the whole answer at the end."""
-        seq = self.seq
-        if not seq.finished:
-            if self.stream is None:
-                return ""
-            new, logprobs = seq.take_new_tokens()
-            return json_line(self._piece(self.stream.push(new), new, logprobs)) if new else ""
-        usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output),
-                 "cached_prompt_tokens": seq.cached_tokens or 0}
-        if seq.finish_reason == "timeout":
+        finished = all(seq.finished for seq in self.seqs)
+        if any(seq.finish_reason == "timeout" for seq in self.seqs) and finished:
             return json_line({"error": f"the request ran past responseTimeout ({timeout_s:g} s)",
-                              "finish_reason": "timeout", "usage": usage})
-        if self.stream is None:
-            piece = self._piece(self.decode(seq.output), seq.output, seq.logprobs)
-        else:
-            new, logprobs = seq.take_new_tokens()
-            piece = self._piece(self.stream.push(new) + self.stream.finish(), new, logprobs)
-        return json_line({**piece, "finish_reason": seq.finish_reason, "usage": usage})
+                              "finish_reason": "timeout", "usage": self.usage()})
+        if self.streams is None:
+            if not finished:
+                return ""
+            pieces = [{**self._piece(self.decode(s.output), s.output, s.logprobs), "finish_reason": s.finish_reason}
+                      for s in self.seqs]
+            if self.job.n == 1:
+                return json_line({**pieces[0], "usage": self.usage()})
+            return json_line({"choices": [{"index": i, **p} for i, p in enumerate(pieces)], "usage": self.usage()})
+        lines = [self._streamed(i, seq) for i, seq in enumerate(self.seqs)]
+        if self.job.n == 1:
+            line = lines[0]
+            if line is not None and finished:
+                line["usage"] = self.usage()
+            return json_line(line) if line is not None else ""
+        out = "".join(json_line({"index": i, **line}) for i, line in enumerate(lines) if line is not None)
+        return out + (json_line({"usage": self.usage()}) if finished else "")
+
+    def _streamed(self, i: int, seq: Sequence) -> dict[str, Any] | None:
+        """Choice i's new text and ids since the last call, with its finish_reason once it ends."""
+        if i in self.done:
+            return None
+        new, logprobs = seq.take_new_tokens()
+        text = self.streams[i].push(new)
+        if seq.finished:
+            self.done.add(i)
+            return {**self._piece(text + self.streams[i].finish(), new, logprobs), "finish_reason": seq.finish_reason}
+        return self._piece(text, new, logprobs) if new else None
 
     def _piece(self, text: str, token_ids: list[int], logprobs: list) -> dict[str, Any]:
         piece = {"text": text, "token_ids": token_ids}

@@ -27,6 +27,7 @@ from tp_llama.serving.request import (
     fit_max_new_tokens,
     integer_field,
     logprobs_field,
+    n_field,
     request_body,
     sampling_params,
     text_prompt_ids,
@@ -34,7 +35,7 @@ from tp_llama.serving.request import (
 )
 from tp_llama.serving.settings import HandlerSettings
 from tp_llama.serving.structured import constrained_reply
-from tp_llama.serving.tool_use import resolve_tool_format, tool_use
+from tp_llama.serving.tool_use import tool_use
 
 MODELS = "v1/models"
 PATHS = (COMPLETIONS, CHAT)
@@ -54,17 +55,12 @@ def _null_or(*allowed: Any):
 # OpenAI fields this server cannot honour: accepted only at their default (or null), else a 400
 # that says why. Everything not listed here or in the parsers below is refused as unrecognized,
 # as OpenAI itself does.
-_DEFAULT_ONLY_COMMON = {
-    "n": (_null_or(1), "n must be 1: this server returns one choice per request"),
-}
 _DEFAULT_ONLY = {
     COMPLETIONS: {
-        **_DEFAULT_ONLY_COMMON,
         "best_of": (_null_or(1), "best_of must be 1"),
         "suffix": (_null, "suffix is not supported"),
     },
     CHAT: {
-        **_DEFAULT_ONLY_COMMON,
         "functions": (_null_or([]), "functions are deprecated by OpenAI and not supported: send tools"),
         "function_call": (_null_or("none"), "function_call is deprecated by OpenAI and not supported: send tool_choice"),
         "store": (_null_or(False), "store is not supported"),
@@ -79,7 +75,7 @@ _HONOURED = {
 # which its clients send.
 _COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
            "frequency_penalty", "presence_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "cache_salt",
-           "return_token_ids", "response_format", "structured_outputs"}
+           "return_token_ids", "response_format", "structured_outputs", "n"}
 
 
 def error_body(error: RequestError) -> dict[str, Any]:
@@ -261,7 +257,7 @@ def parse_openai(
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if "messages" not in body:
             raise RequestError("messages is required", param="messages")
-        tools = tool_use(body, resolve_tool_format(settings.tool_format, tokenizer.family))
+        tools = tool_use(body, settings.tool_format, getattr(tokenizer, "family", None))
         messages = _chat_messages(body["messages"])
         prompts = [tools.prompt_ids(messages, tokenizer) if tools else chat_prompt_ids(messages, tokenizer)]
     else:
@@ -283,7 +279,12 @@ def parse_openai(
             raise RequestError("ignore_eos cannot be combined with tools: a call ends with the end-of-sequence "
                                "token", param="ignore_eos")
         grammar = tools.grammar
-    job = Job(prompts[0], params, stream, cache_salt_field(body), grammar)
+    n = n_field(body, settings)
+    if len(prompts) * n > MAX_PROMPTS:
+        raise RequestError(f"{len(prompts)} prompts with n {n} make more than {MAX_PROMPTS} choices", param="n")
+    if n > 1 and max_new_tokens == 0:
+        raise RequestError("n > 1 needs max_tokens >= 1 (echo alone scores the prompt once)", param="n")
+    job = Job(prompts[0], params, stream, cache_salt_field(body), grammar, n)
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created,

@@ -44,6 +44,8 @@ class Choice:
     pending_ids: list[int] = field(default_factory=list)  # streamed: token ids not sent yet
     echoed: bool = False  # streamed: the prompt part went out
     tool: ToolReply | None = None  # chat with tools: the reply's calls
+    started: bool = False  # streamed: its first chunk (chat: the assistant's role) went out
+    first_of_prompt: bool = True  # n > 1: the first choice of its prompt (usage counts each prompt once)
     done: bool = False  # streamed: its finish chunk went out
 
     @property
@@ -73,7 +75,6 @@ class OpenAIRequest:
     echo: bool = False
     decode: Callable[[list[int]], str] | None = None
     choices: list[Choice] = field(default_factory=list)
-    started: bool = False  # chat: the assistant's role went out
     tools: ToolUse | None = None  # chat: the request's tools
 
     def __post_init__(self) -> None:
@@ -98,12 +99,16 @@ class OpenAIRequest:
         self.decode = decode
 
     def sequences(self, rid: str) -> list[Sequence]:
-        """The engine sequences of the request, one per prompt (made once, at admission)."""
+        """The engine sequences of the request, n per prompt (made once, at admission): choice p * n + j is
+        the j-th of prompt p, as OpenAI numbers them; a prompt's n sequences are one group, prefilled once."""
         job, follow = self.job, self.job.stream or bool(self.stops)
-        for i, (prompt, text) in enumerate(zip(self.prompts, self.prompt_texts)):
-            seq = Sequence(rid if i == 0 else f"{rid}#{i}", prompt, job.params, job.cache_salt)
+        for i in range(len(self.prompts) * job.n):
+            prompt, text = self.prompts[i // job.n], self.prompt_texts[i // job.n]
+            first = None if i % job.n == 0 else self.choices[i - i % job.n].seq
+            seq = Sequence(rid if i == 0 else f"{rid}#{i}", prompt, job.params, job.cache_salt, fork_of=first)
             echo = (text if text is not None else self.decode(prompt)) if self.echo else None
             choice = Choice(i, seq, echo, None if self.chat else LegacyLogprobs(self.decode))
+            choice.first_of_prompt = first is None
             if follow:  # text followed step by step when streamed or when stop strings must be watched for
                 choice.decoder, choice.watcher = StreamDecoder(self.decode), StopWatcher(self.stops)
             if self.tools is not None:
@@ -154,10 +159,12 @@ class OpenAIRequest:
         return any(c.seq.finish_reason == "timeout" and not c.stopped for c in self.choices)
 
     def usage(self) -> dict[str, Any]:
-        seqs = [choice.seq for choice in self.choices]
-        prompt, completion = sum(len(s.prompt_ids) for s in seqs), sum(len(s.output) for s in seqs)
+        """Token counts, each prompt once however many choices it has (n > 1 prefills it once)."""
+        firsts = [c.seq for c in self.choices if c.first_of_prompt]
+        prompt = sum(len(s.prompt_ids) for s in firsts)
+        completion = sum(len(c.seq.output) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens or 0 for s in seqs)}}
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens or 0 for s in firsts)}}
 
     # --- replies -----------------------------------------------------------------------------
 
@@ -180,7 +187,7 @@ class OpenAIRequest:
         lp = self._logprobs(choice, list(logprobs), echo) if logprobs or echo else None
         if self.chat:
             delta: dict[str, Any] = {}
-            if not self.started:
+            if not choice.started:
                 delta["role"] = "assistant"
             if text is not None and (text or not calls):
                 delta["content"] = text
@@ -197,7 +204,7 @@ class OpenAIRequest:
             choice_out["token_ids"] = list(token_ids)
         if self.include_usage:
             chunk["usage"] = None
-        self.started = True
+        choice.started = True
         return chunk
 
     def stream_reply(self) -> str:
@@ -212,7 +219,7 @@ class OpenAIRequest:
                 if choice.seq.finished:
                     text += choice.tool.flush()
             if (text or calls or choice.pending or (self.return_token_ids and choice.pending_ids)
-                    or (self.chat and not self.started) or echo):
+                    or (self.chat and not choice.started) or echo):
                 events.append(self._chunk(choice, text, None, choice.pending, choice.pending_ids, calls))
             choice.unsent, choice.pending, choice.pending_ids = "", [], []
         if self.timed_out():

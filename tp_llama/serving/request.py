@@ -56,6 +56,7 @@ class Job:
     stream: bool
     cache_salt: str | None = None  # the prefix cache is shared only between requests of the same salt
     grammar: GrammarSpec | None = None  # the reply's constraint (serving/grammars.py compiles it)
+    n: int = 1  # sequences per prompt, prefilled once (engine/scheduler.py's groups)
 
 
 class FrontDoor(Protocol):
@@ -304,6 +305,21 @@ def chat_prompt_ids(messages: Any, tokenizer: ChatTokenizer, key: str = "message
         return tokenizer.encode_chat(messages)
     except ValueError as exc:
         raise RequestError(f"invalid {key}: {exc}", param=key) from None
+
+
+MAX_N = 16
+
+
+def n_field(body: dict[str, Any], settings: HandlerSettings) -> int:
+    """OpenAI's n: how many replies to one prompt; a group runs at once, so at most max_batch_size."""
+    n = integer_field(body, "n")
+    if n is None:
+        return 1
+    most = min(MAX_N, settings.engine.max_batch_size)
+    if not 1 <= n <= most:
+        raise RequestError(f"n must be in [1, {most}] (at most {MAX_N}, and all of a request's replies run at "
+                           f"once: max_batch_size is {settings.engine.max_batch_size}), got {n}", param="n")
+    return n
 
 
 def fit_max_new_tokens(requested: int | None, key: str, prompt_len: int, settings: HandlerSettings) -> int:

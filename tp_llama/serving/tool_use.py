@@ -62,8 +62,9 @@ class ToolUse:
             raise RequestError(f"invalid messages: {exc}", param="messages") from None
 
 
-def tool_use(body: dict[str, Any], tool_format: str) -> ToolUse | None:
-    """The request's tool fields, checked; None when it sends no tools."""
+def tool_use(body: dict[str, Any], tool_format: str, family: str | None) -> ToolUse | None:
+    """The request's tool fields, checked; None when it sends no tools (`tool_format`: the yaml's, resolved
+    at load; "auto" still, from the tokenizer's family alone)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -73,6 +74,7 @@ def tool_use(body: dict[str, Any], tool_format: str) -> ToolUse | None:
         if choice not in (None, "none"):
             raise RequestError("tool_choice needs tools", param="tool_choice")
         return None
+    tool_format = resolve_tool_format(tool_format, family or "")
     if tool_format == "none":
         raise RequestError("tools are off for this model: a Llama 2 checkpoint has no tool-calling format, or the "
                            "yaml's handler.tool_format is none", param="tools")
