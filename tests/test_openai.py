@@ -29,7 +29,7 @@ from tests.support.serving_util import TorchServe
 PROMPT = "Grüße aus Köln: the quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there ✓"}]
 MAX_NEW = 24
-MAX_SEQ_LEN = 256
+MAX_SEQ_LEN = 2048  # room for the tools' definitions in a prompt of the small test tokenizer
 NEW_TOKENS_LIMIT = 200
 MAX_BODY = 65536
 SERVER_CAP = 262144
@@ -213,7 +213,7 @@ def test_models_list_is_served_by_the_handler(client) -> None:
 
 
 @pytest.mark.parametrize("call, param", [
-    (lambda c: c.completions.create(model="llama", prompt=PROMPT, n=2), "n"),
+    (lambda c: c.completions.create(model="llama", prompt=PROMPT, n=99), "n"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, echo=True), "echo"),
     (lambda c: c.completions.create(model="llama", prompt=PROMPT, echo=True, logprobs=6), "logprobs"),
     (lambda c: c.completions.create(model="llama", prompt=[[1, 2], []], echo=True, logprobs=1), "prompt"),
@@ -228,7 +228,11 @@ def test_models_list_is_served_by_the_handler(client) -> None:
     (lambda c: c.chat.completions.create(model="llama", messages=[{"role": "robot", "content": "x"}]), "messages"),
     (lambda c: c.chat.completions.create(model="llama", messages=MESSAGES, seed=-1), "seed"),
     (lambda c: c.chat.completions.create(
-        model="llama", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        model="llama", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+    (lambda c: c.chat.completions.create(model="llama", messages=MESSAGES, response_format={
+        "type": "json_schema", "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": True}}}),
+     "response_format"),
 ])
 def test_bad_requests_raise_bad_request_error(client, call, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
@@ -349,3 +353,39 @@ def test_hostile_grammars_are_refused_in_bounded_time_beside_a_running_batch(ser
     runner.join(timeout=180)
     assert not problems, "\n".join(problems)
     assert beside and all(text == alone for text in beside)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}, "auto"],
+                         ids=["required", "named", "auto"])
+def test_tool_calls_through_the_official_client(client, choice) -> None:
+    """A forced call always comes back as message.tool_calls whose arguments validate; streamed, the client's
+    deltas (index, id and name first, then the arguments) add up to the same call."""
+    asked = dict(model="llama", messages=MESSAGES, tools=[WEATHER], tool_choice=choice, max_tokens=120,
+                 temperature=1.0, seed=2)
+    got = client.chat.completions.create(**asked).choices[0]
+    if choice != "auto" or got.finish_reason == "tool_calls":
+        assert got.finish_reason == "tool_calls" and got.message.content is None
+        (call,) = got.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**asked, stream=True) if c.choices]
+    calls = [d for delta in deltas for d in (delta.tool_calls or [])]
+    if got.finish_reason == "tool_calls":
+        assert calls[0].id and calls[0].function.name == "get_weather"
+        assert "".join(d.function.arguments or "" for d in calls) == got.message.tool_calls[0].function.arguments
+    else:
+        assert not calls and "".join(d.content or "" for d in deltas) == got.message.content
+
+
+def test_n_choices_through_the_official_client(client) -> None:
+    got = client.chat.completions.create(model="llama", messages=MESSAGES, n=3, max_tokens=8, temperature=1.0, seed=4)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    alone = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=5)
+    assert got.choices[1].message.content == alone.choices[0].message.content
+    assert got.usage.prompt_tokens == alone.usage.prompt_tokens

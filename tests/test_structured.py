@@ -165,6 +165,20 @@ def test_a_grammar_that_cannot_be_enforced_is_refused_naming_why(compiler, kind,
     assert time.perf_counter() - started < COMPILE_LIMIT_S + 0.5
 
 
+def test_a_grammar_too_slow_to_compile_is_refused_at_the_time_limit(compiler, monkeypatch):
+    real = GrammarCompiler._compile
+
+    def slow(self, spec, grammar):
+        time.sleep(COMPILE_LIMIT_S + 1)
+        return real(self, spec, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+    started = time.perf_counter()
+    with pytest.raises(RequestError, match="did not compile within"):
+        compiler.compile_now(GrammarSpec("regex", "slow-[a-z]{3}", "structured_outputs"))
+    assert time.perf_counter() - started < COMPILE_LIMIT_S + 0.3
+
+
 def test_deep_nesting_and_huge_enums_are_refused_or_compiled_within_the_limit(compiler):
     deep: dict = {"type": "string"}
     for _ in range(300):
