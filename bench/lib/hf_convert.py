@@ -1,4 +1,5 @@
-"""Meta-layout Llama weights as a Hugging Face LlamaForCausalLM: names, rotary row order, config.
+"""Meta-layout Llama weights as a Hugging Face LlamaForCausalLM: names, rotary row order, config; and
+Meta's Llama 3 tokenizer.model as a Hugging Face fast tokenizer.
 
 Used by the transformers baseline (bench/engine/generate.py) and by the vLLM peer
 (bench/serving/vllm_peer.py), which writes the result as a Hugging Face folder.
@@ -6,6 +7,7 @@ Used by the transformers baseline (bench/engine/generate.py) and by the vLLM pee
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,3 +61,38 @@ def meta_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
         hf[ours + "input_layernorm.weight"] = state[meta + "attention_norm.weight"]
         hf[ours + "post_attention_layernorm.weight"] = state[meta + "ffn_norm.weight"]
     return {k: v.float().contiguous() for k, v in hf.items()}
+
+
+def write_llama3_tokenizer(tokenizer_model: Path, out: Path) -> Path:
+    """tokenizer.json and tokenizer_config.json for Meta's Llama 3 tokenizer.model, for a server that
+    must tokenize itself (vLLM compiles structured outputs over its own tokenizer).
+
+    transformers' tiktoken converter with our split pattern and special tokens (ids from 128,000 in
+    Meta's order); like Meta's own Hugging Face files, encoding prepends <|begin_of_text|>, so a
+    prompt's ids match the handler's (bos=True). clean_up_tokenization_spaces is off: its rewrites
+    (" ," -> ",") would change a reply's bytes, and a JSON reply's validity with them. Needs
+    transformers and tiktoken (the vLLM venv has both).
+    """
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from tp_llama.tokenizer import LLAMA3_SPECIAL_TOKENS, LLAMA3_SPLIT_PATTERN, load_tokenizer
+
+    ours = load_tokenizer(tokenizer_model)
+    converted = TikTokenConverter(str(tokenizer_model), pattern=LLAMA3_SPLIT_PATTERN,
+                                  extra_special_tokens=LLAMA3_SPECIAL_TOKENS).converted()
+    bos = "<|begin_of_text|>"
+    converted.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                      special_tokens=[(bos, ours.bos_id)]),
+    ])
+    fast = PreTrainedTokenizerFast(tokenizer_object=converted, bos_token=bos, eos_token="<|end_of_text|>",
+                                   clean_up_tokenization_spaces=False, model_max_length=131072)
+    if fast.convert_tokens_to_ids(bos) != ours.bos_id or len(fast) != ours.n_words:
+        raise ValueError(f"{tokenizer_model}: the converted tokenizer's ids differ from ours "
+                         f"({len(fast)} ids, BOS {fast.convert_tokens_to_ids(bos)})")
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return out

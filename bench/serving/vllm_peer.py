@@ -2,12 +2,17 @@
 
     bash bench/setup_vllm.sh                              # once: bench/out/vllm-venv
     python -m bench.serving.vllm_peer convert --ckpt DIR --out HF_DIR   # run with the vLLM venv's python
+    python -m bench.serving.vllm_peer tokenizer --model tokenizer.model --out TOKENIZER_DIR   # the same
 
 Two halves, for two interpreters:
 - `convert` runs in the vLLM venv (it has transformers and safetensors; the project's .venv need
   not): a Meta-layout MP 1 checkpoint -> a Hugging Face LlamaForCausalLM folder (config.json and
   model.safetensors), with bench/lib/hf_convert.py's meta_to_hf (the per-head q/k row permutation) and
   hf_config. No tokenizer files: the server runs with --skip-tokenizer-init and gets token ids.
+- `tokenizer` (vLLM venv too) writes Meta's Llama 3 tokenizer.model as Hugging Face tokenizer files in a
+  folder of their own (hf_convert.write_llama3_tokenizer), for the runs where vLLM must tokenize:
+  structured outputs compile over its tokenizer. VLLMServer(tokenizer=DIR) passes `--tokenizer DIR`
+  instead of --skip-tokenizer-init; the weights' folder stays as the other scenarios use it.
 - VLLMServer and vllm_stream run in the project's .venv: start
   `python -m vllm.entrypoints.openai.api_server` from the vLLM venv with tcmalloc and the venv's
   libiomp5.so preloaded, wait until it answers, stream /v1/completions, stop the process group.
@@ -75,6 +80,19 @@ def convert_in_venv(ckpt: Path, out: Path, max_len: int, venv: Path = VLLM_VENV)
     return out
 
 
+def tokenizer_in_venv(tokenizer_model: Path, out: Path, venv: Path = VLLM_VENV) -> Path:
+    """Run `tokenizer` with the vLLM venv's python (from the project's .venv), once per tokenizer.model."""
+    stamp = out / "bench-source.json"
+    want = json.dumps({"model": str(tokenizer_model.resolve()), "mtime": tokenizer_model.stat().st_mtime})
+    if stamp.is_file() and stamp.read_text() == want:
+        return out
+    command = [str(venv / "bin" / "python"), "-m", "bench.serving.vllm_peer", "tokenizer", "--model",
+               str(tokenizer_model), "--out", str(out)]
+    subprocess.run(command, check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=900)
+    stamp.write_text(want)
+    return out
+
+
 # ---------------------------------------------------------------------------- server (project .venv)
 
 def preloads(venv: Path = VLLM_VENV) -> str:
@@ -95,13 +113,14 @@ class VLLMServer(PeerProcess):
 
     def __init__(self, hf_dir: Path, port: int, workdir: Path, dtype: str, max_model_len: int,
                  cores: str = "0-1", kv_gib: int = 1, extra_args: list[str] | None = None,
-                 venv: Path = VLLM_VENV, prefix_caching: bool = False) -> None:
+                 venv: Path = VLLM_VENV, prefix_caching: bool = False, tokenizer: Path | None = None) -> None:
         super().__init__(port, workdir, "vllm.log")
         self.command = [
             str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(hf_dir), "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--skip-tokenizer-init", "--max-model-len", str(max_model_len),
+            *(["--tokenizer", str(tokenizer)] if tokenizer else ["--skip-tokenizer-init"]),
+            "--max-model-len", str(max_model_len),
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             *(extra_args or []),
         ]
@@ -129,9 +148,16 @@ def main(argv: list[str] | None = None) -> None:
     conv.add_argument("--ckpt", type=Path, required=True)
     conv.add_argument("--out", type=Path, required=True)
     conv.add_argument("--max-len", type=int, default=2048)
+    tok = sub.add_parser("tokenizer", help="Llama 3 tokenizer.model -> Hugging Face tokenizer files (vLLM venv)")
+    tok.add_argument("--model", type=Path, required=True)
+    tok.add_argument("--out", type=Path, required=True)
     a = parser.parse_args(argv)
     if a.command == "convert":
         print(convert(a.ckpt, a.out, a.max_len))
+    elif a.command == "tokenizer":
+        from bench.lib.hf_convert import write_llama3_tokenizer
+
+        print(write_llama3_tokenizer(a.model, a.out))
 
 
 if __name__ == "__main__":
