@@ -89,3 +89,15 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., AbstractCon
             yield ts
 
     return start
+
+
+@pytest.fixture(scope="module")
+def meta():
+    """Meta's own reference code and real Llama 3 tokenizer.model (llama-models, test-only): a missing
+    oracle is a failure, never a skip."""
+    try:
+        from tests.support.meta_reference import load_meta_reference
+
+        return load_meta_reference()
+    except ImportError as err:
+        pytest.fail(str(err))

@@ -77,10 +77,11 @@ def test_bfloat16_models_take_exact_input_steps_and_scale_pairs():
     weight = pack(Int4Weight((96, 256), 32, state["0.weight"], state["0.scales"], state["0.zeros"]),
                   torch.device("cpu"), bf16=True)
     assert weight.scales_zeros.shape == (2, 8, 96, 2) and weight.scales_zeros.dtype == torch.bfloat16
-    rows = (torch.randn(6, 256) * 4).bfloat16()
+    rows = (torch.randn(6, 256, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
     want = module(rows.float())
     got = int4_linear(rows, weight).float()
-    torch.testing.assert_close(got, want, rtol=0, atol=2**-8 * want.abs().max().item())
+    # Two bfloat16 roundings (each part's output) and their sum: up to about 2 ulps of the largest output.
+    torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * want.abs().max().item())
 
 
 def test_activations_quantize_as_torchaos_per_token_asymmetric_int8():

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import jsonschema
@@ -254,14 +255,13 @@ def _post(server: TorchServe, path: str, body: bytes):
     return server.request("POST", f"/predictions/llama/1.0/{path}", body, timeout=120)
 
 
-def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: TorchServe, client) -> None:
-    """Every hostile body on both OpenAI paths is a 4xx in OpenAI's error shape, while long streamed
-    greedy requests keep running beside them and end exactly as they do alone."""
+@contextmanager
+def long_requests_beside(client):
+    """Long streamed greedy completions run back to back while the block runs; yields (the text such a
+    request has alone, the list of the texts of those that ran beside)."""
     long = {"model": "llama", "prompt": PROMPT, "max_tokens": NEW_TOKENS_LIMIT, "temperature": 0}
-    alone = client.completions.create(**long)
-    cases = hostile_corpus(seed=11, max_seq_len=MAX_SEQ_LEN, max_body=MAX_BODY, server_cap=SERVER_CAP)
-    stop = threading.Event()
-    beside: list = []
+    alone = client.completions.create(**long).choices[0].text
+    stop, beside = threading.Event(), []
 
     def keep_running() -> None:
         while not stop.is_set():
@@ -269,6 +269,17 @@ def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: Torc
 
     runner = threading.Thread(target=keep_running, daemon=True)
     runner.start()
+    try:
+        yield alone, beside
+    finally:
+        stop.set()
+        runner.join(timeout=180)
+
+
+def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: TorchServe, client) -> None:
+    """Every hostile body on both OpenAI paths is a 4xx in OpenAI's error shape, while long streamed
+    greedy requests keep running beside them and end exactly as they do alone."""
+    cases = hostile_corpus(seed=11, max_seq_len=MAX_SEQ_LEN, max_body=MAX_BODY, server_cap=SERVER_CAP)
     problems: list[str] = []
 
     def one(job) -> int:
@@ -284,16 +295,15 @@ def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: Torc
 
     started = time.monotonic()
     jobs = [(path, case) for case in cases for path in ("v1/completions", "v1/chat/completions")]
-    with ThreadPoolExecutor(8) as pool:
+    with long_requests_beside(client) as (alone, beside), ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(one, jobs))
-    stop.set()
-    runner.join(timeout=180)
     print(f"\n{len(jobs)} hostile bodies in {time.monotonic() - started:.1f} s; "
           f"{len(beside)} long requests ran beside them")
     assert not problems, "\n".join(problems[:20])
     assert len(statuses) == len(jobs) >= 1000
-    assert beside and all(text == alone.choices[0].text for text in beside)
-    assert client.completions.create(**long).choices[0].text == alone.choices[0].text
+    assert beside and all(text == alone for text in beside)
+    assert client.completions.create(model="llama", prompt=PROMPT, max_tokens=NEW_TOKENS_LIMIT,
+                                     temperature=0).choices[0].text == alone
 
 
 KEEPER = {"type": "object", "additionalProperties": False, "required": ["name", "watch"],
@@ -324,16 +334,6 @@ def test_hostile_grammars_are_refused_in_bounded_time_beside_a_running_batch(ser
     """Each grammar that cannot be enforced is a 400 within the compile limit and a little, on both paths,
     while long greedy requests run beside them and end exactly as they do alone; pathological but valid
     ones are served."""
-    long = {"model": "llama", "prompt": PROMPT, "max_tokens": NEW_TOKENS_LIMIT, "temperature": 0}
-    alone = client.completions.create(**long).choices[0].text
-    stop, beside = threading.Event(), []
-
-    def keep_running() -> None:
-        while not stop.is_set():
-            beside.append("".join(c.choices[0].text for c in client.completions.create(**long, stream=True)))
-
-    runner = threading.Thread(target=keep_running, daemon=True)
-    runner.start()
     problems: list[str] = []
 
     def one(job) -> None:
@@ -345,12 +345,11 @@ def test_hostile_grammars_are_refused_in_bounded_time_beside_a_running_batch(ser
         if reply.status != (400 if refused else 200) or took > 5:
             problems.append(f"{path} {str(fields)[:80]}: {reply.status} after {took:.1f} s {reply.body[:160]!r}")
 
-    time.sleep(1)  # the long request is decoding
     jobs = [(path, case) for case in hostile_grammars() for path in ("v1/completions", "v1/chat/completions")]
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(one, jobs))
-    stop.set()
-    runner.join(timeout=180)
+    with long_requests_beside(client) as (alone, beside):
+        time.sleep(1)  # the long request is decoding
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(one, jobs))
     assert not problems, "\n".join(problems)
     assert beside and all(text == alone for text in beside)
 

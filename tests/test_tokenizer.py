@@ -356,16 +356,6 @@ def test_the_cli_cache_bound_holds_for_any_text(tok: Tokenizer):
 
 
 @pytest.fixture(scope="module")
-def meta():
-    try:
-        from tests.support.meta_reference import load_meta_reference
-
-        return load_meta_reference()
-    except ImportError as err:  # a missing oracle is a failure, never a skip
-        pytest.fail(str(err))
-
-
-@pytest.fixture(scope="module")
 def real(meta) -> Tokenizer:
     tok = load_tokenizer(meta.model_path)
     assert (tok.family, tok.n_words) == ("llama3", 128_256)

@@ -185,3 +185,17 @@ def test_tool_choice_none_adds_no_grammar_and_answers_in_text(engine, compiler):
     got = serve(handler, [[("r", json.dumps({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none",
                                               "max_tokens": 4, "temperature": 0}).encode())]], PATH)
     assert "r" not in handler.compiling and got["r"]
+
+
+def test_the_native_api_answers_tool_calls_too(engine, compiler):
+    handler = make_handler(engine, compiler, "llama3_json")
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_new_tokens": 120,
+            "temperature": 1.0, "seed": 6}
+    whole = final_json(run_to_end(handler, {"r": json.dumps(body).encode()})["r"])
+    assert whole["finish_reason"] == "tool_calls"
+    check_calls(whole["tool_calls"], "required")
+    lines = [json.loads(line) for piece, _, _ in run_to_end(handler, {"r": json.dumps({**body, "stream": True})
+                                                                     .encode()})["r"] for line in piece.splitlines()]
+    assert "".join(line["text"] for line in lines) == whole["text"]
+    assert lines[-1]["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in lines[-1]["tool_calls"]] == [c["function"] for c in whole["tool_calls"]]

@@ -27,16 +27,6 @@ from tp_llama.tool_format import encode_tool_chat
 
 
 @pytest.fixture(scope="module")
-def meta():
-    try:
-        from tests.support.meta_reference import load_meta_reference
-
-        return load_meta_reference()
-    except ImportError as err:  # a missing oracle is a failure, never a skip
-        pytest.fail(str(err))
-
-
-@pytest.fixture(scope="module")
 def tok(meta):
     return load_tokenizer(meta.model_path)
 

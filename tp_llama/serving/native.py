@@ -21,7 +21,6 @@ from tp_llama.serving.request import (
     RequestError,
     boolean_field,
     cache_salt_field,
-    chat_prompt_ids,
     decode_body,
     fit_max_new_tokens,
     integer_field,
@@ -34,23 +33,25 @@ from tp_llama.serving.request import (
     text_prompt_ids,
 )
 from tp_llama.serving.settings import HandlerSettings
-from tp_llama.serving.structured import constrained_reply
+from tp_llama.serving.tool_use import ToolReply, ToolUse, chat_ids, reply_constraint
 from tp_llama.serving.stream import StreamDecoder
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
           "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream", "cache_salt",
-          "response_format", "structured_outputs", "n")
+          "response_format", "structured_outputs", "n", "tools", "tool_choice", "parallel_tool_calls")
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 
 
-def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
+def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer, tool_format: str) -> tuple[list[int], ToolUse | None]:
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
         raise RequestError("send exactly one of 'prompt' (text completion) or 'messages' (chat)")
     if has_prompt:
-        return text_prompt_ids(body["prompt"], tokenizer)
-    return chat_prompt_ids(body["messages"], tokenizer)
+        if body.get("tools"):
+            raise RequestError("tools need messages (a chat)", param="tools")
+        return text_prompt_ids(body["prompt"], tokenizer), None
+    return chat_ids(body, body["messages"], tokenizer, tool_format)
 
 
 def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer: ChatTokenizer,
@@ -60,13 +61,13 @@ def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer:
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
-    prompt_ids = _prompt_ids(body, tokenizer)
+    prompt_ids, tools = _prompt_ids(body, tokenizer, settings.tool_format)
     max_new_tokens = fit_max_new_tokens(integer_field(body, "max_new_tokens"), "max_new_tokens",
                                         len(prompt_ids), settings)
     ignore_eos = boolean_field(body, "ignore_eos")
     params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"), ignore_eos)
     return Job(prompt_ids, params, boolean_field(body, "stream"), cache_salt_field(body),
-               constrained_reply(body, ignore_eos), n_field(body, settings))
+               reply_constraint(body, tools, ignore_eos), n_field(body, settings), tools)
 
 
 class NativeRequest:
@@ -79,6 +80,7 @@ class NativeRequest:
         self.streams = [StreamDecoder(decode) for _ in range(job.n)] if job.stream else None
         self.seqs: list[Sequence] = []
         self.done: set[int] = set()  # streamed, n > 1: the choices whose last line went out
+        self.texts = [""] * job.n  # streamed: each choice's text so far (its calls are read from it at the end)
 
     @property
     def content_type(self) -> str:
@@ -111,8 +113,7 @@ class NativeRequest:
         if self.streams is None:
             if not finished:
                 return ""
-            pieces = [{**self._piece(self.decode(s.output), s.output, s.logprobs), "finish_reason": s.finish_reason}
-                      for s in self.seqs]
+            pieces = [self._last(self.decode(s.output), s.output, s.logprobs, s) for s in self.seqs]
             if self.job.n == 1:
                 return json_line({**pieces[0], "usage": self.usage()})
             return json_line({"choices": [{"index": i, **p} for i, p in enumerate(pieces)], "usage": self.usage()})
@@ -133,8 +134,22 @@ class NativeRequest:
         text = self.streams[i].push(new)
         if seq.finished:
             self.done.add(i)
-            return {**self._piece(text + self.streams[i].finish(), new, logprobs), "finish_reason": seq.finish_reason}
+            text += self.streams[i].finish()
+        self.texts[i] += text
+        if seq.finished:
+            return self._last(text, new, logprobs, seq, self.texts[i])
         return self._piece(text, new, logprobs) if new else None
+
+    def _last(self, text: str, token_ids: list[int], logprobs: list, seq: Sequence,
+              whole: str | None = None) -> dict[str, Any]:
+        """A choice's last piece: with tools, the reply's calls (OpenAI's shape) and finish_reason tool_calls."""
+        piece = {**self._piece(text, token_ids, logprobs), "finish_reason": seq.finish_reason}
+        if self.job.tools is not None:
+            _, calls, is_call = ToolReply(self.job.tools).finish(text if whole is None else whole)
+            piece["tool_calls"] = calls
+            if is_call and seq.finish_reason == "stop":
+                piece["finish_reason"] = "tool_calls"
+        return piece
 
     def _piece(self, text: str, token_ids: list[int], logprobs: list) -> dict[str, Any]:
         piece = {"text": text, "token_ids": token_ids}

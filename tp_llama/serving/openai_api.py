@@ -22,7 +22,6 @@ from tp_llama.serving.request import (
     Job,
     RequestError,
     boolean_field,
-    chat_prompt_ids,
     decode_body,
     fit_max_new_tokens,
     integer_field,
@@ -34,8 +33,7 @@ from tp_llama.serving.request import (
     type_name,
 )
 from tp_llama.serving.settings import HandlerSettings
-from tp_llama.serving.structured import constrained_reply
-from tp_llama.serving.tool_use import tool_use
+from tp_llama.serving.tool_use import chat_ids, reply_constraint
 
 MODELS = "v1/models"
 PATHS = (COMPLETIONS, CHAT)
@@ -257,9 +255,8 @@ def parse_openai(
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if "messages" not in body:
             raise RequestError("messages is required", param="messages")
-        tools = tool_use(body, settings.tool_format, getattr(tokenizer, "family", None))
-        messages = _chat_messages(body["messages"])
-        prompts = [tools.prompt_ids(messages, tokenizer) if tools else chat_prompt_ids(messages, tokenizer)]
+        ids, tools = chat_ids(body, _chat_messages(body["messages"]), tokenizer, settings.tool_format)
+        prompts = [ids]
     else:
         key = "max_tokens"
         if "prompt" not in body:
@@ -270,23 +267,15 @@ def parse_openai(
     params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs, ignore_eos)
     if echo:
         params = replace(params, prompt_logprobs=logprobs)
-    grammar = constrained_reply(body, ignore_eos)
-    if tools is not None and tools.choice != "none":
-        if grammar is not None:
-            raise RequestError(f"send either tools (with tool_choice other than none) or {grammar.param}, not both",
-                               param=grammar.param)
-        if ignore_eos:
-            raise RequestError("ignore_eos cannot be combined with tools: a call ends with the end-of-sequence "
-                               "token", param="ignore_eos")
-        grammar = tools.grammar
+    grammar = reply_constraint(body, tools, ignore_eos)
     n = n_field(body, settings)
     if len(prompts) * n > MAX_PROMPTS:
         raise RequestError(f"{len(prompts)} prompts with n {n} make more than {MAX_PROMPTS} choices", param="n")
     if n > 1 and max_new_tokens == 0:
         raise RequestError("n > 1 needs max_tokens >= 1 (echo alone scores the prompt once)", param="n")
-    job = Job(prompts[0], params, stream, cache_salt_field(body), grammar, n)
+    job = Job(prompts[0], params, stream, cache_salt_field(body), grammar, n, tools)
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
     return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
                          int(time.time()) if created is None else created,
                          return_token_ids=boolean_field(body, "return_token_ids"), prompts=prompts,
-                         prompt_texts=texts or [None], echo=echo, tools=tools)
+                         prompt_texts=texts or [None], echo=echo)

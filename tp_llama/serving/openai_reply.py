@@ -19,7 +19,7 @@ from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.openai_logprobs import LegacyLogprobs, chat_logprobs, joined
 from tp_llama.serving.request import Job, json_line
 from tp_llama.serving.stream import StopWatcher, StreamDecoder
-from tp_llama.serving.tool_use import ToolReply, ToolUse
+from tp_llama.serving.tool_use import ToolReply
 
 COMPLETIONS = "v1/completions"
 CHAT = "v1/chat/completions"
@@ -75,7 +75,6 @@ class OpenAIRequest:
     echo: bool = False
     decode: Callable[[list[int]], str] | None = None
     choices: list[Choice] = field(default_factory=list)
-    tools: ToolUse | None = None  # chat: the request's tools
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -111,8 +110,8 @@ class OpenAIRequest:
             choice.first_of_prompt = first is None
             if follow:  # text followed step by step when streamed or when stop strings must be watched for
                 choice.decoder, choice.watcher = StreamDecoder(self.decode), StopWatcher(self.stops)
-            if self.tools is not None:
-                choice.tool = ToolReply(self.tools)
+            if job.tools is not None:
+                choice.tool = ToolReply(job.tools)
             self.choices.append(choice)
         return [choice.seq for choice in self.choices]
 

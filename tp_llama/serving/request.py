@@ -57,6 +57,7 @@ class Job:
     cache_salt: str | None = None  # the prefix cache is shared only between requests of the same salt
     grammar: GrammarSpec | None = None  # the reply's constraint (serving/grammars.py compiles it)
     n: int = 1  # sequences per prompt, prefilled once (engine/scheduler.py's groups)
+    tools: Any = None  # chat's tools: a serving.tool_use.ToolUse (which imports this module)
 
 
 class FrontDoor(Protocol):

@@ -16,7 +16,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from tp_llama.serving.request import ChatTokenizer, GrammarSpec, RequestError, type_name
+from tp_llama.serving.request import ChatTokenizer, GrammarSpec, RequestError, chat_prompt_ids, type_name
+from tp_llama.serving.structured import constrained_reply
 from tp_llama.tool_calls import parse_tool_calls, tool_call_grammar
 from tp_llama.tool_format import encode_tool_chat, tool_functions
 
@@ -94,6 +95,26 @@ def tool_use(body: dict[str, Any], tool_format: str, family: str | None) -> Tool
         raise RequestError(f"parallel_tool_calls: the {tool_format} format carries one call per reply (Meta's "
                            "Llama 3.1 format); send false or leave it out", param="parallel_tool_calls")
     return ToolUse(tools, choice, tool_format, parallel is not False and not fmt_allows_one(tool_format))
+
+
+def reply_constraint(body: dict[str, Any], tools: ToolUse | None, ignore_eos: bool) -> GrammarSpec | None:
+    """The reply's grammar: response_format / structured_outputs, or the tools' calls (not both)."""
+    grammar = constrained_reply(body, ignore_eos)
+    if tools is None or tools.choice == "none":
+        return grammar
+    if grammar is not None:
+        raise RequestError(f"send either tools (with tool_choice other than none) or {grammar.param}, not both",
+                           param=grammar.param)
+    if ignore_eos:
+        raise RequestError("ignore_eos cannot be combined with tools: a call ends with the end-of-sequence token",
+                           param="ignore_eos")
+    return tools.grammar
+
+
+def chat_ids(body: dict[str, Any], messages: Any, tokenizer: ChatTokenizer, tool_format: str) -> tuple[list[int], ToolUse | None]:
+    """A chat's prompt ids, in the tool-calling prompt when the request sends tools, and its tools."""
+    tools = tool_use(body, tool_format, getattr(tokenizer, "family", None))
+    return (tools.prompt_ids(messages, tokenizer) if tools else chat_prompt_ids(messages, tokenizer)), tools
 
 
 def fmt_allows_one(tool_format: str) -> bool:
