@@ -162,21 +162,21 @@ def test_a_grammar_that_cannot_be_enforced_is_refused_naming_why(compiler, kind,
             assert named in str(exc), str(exc)
     else:
         assert named is None, f"{text!r} was accepted"
-    assert time.perf_counter() - started < COMPILE_LIMIT_S + 0.5
+    assert time.perf_counter() - started < COMPILE_LIMIT_S + 1.0
 
 
 def test_a_grammar_too_slow_to_compile_is_refused_at_the_time_limit(compiler, monkeypatch):
     real = GrammarCompiler._compile
 
     def slow(self, spec, grammar):
-        time.sleep(COMPILE_LIMIT_S + 1)
+        time.sleep(COMPILE_LIMIT_S + 3)
         return real(self, spec, grammar)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", slow)
     started = time.perf_counter()
     with pytest.raises(RequestError, match="did not compile within"):
         compiler.compile_now(GrammarSpec("regex", "slow-[a-z]{3}", "structured_outputs"))
-    assert time.perf_counter() - started < COMPILE_LIMIT_S + 0.3
+    assert time.perf_counter() - started < COMPILE_LIMIT_S + 1.0
 
 
 def test_deep_nesting_and_huge_enums_are_refused_or_compiled_within_the_limit(compiler):
@@ -189,7 +189,7 @@ def test_deep_nesting_and_huge_enums_are_refused_or_compiled_within_the_limit(co
             compiler.compile_now(GrammarSpec("json", json.dumps(schema), "response_format"))
         except RequestError as exc:
             assert exc.status == 400
-        assert time.perf_counter() - started < COMPILE_LIMIT_S + 0.5
+        assert time.perf_counter() - started < COMPILE_LIMIT_S + 1.0
 
 
 @pytest.mark.parametrize("body,message", [
@@ -298,7 +298,7 @@ def test_a_slow_grammar_does_not_stall_the_batch(handler, compiler, monkeypatch)
     got = serve(handler, [[("long", None), ("new", fresh)]], {"new": "v1/chat/completions"})
     took = time.perf_counter() - started
     assert handler.engine.stats.decode_tokens > steps_before  # the long request decoded meanwhile
-    assert 0.4 <= took < grammars.COMPILE_LIMIT_S + 0.3
+    assert 0.4 <= took < grammars.COMPILE_LIMIT_S + 1.0  # the limit, a step and some room on a busy CI machine
     assert got["new"][0][1].status.get(got["new"][0][2]) is None  # admitted, not refused
     replies = run_to_end(handler, {"long": None, "new": None}, paths={"new": "v1/chat/completions"})
     assert re.fullmatch("slow-[0-9]{2}", final_json(replies["new"])["choices"][0]["message"]["content"])
