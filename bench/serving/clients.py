@@ -157,10 +157,14 @@ def run_level(send: Send, prompt: list[int] | str, clients: int, per_client: int
         lat = sorted(r["latency_s"] for r in replies)
         ttft = sorted(r["ttft_s"] for r in replies)
         tpot = sorted((r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in replies if r["tokens"] > 1)
+        # A reply that ends on its stop token took one decode step more than it has tokens after the first.
+        step = sorted((r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1 + (r.get("finish_reason") == "stop"))
+                      for r in replies if r["tokens"] > 1)
         level.update({
             "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
             "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
             "tpot_p50_s": percentile(tpot, 50) if tpot else None,
+            "step_p50_s": percentile(step, 50) if step else None,
             "short_replies": sum(r["tokens"] != new_tokens for r in replies),
             "prompt_tokens": sorted({r["prompt_tokens"] for r in replies}),
             "timeline": sorted([round(r["sent_s"], 3), round(r["ttft_s"], 3), round(r["latency_s"], 3)]

@@ -53,6 +53,8 @@ def server_rows(data: dict) -> list[list[object]]:
                 f"{_ms(c.get('tpot_p50_s'))} / {_ms(u.get('tpot_p50_s'))}",
                 _spread([_ratio(rc.get("tpot_p50_s"), ru.get("tpot_p50_s"))
                          for rc, ru in zip(c["rounds"], u["rounds"])]),
+                _spread([_ratio(rc.get("step_p50_s"), ru.get("step_p50_s"))
+                         for rc, ru in zip(c["rounds"], u["rounds"])]),
                 f"{c.get('invalid', 0)} / {c.get('replies', c['requests'])}",
                 f"{c['tokens_mean']:.1f}" if c.get("tokens_mean") is not None else "-",
                 " ".join(f"{k} {v}" for k, v in sorted(c.get("finish_reasons", {}).items())),
@@ -87,6 +89,7 @@ def report(data: dict) -> str:
     parts = [header(data), "",
              table(["server", "clients", "tok/s constrained / free", "TTFT p50 s constrained / free",
                     "TPOT p50 ms constrained / free", "TPOT constrained / free, median (range)",
+                    "ms per decode step constrained / free (the stop token's step counted)",
                     "invalid / constrained replies", "tokens per constrained reply", "finish reasons (constrained)",
                     "errors"], server_rows(data))]
     versus = versus_rows(data)
