@@ -62,10 +62,8 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 
 from bench.lib.checkpoint import PRESETS, ensure_checkpoint
 from bench.lib.common import OUT, REPO, before_root, write_json
@@ -78,6 +76,7 @@ from bench.serving.llamacpp_peer import LlamaServer, gguf_for, llamacpp_stream, 
 from bench.serving.llamacpp_peer import version as llamacpp_version
 from bench.serving.servers import (NAME, archive, git_describe, own_rendezvous, start_ready, vllm_folder,
                                    vllm_version)
+from bench.serving.turns import cpu_seconds, settle
 from bench.serving.vllm_peer import VLLM_VENV, VLLMServer, vllm_stream
 from tests.support.serving_util import TorchServe, free_ports
 from tp_llama.tokenizer import load_tokenizer
@@ -179,36 +178,6 @@ def start(name: str, a: argparse.Namespace, roots: dict[str, Path], ids: list[in
     return start_torchserve(name, REPO, ckpt, a, overrides, ids, text, stack)
 
 
-def cpu_seconds(process: subprocess.Popen | None) -> float:
-    """User and system CPU seconds of a server's process tree so far (its live processes')."""
-    if process is None:
-        return 0.0
-    try:
-        root = psutil.Process(process.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for proc in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
-
-
-def settle(processes: dict[str, subprocess.Popen | None], quiet_cpu_s: float = 0.02, window_s: float = 0.5,
-           timeout_s: float = 30.0) -> float:
-    """Seconds until the servers together use under quiet_cpu_s of CPU in window_s: a server's threads
-    can spin on for a second after its turn (vLLM's OpenMP), eating into the next server's."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        before = sum(cpu_seconds(p) for p in processes.values())
-        time.sleep(window_s)
-        if sum(cpu_seconds(p) for p in processes.values()) - before < quiet_cpu_s:
-            break
-    return time.monotonic() - started
-
-
 def taking_turns(sends: dict[str, Send], processes: dict[str, subprocess.Popen | None],
                  prompts: dict[str, list[int] | str], a: argparse.Namespace) -> dict[str, list[dict]]:
     """Each level a.rounds times per server, the servers taking turns, order reversed every round."""
@@ -219,7 +188,7 @@ def taking_turns(sends: dict[str, Send], processes: dict[str, subprocess.Popen |
         for r in range(a.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 waiting = [n for n in names if n != name]
-                settled_s = settle(processes)
+                settled_s = settle(list(processes.values()))
                 idle_before = sum(cpu_seconds(processes[n]) for n in waiting)
                 level = run_level(sends[name], prompts[name], clients, a.requests, a.new_tokens)
                 level["idle_cpu_s"] = sum(cpu_seconds(processes[n]) for n in waiting) - idle_before
