@@ -12,7 +12,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -75,6 +75,32 @@ def torchserve_stream(server: TorchServe, prompt: str, max_new_tokens: int, time
         conn.close()
 
 
+def sse_chunks(response: http.client.HTTPResponse) -> Iterator[dict]:
+    """The JSON payloads of a server-sent event stream's `data:` lines, up to `data: [DONE]` if it sends one."""
+    for raw in response:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+def post_json(port: int, path: str, body: dict, timeout: float = 60) -> dict:
+    """One JSON POST to a local server, its JSON reply; RuntimeError naming the path on another status."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status}: {data[:300]!r}")
+        return json.loads(data)
+    finally:
+        conn.close()
+
+
 def openai_stream(port: int, path: str, prompt_ids: list[int], max_tokens: int, headers: dict[str, str],
                   extra: dict, timeout: float = 600) -> dict:
     """One streaming OpenAI completions request, greedy, stop tokens ignored; times in seconds from sending.
@@ -94,14 +120,7 @@ def openai_stream(port: int, path: str, prompt_ids: list[int], max_tokens: int, 
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
         first, usage, ids = None, None, []
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
+        for chunk in sse_chunks(response):
             for choice in chunk.get("choices") or []:
                 if first is None:
                     first = time.perf_counter() - started

@@ -36,6 +36,7 @@ from bench.lib import llamacpp
 from bench.lib.checkpoint import PRESETS, ensure_checkpoint
 from bench.lib.common import OUT, last_json, run_module
 from bench.lib.generation import common_prefix, prompt_text
+from bench.serving.clients import post_json, sse_chunks
 from bench.serving.peer_process import PeerProcess
 
 GGUF_HOME = OUT / "gguf"
@@ -117,11 +118,7 @@ def llamacpp_stream(port: int, prompt_ids: list[int], n_predict: int, timeout: f
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
         first, final, ids = None, None, []
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            chunk = json.loads(line[5:].strip())
+        for chunk in sse_chunks(response):
             if "error" in chunk:
                 raise RuntimeError(f"llama-server: {chunk['error']}")
             if chunk.get("tokens"):
@@ -139,23 +136,11 @@ def llamacpp_stream(port: int, prompt_ids: list[int], n_predict: int, timeout: f
         conn.close()
 
 
-def post(port: int, path: str, body: dict, timeout: float) -> dict:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        data = response.read()
-        if response.status != 200:
-            raise RuntimeError(f"{path}: HTTP {response.status}: {data[:300]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
-
 
 def llamacpp_tokens(port: int, prompt_ids: list[int], n_predict: int, timeout: float = 600) -> dict:
     """Greedy token ids of one request that is not streamed: every one of them (a stream holds back
     tokens that end inside a UTF-8 character), and the prompt's length as the server counts it."""
-    reply = post(port, "/completion", request_body(prompt_ids, n_predict, False, None), timeout)
+    reply = post_json(port, "/completion", request_body(prompt_ids, n_predict, False, None), timeout)
     return {"token_ids": reply["tokens"], "prompt_tokens": reply["tokens_evaluated"]}
 
 
@@ -194,7 +179,7 @@ def parity(preset: str, prompt_len: int, tokens: int, kinds: list[str], threads:
             server.wait_ready(600)
             got = llamacpp_tokens(server.port, ids, tokens)
             # The text through llama.cpp's tokenizer (BOS added by the vocabulary's rule), against our ids.
-            tokenized = post(server.port, "/tokenize", {"content": text, "add_special": True}, 60)["tokens"]
+            tokenized = post_json(server.port, "/tokenize", {"content": text, "add_special": True}, 60)["tokens"]
         result["kinds"][kind] = {"gguf": str(gguf), "tokens": got["token_ids"], "prompt_tokens": got["prompt_tokens"],
                                  "identical_prefix": common_prefix(ours["token_ids"], got["token_ids"]),
                                  "same_tokenization": tokenized == ids}

@@ -60,7 +60,8 @@ from bench.lib.generation import prompt_text
 from bench.lib.llamacpp import cpu_flags
 from bench.serving.servers import NAME, archive, git_describe, own_rendezvous, start_ready, vllm_folder, vllm_version
 from bench.serving.structured_report import report
-from bench.serving.structured_requests import MODES, Target, completion, constrained_body, invalid, post, run_mode
+from bench.serving.clients import post_json
+from bench.serving.structured_requests import MODES, Target, completion, constrained_body, invalid, run_mode
 from bench.serving.turns import cpu_seconds, settle
 from bench.serving.vllm_peer import SERVED_NAME, VLLM_VENV, VLLMServer, tokenizer_in_venv
 from tests.support.schemas import NAMES, SCHEMAS
@@ -104,8 +105,8 @@ def start_ours(ckpt, a: argparse.Namespace, stack: contextlib.ExitStack) -> Targ
 
 def same_tokens(port: int, text: str, ids: list[int], ours_text: str) -> dict:
     """vLLM's tokenization of the prompt text against our ids, and its detokenization against our text."""
-    theirs = post(port, "/tokenize", {"model": SERVED_NAME, "prompt": text})["tokens"]
-    back = post(port, "/detokenize", {"model": SERVED_NAME, "tokens": ids[1:]})["prompt"]
+    theirs = post_json(port, "/tokenize", {"model": SERVED_NAME, "prompt": text})["tokens"]
+    back = post_json(port, "/detokenize", {"model": SERVED_NAME, "tokens": ids[1:]})["prompt"]
     if theirs != ids or back != ours_text:
         at = next((i for i, (x, y) in enumerate(zip(theirs, ids)) if x != y), min(len(theirs), len(ids)))
         raise RuntimeError(f"vLLM's tokenizer differs from ours: {len(theirs)} ids against {len(ids)}, first "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import jsonschema
 
-from bench.serving.clients import Send, run_level
+from bench.serving.clients import Send, run_level, sse_chunks
 from tests.support.schemas import NAMES, SCHEMAS
 
 MODES = ("constrained", "unconstrained")
@@ -53,14 +53,7 @@ def completion(target: Target, body: dict, timeout: float) -> dict:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
         first, usage, text, finish = None, None, [], None
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
+        for chunk in sse_chunks(response):
             for choice in chunk.get("choices") or []:
                 first = first if first is not None else time.perf_counter() - started
                 text.append(choice.get("text") or "")
@@ -130,15 +123,3 @@ def run_mode(target: Target, mode: str, clients: int, ids: list[int], a: argpars
         level["invalid"], level["invalid_samples"] = len(bad), bad[:3]
     return level
 
-
-def post(port: int, path: str, body: dict) -> dict:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        data = response.read()
-        if response.status != 200:
-            raise RuntimeError(f"{path}: HTTP {response.status}: {data[:300]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
