@@ -45,7 +45,6 @@ class Choice:
     echoed: bool = False  # streamed: the prompt part went out
     tool: ToolReply | None = None  # chat with tools: the reply's calls
     started: bool = False  # streamed: its first chunk (chat: the assistant's role) went out
-    first_of_prompt: bool = True  # n > 1: the first choice of its prompt (usage counts each prompt once)
     done: bool = False  # streamed: its finish chunk went out
 
     @property
@@ -107,7 +106,6 @@ class OpenAIRequest:
             seq = Sequence(rid if i == 0 else f"{rid}#{i}", prompt, job.params, job.cache_salt, fork_of=first)
             echo = (text if text is not None else self.decode(prompt)) if self.echo else None
             choice = Choice(i, seq, echo, None if self.chat else LegacyLogprobs(self.decode))
-            choice.first_of_prompt = first is None
             if follow:  # text followed step by step when streamed or when stop strings must be watched for
                 choice.decoder, choice.watcher = StreamDecoder(self.decode), StopWatcher(self.stops)
             if job.tools is not None:
@@ -159,7 +157,7 @@ class OpenAIRequest:
 
     def usage(self) -> dict[str, Any]:
         """Token counts, each prompt once however many choices it has (n > 1 prefills it once)."""
-        firsts = [c.seq for c in self.choices if c.first_of_prompt]
+        firsts = [c.seq for c in self.choices if c.index % self.job.n == 0]  # one choice per prompt
         prompt = sum(len(s.prompt_ids) for s in firsts)
         completion = sum(len(c.seq.output) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
