@@ -9,20 +9,10 @@ import jsonschema
 import pytest
 
 from tests.test_handler_unit import final_json, run_to_end, serve
-from tests.test_structured import PROMPT, SCHEMAS, SETTINGS, ckpt, compiler, engine  # noqa: F401 (fixtures)
+from tests.test_structured import PROMPT, SCHEMAS, ckpt, compiler, engine, handler  # noqa: F401 (fixtures)
 
 COMPLETIONS = {"r": "v1/completions"}
 CHAT = {"r": "v1/chat/completions"}
-
-
-@pytest.fixture
-def handler(engine, compiler):  # noqa: F811
-    import handler.llama_handler as llama_handler
-
-    h = llama_handler.LlamaHandler()
-    h.engine, h.settings, h.grammars = engine, SETTINGS, compiler
-    h.scheduler = engine.new_scheduler()
-    return h
 
 
 def events(replies: list) -> list[dict]:

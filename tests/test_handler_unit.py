@@ -259,9 +259,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory, device: str):
                                     device=device))
 
 
-def new_handler(engine) -> llama_handler.LlamaHandler:
+def new_handler(engine, settings: HandlerSettings = SETTINGS, grammars=None) -> llama_handler.LlamaHandler:
+    """A rank-0 handler over `engine`, as initialize() leaves it (`grammars`: its GrammarCompiler)."""
     handler = llama_handler.LlamaHandler()
-    handler.engine, handler.settings = engine, SETTINGS
+    handler.engine, handler.settings, handler.grammars = engine, settings, grammars
     handler.scheduler = engine.new_scheduler()
     return handler
 

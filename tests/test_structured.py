@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support.schemas import SCHEMAS
-from tests.test_handler_unit import final_json, run_to_end, serve
+from tests.test_handler_unit import final_json, new_handler, run_to_end, serve
 from tp_llama.config import EngineConfig
 from tp_llama.engine.constraint import grammar_tokenizer
 from tp_llama.engine.core import Engine
@@ -224,12 +224,7 @@ SETTINGS = HandlerSettings(EngineConfig("/ckpt", max_seq_len=256), default_max_n
 
 @pytest.fixture
 def handler(engine, compiler):
-    import handler.llama_handler as llama_handler
-
-    h = llama_handler.LlamaHandler()
-    h.engine, h.settings, h.grammars = engine, SETTINGS, compiler
-    h.scheduler = engine.new_scheduler()
-    return h
+    return new_handler(engine, SETTINGS, compiler)
 
 
 def chat(extra: dict, stream: bool = False) -> bytes:

@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.test_handler_unit import final_json, run_to_end, serve
+from tests.test_handler_unit import final_json, new_handler, run_to_end, serve
 from tp_llama.config import EngineConfig
 from tp_llama.engine.constraint import grammar_tokenizer
 from tp_llama.engine.core import Engine
@@ -52,13 +52,7 @@ def compiler(engine: Engine) -> GrammarCompiler:
 
 
 def make_handler(engine, compiler, tool_format: str):
-    import handler.llama_handler as llama_handler
-
-    h = llama_handler.LlamaHandler()
-    h.engine, h.grammars = engine, compiler
-    h.settings = dataclasses.replace(SETTINGS, tool_format=tool_format)
-    h.scheduler = engine.new_scheduler()
-    return h
+    return new_handler(engine, dataclasses.replace(SETTINGS, tool_format=tool_format), compiler)
 
 
 def ask(handler, seed: int, stream: bool = False, **fields) -> list:
