@@ -72,9 +72,11 @@ def quantize(weight: torch.Tensor, bits: int, device: torch.device | None = None
 
 
 def pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """int32 [out, in] of 4-bit values in the packing the int4 matmul on `device` reads."""
+    """int32 [out, in] of 4-bit values in the packing the int4 matmul on `device` reads (CUDA's op takes
+    them two to a byte, the even column in the high nibble)."""
     if device.type == "cuda":
-        return torch.ops.aten._convert_weight_to_int4pack(q.to(torch.int32).to(device), INT4_INNER_K_TILES)
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), INT4_INNER_K_TILES)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INT4_INNER_K_TILES)
 
 
