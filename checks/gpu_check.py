@@ -16,7 +16,8 @@ table of:
 --quantized adds rows for weights quantized at load (`quantize: int8 / int4`, PyTorch's ops on
 CUDA): parity of each against the float64 reference on the dequantized weights (int8 in float32,
 eager and compiled; int4, whose CUDA op takes bfloat16 only, in bfloat16), and the 8B captured decode
-step at 1 row against the bfloat16 captured step (targets: int8 at most 0.7x its time, int4 0.55x).
+step at 1 row against the bfloat16 captured step (targets: int8 at most 0.7x its time, int4 0.55x);
+and the matmuls of Meta's quantized downloads (checks/meta_matmuls.py).
 
 Exit status 1 when a check fails. `--device cpu --skip-speed` runs checks 1-2 on CPU (as the tests do).
 """
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from checks import meta_matmuls
 from tests.support.reference import Config, ReferenceModel, greedy
 from tp_llama.checkpoint.loader import build_local_model
 from tp_llama.kernels.quant import dequantize, quantize
@@ -103,7 +105,7 @@ def dequantized(state: dict, bits: int, dtype: str) -> dict:
 
 
 def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,
-                  max_seq_len: int = 256, quantize_: str = "none") -> Engine:
+                  max_seq_len: int = 256, quantize_: str = "none", kv_block_size: int = 16) -> Engine:
     """The engine the CLI and the handler serve, on weights from memory (this rank's shards of `state`)."""
     tp = info.world_size
     local = {}
@@ -114,8 +116,8 @@ def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, comp
     # A pool of max_rows sequences of max_seq_len (the default would take most of the GPU).
     token_bytes = 2 * args.n_layers * args.n_kv_heads // tp * args.head_dim * getattr(torch, dtype).itemsize
     config = EngineConfig("-", "tp", dtype, max_seq_len, max_rows, prefill_budget=max_seq_len,
-                          device=info.device.type, compile=compile_, quantize=quantize_,
-                          kv_cache_memory_gb=(max_rows + 1) * (max_seq_len + 16) * token_bytes / 2**30)
+                          device=info.device.type, compile=compile_, quantize=quantize_, kv_block_size=kv_block_size,
+                          kv_cache_memory_gb=(max_rows + 1) * (max_seq_len + kv_block_size) * token_bytes / 2**30)
     return Engine.around(config, model, NoText(), args, info, time.perf_counter())
 
 
@@ -352,6 +354,7 @@ def main() -> int:
     parity(a.device, expected)
     if a.quantized:
         quantized_parity(a.device, expected)
+        meta_matmuls.rows(a.device, record)
     tp2_over_gloo(a.device, expected)
     if a.device == "cuda":
         nccl_world_one(expected)
