@@ -5,19 +5,18 @@ KV-cache block no sequence owns). Each row carries its token, position, cache in
 table (padded to max_seq_len's blocks) as device tensors, built on the host and sent in one copy;
 the cache is written in place by index and attention reads each row's blocks up to its own length
 (Batch.decode_by_index). So one graph per bucket serves every mix of tables and lengths, with no
-host sync inside. Which logical block each pool block is, per row (FlexAttention's mask reads
-it), is scattered on the device outside the graph: inductor on CPU miscompiles a mask that reads
-a tensor computed inside it.
+host sync inside. The step's attention block mask is built inside the graph once, for every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tp_llama.engine.plan import Row
 from tp_llama.model.batch import Batch, cache_index, padded_table, to_device
-from tp_llama.model.kv_cache import block_owner
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -27,7 +26,8 @@ def bucket_sizes(max_rows: int) -> tuple[int, ...]:
 
 
 class DecodeStep:
-    """The model's decode-only steps, padded to buckets; compiled (CUDA graphs on CUDA) when asked."""
+    """The model's decode-only steps, padded to buckets; compiled when asked, and on CUDA each bucket
+    then captured in a CUDA graph of its own."""
 
     def __init__(self, model: nn.Module, max_rows: int, width: int, device: torch.device, compiled: bool):
         self.model, self.device, self.width = model, device, width
@@ -36,19 +36,18 @@ class DecodeStep:
         self.block_size, self.spare, self.pool_blocks = cache.block_size, cache.spare, cache.pool_blocks
         forward = self._forward
         if compiled:
-            for module in model.modules():  # the caches are written in place: keep their addresses
-                cache = getattr(module, "cache", None)
-                if cache is not None and device.type == "cuda":
-                    torch._dynamo.mark_static_address(cache.k)
-                    torch._dynamo.mark_static_address(cache.v)
             # One graph per bucket, and dynamo counts every engine's graphs of this function against
-            # one limit (8 by default): past it, steps fall back to eager, far slower than captured
+            # one limit (8 by default): past it, steps fall back to eager, far slower than compiled
             # (checks/gpu_check.py's decode speed).
             torch._dynamo.config.recompile_limit += len(self.sizes)
             torch._dynamo.config.accumulated_recompile_limit += len(self.sizes)
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            forward = torch.compile(forward, mode=mode, dynamic=False)
+            forward = torch.compile(forward, dynamic=False)
         self.forward = forward
+        # Captured by hand rather than by torch.compile's "reduce-overhead": a replay then costs one
+        # input copy and the launch, not dynamo's guards and CUDA graph trees' checks of every weight's
+        # address, which left the GPU idle for a third of each step (bench/gpu_profile.py).
+        self.graphs: dict[int, Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if compiled and device.type == "cuda" else None
 
     @staticmethod
     def accepts(rows: list[Row]) -> bool:
@@ -56,27 +55,64 @@ class DecodeStep:
         return bool(rows) and all(len(row.tokens) == 1 and row.sample for row in rows)
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
-        """Logits [len(rows), V] (rank 0; [len(rows), 0] elsewhere under TP)."""
+        """Logits [len(rows), V] (rank 0; [len(rows), 0] elsewhere under TP). On CUDA the graph's own
+        output, which the next step overwrites."""
         size = next(b for b in self.sizes if b >= len(rows))
+        host = self._inputs(rows, size)
+        if self.pool is None:
+            return self.forward(*self._split(to_device(host, self.device), size))[: len(rows)]
+        captured = self.graphs.get(size) or self._capture(size)
+        captured.inputs.copy_(host.pin_memory(), non_blocking=True)
+        captured.graph.replay()
+        return captured.logits[: len(rows)]
+
+    def _inputs(self, rows: list[Row], size: int) -> torch.Tensor:
+        """Every row's token, position, cache index and block table in one host tensor, padded to `size` rows."""
         pad, b = size - len(rows), self.block_size
         tables = [padded_table(row.blocks, self.width, self.spare) for row in rows]
         tables += [padded_table([], self.width, self.spare)] * pad
-        host = torch.tensor([row.tokens[0] for row in rows] + [0] * pad
+        return torch.tensor([row.tokens[0] for row in rows] + [0] * pad
                             + [row.start for row in rows] + [0] * pad
                             + [cache_index(row.blocks, row.start, b) for row in rows] + [self.spare * b] * pad
                             + [v for table in tables for v in table], dtype=torch.long)
-        tokens, positions, locations, flat = to_device(host, self.device).split([size, size, size, size * self.width])
-        tables_t = flat.view(size, self.width)
-        owner = block_owner(tables_t, self.pool_blocks)
-        return self.forward(tokens, positions, locations, tables_t, owner)[: len(rows)]
+
+    def _split(self, inputs: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        tokens, positions, locations, flat = inputs.split([size, size, size, size * self.width])
+        return tokens, positions, locations, flat.view(size, self.width)
+
+    def _capture(self, size: int) -> Captured:
+        """The bucket's step compiled, run twice on a side stream (kernels and cuBLAS's workspaces
+        ready), then captured reading a device buffer of inputs that later steps overwrite."""
+        inputs = self._inputs([], size).to(self.device)  # padding rows: they write only the spare block
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward(*self._split(inputs, size))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(*self._split(inputs, size))
+        self.graphs[size] = Captured(graph, inputs, logits)
+        return self.graphs[size]
 
     @torch.inference_mode()
     def warm_up(self, sizes: tuple[int, ...] | None = None) -> None:
-        """Compile (and capture) the buckets now rather than on the first requests; writes only the spare block."""
-        for size in sizes or self.sizes:
-            for _ in range(3):  # CUDA graph trees run a graph eagerly, then record it, then replay it
-                self([Row(0, [0], True, [self.spare])] * size)
+        """Compile (and capture) the buckets now rather than on the first requests, the largest first (the
+        smaller graphs then fit in the memory it took); writes only the spare block."""
+        for size in sorted(sizes or self.sizes, reverse=True):
+            self([Row(0, [0], True, [self.spare])] * size)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor, tables: torch.Tensor,
-                 owner: torch.Tensor) -> torch.Tensor:
-        return self.model(Batch.decode_by_index(tokens, positions, locations, tables, owner, self.block_size))
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor,
+                 tables: torch.Tensor) -> torch.Tensor:
+        return self.model(Batch.decode_by_index(tokens, positions, locations, tables, self.block_size,
+                                                self.pool_blocks))
+
+
+@dataclass
+class Captured:
+    """One bucket's CUDA graph: the device buffer it reads its inputs from, and the logits it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor
+    logits: torch.Tensor

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Batch:
     n_decode: int
     decode_mask: torch.Tensor | None  # [n_decode, 1, 1, kv_len] keys each decode row may see
     prefill: list[tuple[int, int, int, int]]
-    block_owner: torch.Tensor | None = None  # decode_by_index: [rows, pool blocks] logical index of each block, -1
+    block_mask: BlockMask | None = None  # decode_by_index: the blocks each row reads, for every layer
 
     @classmethod
     def build(cls, rows: list[tuple[int, list[int], bool, list[int]]], block_size: int, spare: int,
@@ -74,15 +75,53 @@ class Batch:
 
     @classmethod
     def decode_by_index(cls, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor,
-                        tables: torch.Tensor, block_owner: torch.Tensor, block_size: int) -> Batch:
-        """Decode rows given as device tensors (token, position, cache index and block table per row;
-        which logical block of each row every pool block is, -1 for none), for a step of static
-        shapes: nothing here depends on their values, so one compiled graph serves them all.
+                        tables: torch.Tensor, block_size: int, pool_blocks: int) -> Batch:
+        """Decode rows given as device tensors (token, position, cache index and block table per row),
+        for a step of static shapes: nothing here depends on their values, so one compiled graph
+        serves them all.
 
-        Attention reads each row's blocks only up to its own length, not padded to the longest row.
+        Attention reads each row's blocks only up to its own length, not padded to the longest row,
+        through one block mask that every layer shares.
         """
         rows = torch.arange(len(tokens), device=tokens.device)
-        return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), None, [], block_owner)
+        return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), None, [],
+                   paged_block_mask(tables, positions, locations, block_size, pool_blocks))
+
+
+def paged_block_mask(tables: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor, block_size: int,
+                     pool_blocks: int) -> BlockMask:
+    """FlexAttention's mask of one query per row over the whole pool: row b reads the blocks of its
+    table up to the one holding its position, and sees in that last block only the cache indices up
+    to its own (locations[b]). Built on the device from the step's tensors, once a step, with no
+    transposed (backward) block lists.
+
+    Every block goes in as a partial one (the mask evaluated there), none as full: FlexAttention's
+    decoding kernel splits a row's partial blocks evenly over its parallel splits, but gives full
+    blocks to the splits by position in the pool, so a row's full blocks would all run in one split,
+    one after another (bench/gpu_profile.py).
+    """
+    rows, width = tables.shape
+    count = (positions // block_size + 1).to(torch.int32).view(rows, 1, 1)
+    # FlexAttention wants index lists as wide as the pool; entries past a row's count are never read.
+    indices = torch.zeros((rows, 1, 1, pool_blocks), dtype=torch.int32, device=tables.device)
+    indices[..., :width] = tables.view(rows, 1, 1, width)
+
+    if torch.compiler.is_compiling():
+        def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            # Compiled, the mask is read in the row's own blocks only: all of each but the last.
+            return (kv_idx // block_size != locations[b] // block_size) | (kv_idx <= locations[b])
+    else:
+        # Uncompiled FlexAttention (tests) evaluates the mask at every position of the pool: there it
+        # needs which logical block of each row every pool block is (-1 for none).
+        owner = torch.full((rows, pool_blocks), -1, dtype=torch.int32, device=tables.device)
+        owner.scatter_(1, tables, torch.arange(width, dtype=torch.int32, device=tables.device).expand(rows, width))
+
+        def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            logical = owner[b, kv_idx // block_size]
+            return (logical >= 0) & (logical * block_size + kv_idx % block_size <= positions[b])
+
+    return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=block_size, mask_mod=visible,
+                                    seq_lengths=(1, pool_blocks * block_size), compute_q_blocks=False)
 
 
 def cache_index(blocks: list[int], position: int, block_size: int) -> int:

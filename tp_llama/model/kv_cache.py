@@ -18,9 +18,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 from tp_llama.model.batch import Batch
+
+
+MIN_DECODE_SPLITS = 16
 
 
 class KVCache:
@@ -101,46 +104,23 @@ def _decode_by_index(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Ten
     of its own, and a view of the 3-d projection is not one.
     """
     queries = q.unsqueeze(2) * (1 / math.sqrt(q.shape[-1]))
+    options = {"SPLIT_KV": decode_splits(q.device, len(q), cache.k.shape[0])} if q.is_cuda else None
     out = flex_attention(queries, cache.k.unsqueeze(0), cache.v.unsqueeze(0), scale=1.0, enable_gqa=True,
-                         block_mask=_paged_mask(batch, cache.pool_blocks))
+                         block_mask=batch.block_mask, kernel_options=options)
     return out.squeeze(2)
 
 
-def block_owner(tables: torch.Tensor, pool_blocks: int) -> torch.Tensor:
-    """[rows, pool_blocks]: the logical index of each pool block in each row's table, -1 where absent
-    (for FlexAttention's mask, which sees pool indices). Padding entries name the spare block, whose
-    entry no real row reads."""
-    rows, width = tables.shape
-    owner = torch.full((rows, pool_blocks), -1, dtype=torch.int32, device=tables.device)
-    return owner.scatter_(1, tables, torch.arange(width, dtype=torch.int32, device=tables.device).expand(rows, width))
-
-
-def _paged_mask(batch: Batch, pool_blocks: int) -> BlockMask:
-    """Row b sees its positions 0 .. positions[b]: the blocks of its table below that whole (no mask
-    evaluated there), the one it ends in through the mask; built on the device from the batch alone."""
-    size, tables, owner, seen = batch.block_size, batch.tables, batch.block_owner, batch.positions
-    rows, width = tables.shape
-    filled = (seen + 1).view(rows, 1, 1)
-    full = (filled // size).to(torch.int32)
-    partial = (filled % size != 0).to(torch.int32)
-    # FlexAttention wants index lists as wide as the pool; entries past a row's count are never read.
-    indices = torch.zeros((rows, 1, 1, pool_blocks), dtype=torch.int32, device=tables.device)
-    indices[..., :width] = tables.view(rows, 1, 1, width)
-    last = torch.zeros_like(indices)
-    last[..., :1] = torch.gather(indices, 3, full.unsqueeze(-1).clamp(max=width - 1).long())
-
-    def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        logical = owner[b, kv_idx // size]
-        return (logical >= 0) & (logical * size + kv_idx % size <= seen[b])
-
-    return BlockMask.from_kv_blocks(partial, last, full_kv_num_blocks=full,
-                                    full_kv_indices=indices, BLOCK_SIZE=size, mask_mod=visible,
-                                    seq_lengths=(1, pool_blocks * size))
+def decode_splits(device: torch.device, rows: int, kv_heads: int) -> int:
+    """How many parallel parts FlexAttention's GPU decoding kernel cuts each row's blocks into: its
+    own choice (two CTAs per multiprocessor over rows x KV heads), but at least MIN_DECODE_SPLITS, so
+    that a batch of many rows does not walk each row's blocks in one CTA (bench/gpu_profile.py)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(2 * sms // (rows * kv_heads), MIN_DECODE_SPLITS)
 
 
 def _decode(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Tensor:
     """One query per decode row against its own blocks, gathered to the longest row and masked."""
-    if batch.block_owner is not None:
+    if batch.block_mask is not None:
         return _decode_by_index(cache, q, batch)
     keys, values = cache.read(batch.tables[: batch.n_decode], batch.decode_mask.shape[-1])
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
