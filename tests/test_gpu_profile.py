@@ -1,0 +1,38 @@
+"""bench/gpu_profile.py, which runs only where a GPU is lent: keep every path of it working here on the CPU,
+and its kernel categories true to the kernel names an H200 run printed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.gpu_profile import category
+
+H200_KERNELS = {  # names from the profile's tables on an H200 (torch 2.11), and what each kernel is
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1": "matmul",
+    "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "matmul",
+    "triton_tem_fused__to_copy_add_copy_flex_attention_floor_divide_0": "attention",
+    "triton_per_fused__to_copy_add_copy_flex_attention_floor_divide_1": "attention",
+    "triton_poi_fused__to_copy_add_index_index_put_mul_slice_split_with_sizes_stack_2": "KV-cache write",
+    "triton_red_fused__fused_rms_norm_embedding_0": "norm (+ residual add)",
+    "triton_poi_fused_mul_silu_split_10": "SwiGLU",
+    "triton_poi_fused__to_copy_add_index_mul_slice_split_with_sizes_stack_sub_3": "RoPE",
+    "triton_poi_fused_copy_slice_view_zeros_5": "block mask / step inputs",
+    "memcpy32_post": "copies / casts",
+}
+
+
+@pytest.mark.parametrize("name", list(H200_KERNELS))
+def test_each_kernel_lands_in_its_category(name: str):
+    assert category(name) == H200_KERNELS[name]
+
+
+def test_the_profile_runs_here_on_cpu():
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--device", "cpu", "--small", "--rows", "1", "2",
+                          "--context", "40", "--prompt", "48"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.count("### ") == 3 and "GPU idle within the step" in run.stdout, run.stdout
