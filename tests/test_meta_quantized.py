@@ -29,7 +29,8 @@ from tp_llama.checkpoint.formats import read_format
 from tp_llama.checkpoint.loader import load_tp_model
 from tp_llama.checkpoint.params import read_params
 from tp_llama.errors import CheckpointError
-from tp_llama.kernels.metaquant import Int4Weight, fuse_int4, int4_linear, quantize_rows, rotate, row_bounds
+from tp_llama.kernels.metaquant import (Int4Weight, fuse_int4, int4_linear, pack_tiles, quantize_rows, rotate,
+                                       row_bounds)
 from tp_llama.parallel.distributed import DistInfo
 from tp_llama.testing.meta_quant import write_fp8_checkpoint, write_int4_checkpoint
 from tp_llama.tokenizer import load_tokenizer
@@ -52,8 +53,11 @@ def torchao_layer(out: int, k: int, group: int, seed: int = 0):
     return quantizer.quantize(torch.nn.Sequential(linear))[0], state
 
 
+@pytest.mark.parametrize("packing", ["pytorch", "c-tiles"])
 @pytest.mark.parametrize("group", [32, 256])
-def test_int4_matmul_is_torchaos_8da4w_with_metas_adaptor(group: int):
+def test_int4_matmul_is_torchaos_8da4w_with_metas_adaptor(group: int, packing: str):
+    """On PyTorch's int4 op, and on the C kernels' int4 tiles (their fp16 scales and minimums round the
+    weight by up to 2^-11 of a group's scale)."""
     module, state = torchao_layer(80, 512, group)
     gen = torch.Generator().manual_seed(3)
     module.zeros.copy_(torch.randint(-2, 3, module.zeros.shape, generator=gen).float())  # zero points too
@@ -63,8 +67,28 @@ def test_int4_matmul_is_torchaos_8da4w_with_metas_adaptor(group: int):
     rows[1] = rows[1].abs() + 1  # a row of one sign: its range is widened to zero
     rows[2] = 0
     want = module(rows) + (rows @ a.T) @ b.T * 2.0  # Meta's Int8DynActInt4WeightLinearLoRA.forward
+    if packing == "c-tiles":
+        weight = pack_tiles(weight)
+        assert weight.tiles is not None
     got = int4_linear(rows, weight)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    bound = 1e-5 if packing == "pytorch" else 2e-3
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=bound * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_tiles_quantize_each_row_as_pytorch_does(dtype: torch.dtype):
+    """Without zero points the tiles hold w = s16 * q exactly, so they must give PyTorch's int4 op on the
+    same fp16-rounded scales to float32 rounding: one activation rounded to another step would move an
+    output by about 1e-3 of the outputs' scale."""
+    if not served_as_tiles():
+        pytest.skip("the C kernels are not built here")
+    module, state = torchao_layer(96, 512, 32, seed=5)
+    scales16 = state["0.scales"].half().float()
+    rows = (torch.randn(7, 512, generator=torch.Generator().manual_seed(6)) * 2).to(dtype)
+    rows[3] = rows[3].abs()  # a row of one sign
+    got = int4_linear(rows, pack_tiles(Int4Weight((96, 512), 32, state["0.weight"], state["0.scales"])))
+    want = int4_linear(rows.float(), Int4Weight((96, 512), 32, state["0.weight"], scales16)).to(dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
 
 def test_bfloat16_models_take_exact_input_steps_and_scale_pairs():
@@ -173,7 +197,15 @@ class Int4Reference(ReferenceModel):
         return y
 
 
-def int4_reference(ckpt) -> tuple[Int4Reference, object]:
+def served_as_tiles() -> bool:
+    """Whether this machine serves Meta's int4 layers on the C kernels' int4 tiles (kernels.metaquant.pack_tiles)."""
+    return backend.plan(CPU.device, torch.float32).kind in ("amx", "tiles")
+
+
+def int4_reference(ckpt, fp16_scales: bool = False) -> tuple[Int4Reference, object]:
+    """fp16_scales: each layer's weight as the C tiles hold it, w = (q + 8) * s16 + m16 with the scale s
+    rounded to fp16 and the minimum -(8 + zero) * s16 rounded to fp16 (ExecuTorch's XNNPACK kernels round
+    Meta's scales to bfloat16)."""
     tokenizer = load_tokenizer(ckpt / "tokenizer.model")
     cfg = read_config(ckpt, tokenizer.n_words)
     params = json.loads((ckpt / "params.json").read_text())
@@ -191,8 +223,13 @@ def int4_reference(ckpt) -> tuple[Int4Reference, object]:
         else:
             q = tensor.double().unflatten(1, (-1, group))
             zeros = state.get(f"{base}.zeros", torch.zeros(1)).double()
-            weights[key] = ((q - zeros[..., None] if zeros.dim() else q)
-                            * state[f"{base}.scales"].double()[..., None]).flatten(1)
+            scales = state[f"{base}.scales"]
+            if fp16_scales:
+                s16 = scales.half().float()
+                m16 = (-s16 * (8 + zeros.float())).half().double()
+                weights[key] = ((q + 8) * s16.double()[..., None] + m16[..., None]).flatten(1)
+            else:
+                weights[key] = ((q - zeros[..., None] if zeros.dim() else q) * scales.double()[..., None]).flatten(1)
             if f"{base}.adaptor.A.weight" in state:
                 adaptors[key] = (state[f"{base}.adaptor.A.weight"].double(), state[f"{base}.adaptor.B.weight"].double())
     fmt = read_format(ckpt, 1)
@@ -261,7 +298,7 @@ INT4_CASES = {  # TP 1, in this process
 @pytest.mark.parametrize("case", list(INT4_CASES))
 def test_int4_logits_match_the_float64_reference(tmp_path, case: str):
     ckpt = write_int4_checkpoint(tmp_path / "ckpt", seed=4, **INT4_CASES[case])
-    reference, tokenizer = int4_reference(ckpt)
+    reference, tokenizer = int4_reference(ckpt, served_as_tiles())
     tokens = tokenizer.encode(PROMPTS[1], bos=True)
     want = reference.logits(tokens)
     got = served_logits(ckpt, tokens)
@@ -276,7 +313,7 @@ def test_int4_engine_at_tp_2_generates_the_reference_tokens(tmp_path):
     """QLoRA's adaptors and SpinQuant's rotation at once, at TP 2: the adaptors split with their layers, w2's
     Hadamard transform spans both ranks, and wo's and w2's inputs quantize over the whole row's range."""
     ckpt = write_int4_checkpoint(tmp_path / "ckpt", group=32, lora_rank=4, spinquant=True, seed=5, **SMALL)
-    reference, tokenizer = int4_reference(ckpt)
+    reference, tokenizer = int4_reference(ckpt, served_as_tiles())
     same_greedy(ckpt, reference, tokenizer, tp=2)
 
 

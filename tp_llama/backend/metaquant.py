@@ -3,8 +3,9 @@ by checkpoint.quantized as the block is read).
 
 q/k/v fuse into one int4 weight and w1/w3 into another, which is exact: they share their input, so its
 per-token quantization is the same, and the adaptors stack (A) and sit block-diagonal (B). Every int4
-weight is packed for the device that runs it. With the C kernels the norms and decode attention are
-theirs; the matmuls stay on PyTorch's int4 op, so a decode step runs layer by layer.
+weight is packed for the kernels that run it: with the C kernels, their int4 tiles (the norms and
+decode attention theirs too; the adaptors and SwiGLU in PyTorch, so a decode step runs layer by
+layer), elsewhere PyTorch's int4 op.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tp_llama.backend.cpu import CAttention, CRMSNorm
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held, serving_linear
 from tp_llama.kernels import Fp8Weight, Int4Weight, Weight, prepare
 from tp_llama.kernels.cpu.ffi import library
-from tp_llama.kernels.metaquant import fuse_int4, pack
+from tp_llama.kernels.metaquant import fuse_int4, pack, pack_tiles
 from tp_llama.parallel.modules import LocalLinear
 
 META_WEIGHTS = (Int4Weight, Fp8Weight)
@@ -27,10 +28,14 @@ def holds_meta_weights(block: nn.Module) -> bool:
     return any(isinstance(m, LocalLinear) and isinstance(m.weight, META_WEIGHTS) for m in block.modules())
 
 
+def _packed(weight: Int4Weight, kind: str, device: torch.device, bf16: bool) -> Int4Weight:
+    return pack_tiles(weight) if kind in ("amx", "tiles") else pack(weight, device, bf16)
+
+
 def _fused(weights: list[Weight], kind: str, device: torch.device, bf16: bool) -> Weight:
     """The weights' outputs side by side as one weight, prepared for `kind` on `device`."""
     if all(isinstance(w, Int4Weight) for w in weights):
-        return pack(fuse_int4(weights), device, bf16)
+        return _packed(fuse_int4(weights), kind, device, bf16)
     if all(isinstance(w, Fp8Weight) for w in weights) and all(len(w.slices) == 1 for w in weights):
         return Fp8Weight((sum(w.shape[0] for w in weights), weights[0].shape[1]),
                          [torch.cat([w.slices[0] for w in weights])],
@@ -44,7 +49,7 @@ def _serving(module: nn.Module, kind: str, device: torch.device, bf16: bool) -> 
     """A row-parallel layer (wo, w2) with its weight packed or prepared, its collective kept."""
     weight = module.weight
     if isinstance(weight, Int4Weight):
-        module.weight = pack(weight, device, bf16)
+        module.weight = _packed(weight, kind, device, bf16)
         return module
     if isinstance(weight, Fp8Weight):
         return module

@@ -25,6 +25,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tp_llama.kernels.cpu.ffi import library
+from tp_llama.kernels.cpu.qtiles import QuantTiled, group_size
+from tp_llama.kernels.cpu.qtiles import pack as pack_quant
 from tp_llama.kernels.quant import INT4_ROWS, pack_int4
 
 ACT_MIN, ACT_MAX = -128, 127  # the int8 range of a token's quantized activations
@@ -68,6 +71,8 @@ class Int4Weight:
     packed: torch.Tensor | None = field(default=None, repr=False)
     scales_zeros: torch.Tensor | None = field(default=None, repr=False)
     dense: torch.Tensor | None = field(default=None, repr=False)  # group sizes the int4 matmuls lack
+    tiles: QuantTiled | None = field(default=None, repr=False)  # the C kernels' int4 tiles (pack_tiles)
+    row_sums: torch.Tensor | None = field(default=None, repr=False)  # [out] float32: the tiles' weight summed along k
 
     def dequantize(self) -> torch.Tensor:
         """The float64 weight [out, k] (before packing)."""
@@ -121,7 +126,7 @@ def pack(weight: Int4Weight, device: torch.device | None = None, bf16: bool = Fa
     not): each float32 scale and zero' as a bfloat16 pair (high part, remainder) [2, k / group, out, 2],
     two matmuls summed, so the scales keep about 16 bits of their 24."""
     device = device or weight.scales.device
-    if weight.packed is not None or weight.dense is not None:
+    if weight.packed is not None or weight.dense is not None or weight.tiles is not None:
         return weight
     out, k = weight.shape
     lora = {name: None if getattr(weight, name) is None else getattr(weight, name).to(device)
@@ -142,6 +147,27 @@ def pack(weight: Int4Weight, device: torch.device | None = None, bf16: bool = Fa
     scales_zeros = scales_zeros.to(device, scales_zeros.dtype if scales_zeros.dim() == 4 else dtype)
     return replace(weight, q=None, zeros=None, packed=pack_int4(q, device), scales_zeros=scales_zeros,
                    scales=weight.scales.to(device), **lora)
+
+
+def pack_tiles(weight: Int4Weight) -> Int4Weight:
+    """The weight in the C kernels' int4 tiles (kernels/cpu/quant.c: groups of QBLOCK = 32 along k, w = scale *
+    u + min with u = q + 8 in 0..15, scale and min in fp16), a group of 256 as 8 of 32 with its scale and
+    min; exact but for the fp16 rounding of the scales and mins (ExecuTorch's XNNPACK kernels round Meta's
+    scales to bfloat16). Its matmul (tiles_matmul) quantizes each input row in C and multiplies its int8
+    values; each row's zero point comes off afterwards, times the weight's sum along k. A group the tiles
+    cannot hold keeps PyTorch's op (`pack`)."""
+    block = group_size()
+    out, k = weight.shape
+    if weight.packed is not None or weight.dense is not None or weight.tiles is not None or weight.group % block:
+        return pack(weight)
+    repeat = weight.group // block
+    scales = weight.scales.float().repeat_interleave(repeat, dim=1)
+    zeros = weight.zeros.float().repeat_interleave(repeat, dim=1) if weight.zeros is not None else 0.0
+    scales16 = scales.half()
+    mins16 = (-scales16.float() * (8 + zeros)).half()  # from the rounded scale: exact where zero is 0 (-8 s)
+    u = (weight.q.to(torch.int16) + 8).to(torch.int8)
+    sums = (u.view(out, k // block, block).double().sum(-1) * scales16.double() + block * mins16.double()).sum(-1)
+    return replace(weight, q=None, zeros=None, tiles=pack_quant((u, scales16, mins16), 4), row_sums=sums.float())
 
 
 def quantize_steps(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,21 +245,39 @@ def int4_matmul(steps: torch.Tensor, scale: torch.Tensor, weight: Int4Weight) ->
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """x [..., k] @ weight^T (plus the adaptor), in x's dtype, computed in float32."""
-    if weight.packed is None and weight.dense is None:
+    if weight.packed is None and weight.dense is None and weight.tiles is None:
         packed = pack(weight, x.device, x.dtype == torch.bfloat16)
         weight.__dict__.update(packed.__dict__)  # packed once, in place: the module keeps this object
     out, k = weight.shape
-    flat = x.reshape(-1, k).float()
+    flat = x.reshape(-1, k)
+    bounds = None
     if weight.hadamard:
-        flat, bounds = rotate(flat, weight.across)
+        flat, bounds = rotate(flat.float(), weight.across)
+    elif weight.across is not None and weight.across.size > 1:
+        bounds = weight.across.row_range(row_bounds(flat.float()))
+    if weight.tiles is not None:
+        y = tiles_matmul(flat, bounds, weight)
     else:
-        bounds = row_bounds(flat)
-        if weight.across is not None and weight.across.size > 1:
-            bounds = weight.across.row_range(bounds)
-    y = int4_matmul(*quantize_steps(flat, bounds), weight)
-    if weight.lora_a is not None:
-        y = y + (flat @ weight.lora_a.T) @ weight.lora_b.T * weight.lora_scale
+        flat = flat.float()
+        y = int4_matmul(*quantize_steps(flat, row_bounds(flat) if bounds is None else bounds), weight)
+    if weight.lora_a is not None:  # in place, one op for the second matmul, the scale and the sum
+        y = y.addmm_(flat.float() @ weight.lora_a.T, weight.lora_b.T, alpha=weight.lora_scale)
     return y.to(x.dtype).reshape(*x.shape[:-1], out)
+
+
+def tiles_matmul(x: torch.Tensor, bounds: torch.Tensor | None, weight: Int4Weight) -> torch.Tensor:
+    """x [T, k] (float32 or bfloat16) @ the weight^T in float32 on the C kernels' int4 tiles, each row
+    quantized in C as quantize_steps does, over `bounds` (None: its own range)."""
+    rows, k = x.shape
+    x = x.contiguous() if x.dtype in (torch.float32, torch.bfloat16) else x.float().contiguous()
+    if bounds is not None:
+        bounds = bounds.float().contiguous()
+    y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+    if rows and library().meta_int4_linear(x.data_ptr(), 0 if bounds is None else bounds.data_ptr(), rows, k,
+                                           weight.tiles.data.data_ptr(), weight.row_sums.data_ptr(), weight.shape[0],
+                                           y.data_ptr(), x.dtype == torch.bfloat16):
+        raise MemoryError(f"no memory to quantize {rows} x {k} inputs")
+    return y
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -101,6 +101,13 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
 void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   int bits, void *scratch);
 int64_t quant_scratch_bytes(int64_t M, int64_t K);
+/* Meta's int4 checkpoints (kernels/metaquant.py): each row of x [M][K] (float32, or bfloat16: bf16) quantized
+ * to int8 as torchao's per-token asymmetric quantization does, over its range from bounds [M][2] float32
+ * (the row's max and -min: under TP the whole row's) or, where bounds is NULL, its own; then y [M][N]
+ * float32 = the dequantized rows @ w^T for int4 tiles w whose weight sums along k are row_sums [N].
+ * TPL_OK or TPL_NO_MEMORY. */
+int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const void *w, const void *row_sums,
+                     int64_t N, void *y, int bf16);
 /* q [N][K] int8 (int4: values 0..15, a byte each), scales and (int4) mins [N][K / QBLOCK] fp16 bits,
  * into tiles at out: N rounded up to TILE_COLS, times K / QBLOCK blocks of quant_block_bytes(bits). */
 void pack_quant_tiles(const void *q, const void *scales, const void *mins, int64_t N, int64_t K, int bits, void *out);

@@ -183,10 +183,9 @@ static void q_tiles(struct QRows r, int64_t M, int64_t K, const uint8_t *w, int6
     }
 }
 
-void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
-                  int bits, void *scratch) {
-    struct QRows r = carve(scratch, M, K);
-    quantize_rows(x, M, K, bf16, r);
+/* The quantized rows through the weights a block of them at a time (in-region). */
+static void q_rows_blocks(struct QRows r, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                          int bits) {
     int64_t block = X_BLOCK_BYTES / (2 * K);
     block = block < QROWS ? QROWS : block - block % QROWS;
     int64_t ldy = gated ? N / 2 : N;
@@ -196,12 +195,88 @@ void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
     }
 }
 
+void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
+                  int bits, void *scratch) {
+    struct QRows r = carve(scratch, M, K);
+    quantize_rows(x, M, K, bf16, r);
+    q_rows_blocks(r, M, K, w, N, y, gated, bf16, bits);
+}
+
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                  int bits) {
     void *scratch = malloc((size_t)quant_scratch_bytes(M, K));
     if (scratch == NULL) return TPL_NO_MEMORY;
 #pragma omp parallel
     quant_matmul(x, M, K, w, N, y, gated, bf16, bits, scratch);
+    free(scratch);
+    return TPL_OK;
+}
+
+#define ACT_EPS 1.1920928955078125e-07f /* float32's epsilon: torchao's smallest activation step */
+
+/* Row m of x quantized as torchao's per-token asymmetric int8 over [lo, hi] (its range widened to
+ * hold zero), with the float32 operations and ties-to-even rounding PyTorch's do; its step and zero point
+ * into d and ds of every block (the kernel's sums), and the row's shift, step * zero. */
+static void meta_row(const void *x, int64_t m, int64_t K, int bf16, float hi, float lo, struct QRows r, float *shift) {
+    hi = hi > 0.0f ? hi : 0.0f;
+    lo = lo < 0.0f ? lo : 0.0f;
+    float step = (hi - lo) / 255.0f;
+    step = step < ACT_EPS ? ACT_EPS : step;
+    float zero = -128.0f - vhighest(vround(vset1(lo / step)));
+    zero = zero < -128.0f ? -128.0f : zero > 127.0f ? 127.0f : zero;
+    vec inverse = vset1(1.0f / step), z = vset1(zero), low = vset1(-128.0f), high = vset1(127.0f);
+    int64_t blocks = K / QBLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t at = m * K + b * QBLOCK;
+        int32_t q[QBLOCK], sum = 0;
+        for (int h = 0; h < QBLOCK; h += 16) {
+            vec v = vadd(vround(vmul(load16(x, at + h, bf16, 0xFFFF), inverse)), z);
+            vstore_int(q + h, 0xFFFF, vmin(vmax(v, low), high));
+        }
+        for (int i = 0; i < QBLOCK; i++) {
+            r.q[at + i] = (int8_t)q[i];
+            r.a[at + i] = (uint8_t)(q[i] < 0 ? -q[i] : q[i]);
+            sum += q[i];
+        }
+        r.d[m * blocks + b] = step;
+        r.ds[m * blocks + b] = step * (float)sum;
+    }
+    shift[m] = step * zero;
+}
+
+int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const void *w, const void *row_sums,
+                     int64_t N, void *y, int bf16) {
+    int64_t bytes = quant_scratch_bytes(M, K);
+    void *scratch = malloc((size_t)(bytes + M * (int64_t)sizeof(float)));
+    if (scratch == NULL) return TPL_NO_MEMORY;
+    struct QRows r = carve(scratch, M, K);
+    float *shift = (float *)((uint8_t *)scratch + bytes), *out = y;
+    const float *range = bounds, *sums = row_sums;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            float hi, lo;
+            if (range != NULL) {
+                hi = range[2 * m];
+                lo = -range[2 * m + 1];
+            } else {
+                vec top = load16(x, m * K, bf16, 0xFFFF), bottom = top;
+                for (int64_t i = 16; i < K; i += 16) {
+                    vec v = load16(x, m * K + i, bf16, 0xFFFF);
+                    top = vmax(top, v);
+                    bottom = vmin(bottom, v);
+                }
+                hi = vhighest(top);
+                lo = -vhighest(vsub(vzero(), bottom));
+            }
+            meta_row(x, m, K, bf16, hi, lo, r, shift);
+        }
+        q_rows_blocks(r, M, K, w, N, y, 0, 0, 4);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) out[m * N + n] -= shift[m] * sums[n];
+    }
     free(scratch);
     return TPL_OK;
 }
