@@ -29,8 +29,8 @@ from tp_llama.checkpoint.formats import read_format
 from tp_llama.checkpoint.loader import load_tp_model
 from tp_llama.checkpoint.params import read_params
 from tp_llama.errors import CheckpointError
-from tp_llama.kernels.metaquant import (Int4Weight, fuse_int4, int4_linear, pack_tiles, quantize_rows, rotate,
-                                       row_bounds)
+from tp_llama.kernels.metaquant import (Int4Weight, fuse_int4, hadamard_in_c, int4_linear, pack_tiles, quantize_rows,
+                                       rotate, row_bounds, walsh_hadamard)
 from tp_llama.parallel.distributed import DistInfo
 from tp_llama.testing.meta_quant import write_fp8_checkpoint, write_int4_checkpoint
 from tp_llama.tokenizer import load_tokenizer
@@ -142,8 +142,6 @@ def sylvester(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_hadamard_across_shards_is_the_whole_rows_transform(tp: int):
-    from tp_llama.kernels.metaquant import walsh_hadamard
-
     x = torch.randn(5, 256, dtype=torch.float64)
     want = x @ sylvester(256).T
     parts = list(x.chunk(tp, dim=1))
@@ -153,6 +151,15 @@ def test_hadamard_across_shards_is_the_whole_rows_transform(tp: int):
         got, bounds = rotate(parts[rank], shards if tp > 1 else None)
         torch.testing.assert_close(got, want.chunk(tp, dim=1)[rank], rtol=0, atol=1e-12)
         torch.testing.assert_close(bounds, row_bounds(want), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [256, 8192])
+def test_the_c_hadamard_transform_is_pytorchs_bit_for_bit(n: int):
+    if not served_as_tiles():
+        pytest.skip("the C kernels are not built here")
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(hadamard_in_c(x), walsh_hadamard(x))
+    assert torch.allclose(walsh_hadamard(x).double(), x.double() @ sylvester(n).T, atol=1e-5)
 
 
 def test_fused_int4_weights_give_each_weights_outputs():

@@ -155,7 +155,8 @@ def pack_tiles(weight: Int4Weight) -> Int4Weight:
     min; exact but for the fp16 rounding of the scales and mins (ExecuTorch's XNNPACK kernels round Meta's
     scales to bfloat16). Its matmul (tiles_matmul) quantizes each input row in C and multiplies its int8
     values; each row's zero point comes off afterwards, times the weight's sum along k. A group the tiles
-    cannot hold keeps PyTorch's op (`pack`)."""
+    cannot hold keeps PyTorch's op (`pack`). The adaptor is float32 (in bfloat16, PyTorch's matmuls for it
+    were slower on an AVX2 CPU: docs/perf-log/2026-11-27.md), B laid out for its product with rows."""
     block = group_size()
     out, k = weight.shape
     if weight.packed is not None or weight.dense is not None or weight.tiles is not None or weight.group % block:
@@ -167,7 +168,11 @@ def pack_tiles(weight: Int4Weight) -> Int4Weight:
     mins16 = (-scales16.float() * (8 + zeros)).half()  # from the rounded scale: exact where zero is 0 (-8 s)
     u = (weight.q.to(torch.int16) + 8).to(torch.int8)
     sums = (u.view(out, k // block, block).double().sum(-1) * scales16.double() + block * mins16.double()).sum(-1)
-    return replace(weight, q=None, zeros=None, tiles=pack_quant((u, scales16, mins16), 4), row_sums=sums.float())
+    lora = {}
+    if weight.lora_a is not None:
+        lora = {"lora_a": weight.lora_a.float().contiguous(), "lora_b": weight.lora_b.float().T.contiguous().T}
+    return replace(weight, q=None, zeros=None, tiles=pack_quant((u, scales16, mins16), 4), row_sums=sums.float(),
+                   **lora)
 
 
 def quantize_steps(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,13 +215,23 @@ def walsh_hadamard(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     return y / math.sqrt(n) if normalize else y
 
 
-def rotate(x: torch.Tensor, across: Across | None) -> tuple[torch.Tensor, torch.Tensor]:
+def hadamard_in_c(x: torch.Tensor) -> torch.Tensor:
+    """walsh_hadamard of x [T, n] (float32, CPU) in the C kernels: bit for bit, without PyTorch's op per pass."""
+    if x.shape[-1] & (x.shape[-1] - 1):
+        raise ValueError(f"a Walsh-Hadamard transform needs a power of two, not {x.shape[-1]}")
+    y = x.contiguous().clone()
+    library().hadamard_rows(y.data_ptr(), y.shape[0], y.shape[1])
+    return y
+
+
+def rotate(x: torch.Tensor, across: Across | None, in_c: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's part of H x / sqrt(n), each whole row's bounds) for x [T, k] this rank's part of
     each row. The whole row's Hadamard matrix is H_size (x) H_k: each rank transforms its own part,
     the parts are gathered, and a butterfly over the ranks finishes every rank's part (all of them, so
-    every rank knows each row's range without another collective)."""
+    every rank knows each row's range without another collective). in_c: one rank's transform in the C
+    kernels (the same float32 operations in the same order)."""
     if across is None or across.size == 1:
-        y = walsh_hadamard(x)
+        y = hadamard_in_c(x) if in_c else walsh_hadamard(x)
         return y, row_bounds(y)
     parts = across.gather(walsh_hadamard(x, normalize=False))  # [size, T, k]
     size, rows, k = parts.shape
@@ -252,7 +267,7 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     flat = x.reshape(-1, k)
     bounds = None
     if weight.hadamard:
-        flat, bounds = rotate(flat.float(), weight.across)
+        flat, bounds = rotate(flat.float(), weight.across, in_c=weight.tiles is not None)
     elif weight.across is not None and weight.across.size > 1:
         bounds = weight.across.row_range(row_bounds(flat.float()))
     if weight.tiles is not None:

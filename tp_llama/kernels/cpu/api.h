@@ -108,6 +108,9 @@ int64_t quant_scratch_bytes(int64_t M, int64_t K);
  * TPL_OK or TPL_NO_MEMORY. */
 int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const void *w, const void *row_sums,
                      int64_t N, void *y, int bf16);
+/* Each row of x [M][n] float32 (n a power of two) times the Sylvester Hadamard matrix over sqrt(n), in place:
+ * log2(n) butterfly passes in the order kernels.metaquant.walsh_hadamard takes them (SpinQuant's w2 input). */
+void hadamard_rows(void *x, int64_t M, int64_t n);
 /* q [N][K] int8 (int4: values 0..15, a byte each), scales and (int4) mins [N][K / QBLOCK] fp16 bits,
  * into tiles at out: N rounded up to TILE_COLS, times K / QBLOCK blocks of quant_block_bytes(bits). */
 void pack_quant_tiles(const void *q, const void *scales, const void *mins, int64_t N, int64_t K, int bits, void *out);

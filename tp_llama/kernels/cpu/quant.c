@@ -20,6 +20,7 @@
  * int16 too); int8 weights are signed, so the unsigned side is |x| and the weight takes x's sign
  * (pairs at most 2 * 127 * 127 < 2^15, widened to int32 every step).
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "api.h"
@@ -279,6 +280,22 @@ int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, co
     }
     free(scratch);
     return TPL_OK;
+}
+
+void hadamard_rows(void *x, int64_t M, int64_t n) {
+    float *v = x, norm = sqrtf((float)n);
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *row = v + m * n;
+        for (int64_t half = 1; half < n; half *= 2)
+            for (int64_t start = 0; start < n; start += 2 * half)
+                for (int64_t j = start; j < start + half; j++) {
+                    float a = row[j], b = row[j + half];
+                    row[j] = a + b;
+                    row[j + half] = a - b;
+                }
+        for (int64_t j = 0; j < n; j++) row[j] /= norm;
+    }
 }
 
 /* Rows of q [N][K] (int8, or int4 values 0..15 one a byte) with their scales and (int4) minimums
