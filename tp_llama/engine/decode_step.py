@@ -91,8 +91,12 @@ class DecodeStep:
                 self.forward(*self._split(inputs, size))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.forward(*self._split(inputs, size))
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.forward(*self._split(inputs, size))
+        except RuntimeError as exc:
+            raise RuntimeError(f"capturing the decode step of {size} rows in a CUDA graph failed ({exc}); "
+                               "handler.compile: \"off\" serves without graphs") from exc
         self.graphs[size] = Captured(graph, inputs, logits)
         return self.graphs[size]
 
