@@ -1,6 +1,6 @@
 """Where a GPU decode step's time goes, and prompt throughput against the card's peak.
 
-    python -m bench.gpu_profile [--rows 1 32] [--context 512] [--prompt 2048]
+    python -m bench.gpu_profile [--rows 1 32] [--context 512] [--prompt 2048] [--fp8] [--kv-block 16]
     PYTHONPATH=<older checkout> python bench/gpu_profile.py   # the same measurement of older code
 
 On a Llama 3 8B-shaped model in bfloat16 (random weights made on the GPU, as bench.gpu_check
@@ -9,7 +9,9 @@ graph's replay and a sync every step), then torch.profiler over its replays, eve
 one category by its name (the table lists what each category caught, so a wrong guess shows),
 and the step's matmuls timed alone at the same shapes (their bandwidth, and what the weight
 stream alone costs). Then greedy sampling of the step's logits, and one eager prompt step of
-`--prompt` tokens against a dense bfloat16 matmul's rate measured in the same run.
+`--prompt` tokens against a dense bfloat16 matmul's rate measured in the same run. --fp8: the FFN of every
+layer but the first and the last in Meta's 405B FP8 form (float8 e4m3, a scale a row, torch._scaled_mm),
+its floor counting those weights at a byte each.
 
 Needs only PyTorch (2.11 or newer) and a GPU, like bench.gpu_check. `--device cpu --small` runs
 every path on a small model and the CPU, uncompiled, with empty kernel tables (the tests' run).
@@ -28,9 +30,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from checks import meta_matmuls
 from checks.gpu_check import LLAMA3_8B, SMALL, copy_bandwidth, random_state, served_engine
 from tp_llama import backend
-from tp_llama.kernels import linear
+from tp_llama.kernels import Fp8Weight, linear
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import Row
 from tp_llama.model.batch import Batch
@@ -102,13 +105,26 @@ def kernel_times(run, repeats: int) -> tuple[dict[str, list], float]:
     return dict(found), host / repeats * 1e3
 
 
+def weight_input(weight, rows: int) -> torch.Tensor:
+    """Random input rows for a matmul weight of any form (a tensor or Meta's fp8 slices)."""
+    held = weight.slices[0] if isinstance(weight, Fp8Weight) else weight
+    dtype = torch.bfloat16 if isinstance(weight, Fp8Weight) else held.dtype
+    return torch.randn(rows, weight.shape[1], dtype=dtype, device=held.device)
+
+
+def weight_bytes_of(weight) -> int:
+    if isinstance(weight, Fp8Weight):
+        return sum(t.numel() * t.element_size() for t in (*weight.slices, *weight.scales))
+    return weight.numel() * weight.element_size()
+
+
 def matmul_alone_ms(model: torch.nn.Module, rows: int) -> tuple[float, int]:
     """The step's matmuls (every layer's and the output layer) at `rows` rows, on a GPU replayed from
     one CUDA graph so launches cost nothing: ms and the weight bytes they read."""
     weights = backend.matmul_weights(model)
-    x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
-    run = lambda: [linear(x[w.shape[1]], w) for w in weights]  # noqa: E731
-    if weights[0].is_cuda:
+    x = [weight_input(w, rows) for w in weights]
+    run = lambda: [linear(xi, w) for xi, w in zip(x, weights)]  # noqa: E731
+    if x[0].is_cuda:
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -117,7 +133,7 @@ def matmul_alone_ms(model: torch.nn.Module, rows: int) -> tuple[float, int]:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
         run = graph.replay
-    return timed_ms(run, 20), sum(w.numel() * w.element_size() for w in weights)
+    return timed_ms(run, 20), sum(weight_bytes_of(w) for w in weights)
 
 
 def decode_profile(model, step: DecodeStep, rows: list[Row], floor_ms: float, bandwidth: float) -> None:
@@ -180,6 +196,8 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true", help="a small model, not the 8B shape")
     parser.add_argument("--kv-block", type=int, default=16, help="positions per KV-cache block")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the FFN of every layer but the first and last in float8 with row scales (Meta's 405B FP8)")
     a = parser.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no GPU visible to this process", file=sys.stderr)
@@ -196,9 +214,13 @@ def main() -> int:
     state = random_state(args, 0, device=a.device, dtype=torch.bfloat16)
     weight_bytes = sum(t.numel() * 2 for key, t in state.items() if key != "tok_embeddings.weight")
     info = DistInfo(0, 1, 0, device, "none")
-    blocks = {"kv_block_size": a.kv_block} if a.kv_block != 16 else {}  # a checkout from before the option: 16
+    options: dict = {"kv_block_size": a.kv_block} if a.kv_block != 16 else {}  # older checkouts lack both
+    saved = []
+    if a.fp8:
+        options["transform"] = lambda model: saved.append(meta_matmuls.fp8_feed_forward(model))
     model = served_engine(args, state, info, "bfloat16", "off", max(a.rows), max(a.context + 8, a.prompt + 16),
-                          **blocks).model
+                          **options).model
+    weight_bytes -= sum(saved)
     del state
     cache = model.layers[0].attention.cache
     per_row = -(-(a.context + 8) // cache.block_size)

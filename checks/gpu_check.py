@@ -31,6 +31,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -48,7 +49,7 @@ from tp_llama.engine.core import Engine
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import Row
 from tp_llama.engine.scheduler import SamplingParams, Sequence
-from tp_llama.model import ModelArgs
+from tp_llama.model import ModelArgs, Transformer
 from tp_llama.model.batch import Batch
 from tp_llama.parallel.distributed import DistInfo, init_distributed
 from tp_llama.parallel.layout import full_shapes, shard_dim
@@ -105,14 +106,18 @@ def dequantized(state: dict, bits: int, dtype: str) -> dict:
 
 
 def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,
-                  max_seq_len: int = 256, quantize_: str = "none", kv_block_size: int = 16) -> Engine:
-    """The engine the CLI and the handler serve, on weights from memory (this rank's shards of `state`)."""
+                  max_seq_len: int = 256, quantize_: str = "none", kv_block_size: int = 16,
+                  transform: Callable[[Transformer], None] | None = None) -> Engine:
+    """The engine the CLI and the handler serve, on weights from memory (this rank's shards of `state`);
+    transform: applied to the model as built, before the engine prepares it (Meta's fp8 layers, say)."""
     tp = info.world_size
     local = {}
     for key, tensor in state.items():
         dim = shard_dim(key, args.family) if tp > 1 else None
         local[key] = (tensor if dim is None else tensor.chunk(tp, dim)[info.rank]).to(getattr(torch, dtype)).contiguous()
     model = build_local_model(args, local, tp, dist.group.WORLD if tp > 1 else None)
+    if transform is not None:
+        transform(model)
     # A pool of max_rows sequences of max_seq_len (the default would take most of the GPU).
     token_bytes = 2 * args.n_layers * args.n_kv_heads // tp * args.head_dim * getattr(torch, dtype).itemsize
     config = EngineConfig("-", "tp", dtype, max_seq_len, max_rows, prefill_budget=max_seq_len,

@@ -5,6 +5,8 @@
   the same layer on the CPU in float32, the path tests/test_meta_quantized.py holds to torchao's;
 - fp8 (405B's rows): torch._scaled_mm, each input row quantized to float8, against the float64
   product with the dequantized weight; only where the GPU has float8 matmuls.
+
+`fp8_feed_forward` gives a built model Meta's 405B FP8 layout (bench/gpu_profile.py --fp8 times it).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Callable
 
 import torch
 
+from tp_llama.checkpoint.quantized import quantized_module
 from tp_llama.kernels.metaquant import FP8_MAX, Fp8Weight, Int4Weight, fp8_linear, fp8_matmuls, int4_linear
+from tp_llama.model import Transformer
+from tp_llama.parallel.layout import NONE
 
 Record = Callable[[str, str, str, bool], bool]
 
@@ -48,3 +53,18 @@ def rows(device: str, record: Record) -> None:
     share = (got - want).abs().max().item() / want.abs().max().item()
     record("Meta fp8 matmul", f"{device} torch._scaled_mm, 5 rows", f"max abs diff {share:.1%} of the output scale "
            "from float64 (limit 5%)", share < 0.05)
+
+
+def fp8_feed_forward(model: Transformer) -> int:
+    """The feed-forward weights of every layer but the first and the last as float8 e4m3 with a scale a row,
+    as Meta's 405B FP8 files hold them (one process: one k slice); returns the bytes that saves."""
+    saved = 0
+    for layer in list(model.layers)[1:-1]:
+        ffn = layer.feed_forward
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(ffn, name).weight.detach()
+            scales = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+            data = (weight.float() / scales).to(torch.float8_e4m3fn)
+            setattr(ffn, name, quantized_module(Fp8Weight(tuple(weight.shape), [data], [scales.view(1, -1)]), NONE, None))
+            saved += weight.numel() * (weight.element_size() - 1)
+    return saved
