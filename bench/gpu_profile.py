@@ -136,6 +136,11 @@ def matmul_alone_ms(model: torch.nn.Module, rows: int) -> tuple[float, int]:
     return timed_ms(run, 20), sum(weight_bytes_of(w) for w in weights)
 
 
+def longest(names: dict[str, float]) -> str:
+    """A category's two longest kernels, their names cut to 60 characters, with their ms."""
+    return "; ".join(f"{name[:60]} {t:.3f}" for name, t in sorted(names.items(), key=lambda item: -item[1])[:2])
+
+
 def decode_profile(model, step: DecodeStep, rows: list[Row], floor_ms: float, bandwidth: float) -> None:
     n = len(rows)
     wall = timed_ms(lambda: step(rows), 30)
@@ -148,8 +153,7 @@ def decode_profile(model, step: DecodeStep, rows: list[Row], floor_ms: float, ba
           f"kernels {busy:.2f} ms; host enqueue {host:.2f} ms; greedy pick of the logits {sample:.2f} ms\n")
     print("| where | kernels a step | ms a step | share of the step | what |\n|---|---|---|---|---|")
     for label, (count, ms, names) in sorted(found.items(), key=lambda item: -item[1][1]):
-        top = sorted(names.items(), key=lambda item: -item[1])[:2]
-        what = "; ".join(f"{name[:60]} {t:.3f}" for name, t in top)
+        what = longest(names)
         if label == "matmul":
             what = (f"{weight_bytes / (ms * 1e-3) / 1e9:.0f} GB/s of weights in the step; the same matmuls alone "
                     f"{alone:.2f} ms ({weight_bytes / (alone * 1e-3) / 1e9:.0f} GB/s; copy {bandwidth / 1e9:.0f})")
@@ -183,9 +187,9 @@ def prefill_profile(model, args, length: int, cache, peak: float) -> None:
     rate = flops / (ms * 1e-3) / 1e12
     print(f"\n### prompt of {length} tokens, one eager step: {ms:.1f} ms, {length / ms * 1e3:.0f} tokens/s, "
           f"{rate:.0f} TFLOP/s = {rate / peak:.0%} of the dense bfloat16 matmul's {peak:.0f} TFLOP/s\n")
-    print("| where | kernels | ms | share |\n|---|---|---|---|")
-    for label, (count, t, _) in sorted(found.items(), key=lambda item: -item[1][1]):
-        print(f"| {label} | {count:.0f} | {t:.2f} | {t / ms:.1%} |")
+    print("| where | kernels | ms | share | its two longest kernels (ms) |\n|---|---|---|---|---|")
+    for label, (count, t, names) in sorted(found.items(), key=lambda item: -item[1][1]):
+        print(f"| {label} | {count:.0f} | {t:.2f} | {t / ms:.1%} | {longest(names)} |")
 
 
 def main() -> int:
