@@ -61,7 +61,9 @@ def test_int4_matmul_is_torchaos_8da4w_with_metas_adaptor(group: int, packing: s
     module, state = torchao_layer(80, 512, group)
     gen = torch.Generator().manual_seed(3)
     module.zeros.copy_(torch.randint(-2, 3, module.zeros.shape, generator=gen).float())  # zero points too
-    a, b = torch.randn(4, 512, generator=gen) / 20, torch.randn(80, 4, generator=gen) / 2
+    # bfloat16 values, as Meta ships its adaptors (the C tiles keep them in bfloat16)
+    a = (torch.randn(4, 512, generator=gen) / 20).bfloat16().float()
+    b = (torch.randn(80, 4, generator=gen) / 2).bfloat16().float()
     weight = Int4Weight((80, 512), group, state["0.weight"], state["0.scales"], module.zeros.clone(), a, b, 2.0)
     rows = torch.randn(9, 512, generator=gen) * 3
     rows[1] = rows[1].abs() + 1  # a row of one sign: its range is widened to zero

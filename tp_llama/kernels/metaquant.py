@@ -155,8 +155,9 @@ def pack_tiles(weight: Int4Weight) -> Int4Weight:
     min; exact but for the fp16 rounding of the scales and mins (ExecuTorch's XNNPACK kernels round Meta's
     scales to bfloat16). Its matmul (tiles_matmul) quantizes each input row in C and multiplies its int8
     values; each row's zero point comes off afterwards, times the weight's sum along k. A group the tiles
-    cannot hold keeps PyTorch's op (`pack`). The adaptor is float32 (in bfloat16, PyTorch's matmuls for it
-    were slower on an AVX2 CPU: docs/perf-log/2026-11-27.md), B laid out for its product with rows."""
+    cannot hold keeps PyTorch's op (`pack`). The adaptor goes into the same C call, in bfloat16 as Meta
+    ships it (its float32 copy in PyTorch's matmuls cost more than its bytes: docs/perf-log/2026-11-27.md),
+    B transposed."""
     block = group_size()
     out, k = weight.shape
     if weight.packed is not None or weight.dense is not None or weight.tiles is not None or weight.group % block:
@@ -170,7 +171,7 @@ def pack_tiles(weight: Int4Weight) -> Int4Weight:
     sums = (u.view(out, k // block, block).double().sum(-1) * scales16.double() + block * mins16.double()).sum(-1)
     lora = {}
     if weight.lora_a is not None:
-        lora = {"lora_a": weight.lora_a.float().contiguous(), "lora_b": weight.lora_b.float().T.contiguous().T}
+        lora = {"lora_a": weight.lora_a.bfloat16().contiguous(), "lora_b": weight.lora_b.bfloat16().T.contiguous().T}
     return replace(weight, q=None, zeros=None, tiles=pack_quant((u, scales16, mins16), 4), row_sums=sums.float(),
                    **lora)
 
@@ -270,27 +271,28 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
         flat, bounds = rotate(flat.float(), weight.across, in_c=weight.tiles is not None)
     elif weight.across is not None and weight.across.size > 1:
         bounds = weight.across.row_range(row_bounds(flat.float()))
-    if weight.tiles is not None:
-        y = tiles_matmul(flat, bounds, weight)
-    else:
-        flat = flat.float()
-        y = int4_matmul(*quantize_steps(flat, row_bounds(flat) if bounds is None else bounds), weight)
+    if weight.tiles is not None:  # the adaptor too
+        return tiles_matmul(flat, bounds, weight).to(x.dtype).reshape(*x.shape[:-1], out)
+    flat = flat.float()
+    y = int4_matmul(*quantize_steps(flat, row_bounds(flat) if bounds is None else bounds), weight)
     if weight.lora_a is not None:  # in place, one op for the second matmul, the scale and the sum
-        y = y.addmm_(flat.float() @ weight.lora_a.T, weight.lora_b.T, alpha=weight.lora_scale)
+        y = y.addmm_(flat @ weight.lora_a.T, weight.lora_b.T, alpha=weight.lora_scale)
     return y.to(x.dtype).reshape(*x.shape[:-1], out)
 
 
 def tiles_matmul(x: torch.Tensor, bounds: torch.Tensor | None, weight: Int4Weight) -> torch.Tensor:
     """x [T, k] (float32 or bfloat16) @ the weight^T in float32 on the C kernels' int4 tiles, each row
-    quantized in C as quantize_steps does, over `bounds` (None: its own range)."""
+    quantized in C as quantize_steps does, over `bounds` (None: its own range); plus the adaptor on x."""
     rows, k = x.shape
     x = x.contiguous() if x.dtype in (torch.float32, torch.bfloat16) else x.float().contiguous()
     if bounds is not None:
         bounds = bounds.float().contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+    lora = weight.lora_a is not None
+    adaptor = (weight.lora_a.data_ptr(), weight.lora_b.T.data_ptr(), weight.lora_a.shape[0]) if lora else (0, 0, 0)
     if rows and library().meta_int4_linear(x.data_ptr(), 0 if bounds is None else bounds.data_ptr(), rows, k,
                                            weight.tiles.data.data_ptr(), weight.row_sums.data_ptr(), weight.shape[0],
-                                           y.data_ptr(), x.dtype == torch.bfloat16):
+                                           y.data_ptr(), x.dtype == torch.bfloat16, *adaptor, weight.lora_scale):
         raise MemoryError(f"no memory to quantize {rows} x {k} inputs")
     return y
 

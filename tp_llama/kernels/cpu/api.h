@@ -104,10 +104,11 @@ int64_t quant_scratch_bytes(int64_t M, int64_t K);
 /* Meta's int4 checkpoints (kernels/metaquant.py): each row of x [M][K] (float32, or bfloat16: bf16) quantized
  * to int8 as torchao's per-token asymmetric quantization does, over its range from bounds [M][2] float32
  * (the row's max and -min: under TP the whole row's) or, where bounds is NULL, its own; then y [M][N]
- * float32 = the dequantized rows @ w^T for int4 tiles w whose weight sums along k are row_sums [N].
- * TPL_OK or TPL_NO_MEMORY. */
+ * float32 = the dequantized rows @ w^T for int4 tiles w whose weight sums along k are row_sums [N]; plus,
+ * where lora_a is not NULL, QLoRA's adaptor on x itself, lora_scale * (x A^T) B^T with A [R][K] and
+ * B^T [R][N] (lora_bt) in bfloat16, as Meta ships them. TPL_OK or TPL_NO_MEMORY. */
 int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const void *w, const void *row_sums,
-                     int64_t N, void *y, int bf16);
+                     int64_t N, void *y, int bf16, const void *lora_a, const void *lora_bt, int64_t R, float lora_scale);
 /* Each row of x [M][n] float32 (n a power of two) times the Sylvester Hadamard matrix over sqrt(n), in place:
  * log2(n) butterfly passes in the order kernels.metaquant.walsh_hadamard takes them (SpinQuant's w2 input). */
 void hadamard_rows(void *x, int64_t M, int64_t n);

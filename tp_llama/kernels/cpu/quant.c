@@ -245,10 +245,39 @@ static void meta_row(const void *x, int64_t m, int64_t K, int bf16, float hi, fl
     shift[m] = step * zero;
 }
 
+#define ADAPTOR_RANKS 4 /* ranks of A summed at once: their sums and x fill AVX2's registers */
+
+/* y [M][N] += scale * (x A^T) B^T: A [R][K] and B^T [R][N] bfloat16 (in-region). */
+static void adaptor(const void *x, int64_t M, int64_t K, int bf16, const void *a, const void *bt, int64_t R,
+                    float scale, int64_t N, float *y, float *t) {
+    int64_t chunks = (R + ADAPTOR_RANKS - 1) / ADAPTOR_RANKS;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * chunks; i++) { /* ADAPTOR_RANKS ranks of A share each load of x */
+        int64_t m = i / chunks, first = i % chunks * ADAPTOR_RANKS;
+        int n = R - first < ADAPTOR_RANKS ? (int)(R - first) : ADAPTOR_RANKS;
+        vec acc[ADAPTOR_RANKS];
+        for (int j = 0; j < ADAPTOR_RANKS; j++) acc[j] = vzero();
+        for (int64_t k = 0; k < K; k += 16) {
+            vec xv = load16(x, m * K + k, bf16, 0xFFFF);
+            for (int j = 0; j < n; j++) acc[j] = vfmadd(xv, load16(a, (first + j) * K + k, 1, 0xFFFF), acc[j]);
+        }
+        for (int j = 0; j < n; j++) t[m * R + first + j] = vsum(acc[j]) * scale;
+    }
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n += 16) {
+        mask16 keep = N - n >= 16 ? 0xFFFF : (mask16)((1u << (N - n)) - 1);
+        for (int64_t m = 0; m < M; m++) {
+            vec acc = vloadz(keep, y + m * N + n);
+            for (int64_t rank = 0; rank < R; rank++) acc = vfmadd(vset1(t[m * R + rank]), load16(bt, rank * N + n, 1, keep), acc);
+            vstorem(y + m * N + n, keep, acc);
+        }
+    }
+}
+
 int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const void *w, const void *row_sums,
-                     int64_t N, void *y, int bf16) {
+                     int64_t N, void *y, int bf16, const void *lora_a, const void *lora_bt, int64_t R, float lora_scale) {
     int64_t bytes = quant_scratch_bytes(M, K);
-    void *scratch = malloc((size_t)(bytes + M * (int64_t)sizeof(float)));
+    void *scratch = malloc((size_t)(bytes + M * (1 + R) * (int64_t)sizeof(float)));
     if (scratch == NULL) return TPL_NO_MEMORY;
     struct QRows r = carve(scratch, M, K);
     float *shift = (float *)((uint8_t *)scratch + bytes), *out = y;
@@ -277,6 +306,7 @@ int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, co
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) out[m * N + n] -= shift[m] * sums[n];
+        if (lora_a != NULL) adaptor(x, M, K, bf16, lora_a, lora_bt, R, lora_scale, N, out, shift + M);
     }
     free(scratch);
     return TPL_OK;
