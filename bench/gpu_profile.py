@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from checks import meta_matmuls
 from checks.gpu_check import LLAMA3_8B, SMALL, copy_bandwidth, random_state, served_engine
 from tp_llama import backend
 from tp_llama.kernels import Fp8Weight, linear
@@ -221,6 +220,8 @@ def main() -> int:
     options: dict = {"kv_block_size": a.kv_block} if a.kv_block != 16 else {}  # older checkouts lack both
     saved = []
     if a.fp8:
+        from checks import meta_matmuls  # here, not above: older checkouts, profiled with PYTHONPATH, lack it
+
         options["transform"] = lambda model: saved.append(meta_matmuls.fp8_feed_forward(model))
     model = served_engine(args, state, info, "bfloat16", "off", max(a.rows), max(a.context + 8, a.prompt + 16),
                           **options).model
