@@ -43,12 +43,9 @@ def rows(device: str, record: Record) -> None:
                "the CPU's float32 (limit 2%)", share < 0.02)
     if not fp8_matmuls(torch.device(device)):
         return
-    gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(512, 1024, generator=gen) * 0.02
-    scales = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    data = (weight / scales).to(torch.float8_e4m3fn)
-    want = x.double() @ (data.double() * scales.double()).T
-    layer = Fp8Weight((512, 1024), [data.to(device)], [scales.view(1, -1).to(device)])
+    data, scales = fp8_rows(torch.randn(512, 1024, generator=torch.Generator().manual_seed(3)) * 0.02)
+    want = x.double() @ (data.double() * scales.double().T).T
+    layer = Fp8Weight((512, 1024), [data.to(device)], [scales.to(device)])
     got = fp8_linear(x.to(device, torch.bfloat16), layer).double().cpu()
     share = (got - want).abs().max().item() / want.abs().max().item()
     record("Meta fp8 matmul", f"{device} torch._scaled_mm, 5 rows", f"max abs diff {share:.1%} of the output scale "
@@ -63,8 +60,14 @@ def fp8_feed_forward(model: Transformer) -> int:
         ffn = layer.feed_forward
         for name in ("w1", "w2", "w3"):
             weight = getattr(ffn, name).weight.detach()
-            scales = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
-            data = (weight.float() / scales).to(torch.float8_e4m3fn)
-            setattr(ffn, name, quantized_module(Fp8Weight(tuple(weight.shape), [data], [scales.view(1, -1)]), NONE, None))
+            data, scales = fp8_rows(weight)
+            setattr(ffn, name, quantized_module(Fp8Weight(tuple(weight.shape), [data], [scales]), NONE, None))
             saved += weight.numel() * (weight.element_size() - 1)
     return saved
+
+
+def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 e4m3 values [out, k], float32 scales [1, out]): a scale a row, its largest magnitude at FP8_MAX."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return (w / scales).to(torch.float8_e4m3fn), scales.view(1, -1)
