@@ -17,7 +17,7 @@ from tp_llama.backend.cpu import CAttention, CRMSNorm
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held, serving_linear
 from tp_llama.kernels import Fp8Weight, Int4Weight, Weight, prepare
 from tp_llama.kernels.cpu.ffi import library
-from tp_llama.kernels.metaquant import fuse_int4, pack, pack_tiles
+from tp_llama.kernels.metaquant import fits_tiles, fuse_int4, pack, pack_tiles
 from tp_llama.parallel.modules import LocalLinear
 
 META_WEIGHTS = (Int4Weight, Fp8Weight)
@@ -29,7 +29,8 @@ def holds_meta_weights(block: nn.Module) -> bool:
 
 
 def _packed(weight: Int4Weight, kind: str, device: torch.device, bf16: bool) -> Int4Weight:
-    return pack_tiles(weight) if kind in ("amx", "tiles") else pack(weight, device, bf16)
+    """The C kernels' int4 tiles where they run and hold the groups, PyTorch's int4 op elsewhere."""
+    return pack_tiles(weight) if kind in ("amx", "tiles") and fits_tiles(weight) else pack(weight, device, bf16)
 
 
 def _fused(weights: list[Weight], kind: str, device: torch.device, bf16: bool) -> Weight:

@@ -149,19 +149,24 @@ def pack(weight: Int4Weight, device: torch.device | None = None, bf16: bool = Fa
                    scales=weight.scales.to(device), **lora)
 
 
+def fits_tiles(weight: Int4Weight) -> bool:
+    """Whether the C kernels' int4 tiles hold the weight's groups (pack_tiles)."""
+    return weight.group % group_size() == 0
+
+
 def pack_tiles(weight: Int4Weight) -> Int4Weight:
     """The weight in the C kernels' int4 tiles (kernels/cpu/quant.c: groups of QBLOCK = 32 along k, w = scale *
     u + min with u = q + 8 in 0..15, scale and min in fp16), a group of 256 as 8 of 32 with its scale and
     min; exact but for the fp16 rounding of the scales and mins (ExecuTorch's XNNPACK kernels round Meta's
     scales to bfloat16). Its matmul (tiles_matmul) quantizes each input row in C and multiplies its int8
     values; each row's zero point comes off afterwards, times the weight's sum along k. A group the tiles
-    cannot hold keeps PyTorch's op (`pack`). The adaptor goes into the same C call, in bfloat16 as Meta
+    cannot hold is refused (`fits_tiles`). The adaptor goes into the same C call, in bfloat16 as Meta
     ships it (its float32 copy in PyTorch's matmuls cost more than its bytes: docs/perf-log/2026-11-27.md),
     B transposed."""
     block = group_size()
     out, k = weight.shape
-    if weight.packed is not None or weight.dense is not None or weight.tiles is not None or weight.group % block:
-        return pack(weight)
+    if weight.q is None or not fits_tiles(weight):
+        raise ValueError(f"int4 tiles take unpacked weights in groups of a multiple of {block}, not {weight.group}")
     repeat = weight.group // block
     scales = weight.scales.float().repeat_interleave(repeat, dim=1)
     zeros = weight.zeros.float().repeat_interleave(repeat, dim=1) if weight.zeros is not None else 0.0
@@ -266,6 +271,8 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
         weight.__dict__.update(packed.__dict__)  # packed once, in place: the module keeps this object
     out, k = weight.shape
     flat = x.reshape(-1, k)
+    if weight.tiles is None:  # PyTorch's path computes in float32 throughout; the tiles take bfloat16 rows too
+        flat = flat.float()
     bounds = None
     if weight.hadamard:
         flat, bounds = rotate(flat.float(), weight.across, in_c=weight.tiles is not None)
@@ -273,7 +280,6 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
         bounds = weight.across.row_range(row_bounds(flat.float()))
     if weight.tiles is not None:  # the adaptor too
         return tiles_matmul(flat, bounds, weight).to(x.dtype).reshape(*x.shape[:-1], out)
-    flat = flat.float()
     y = int4_matmul(*quantize_steps(flat, row_bounds(flat) if bounds is None else bounds), weight)
     if weight.lora_a is not None:  # in place, one op for the second matmul, the scale and the sum
         y = y.addmm_(flat @ weight.lora_a.T, weight.lora_b.T, alpha=weight.lora_scale)
