@@ -12,8 +12,7 @@ from tp_llama import backend
 from tp_llama.kernels import choose, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.model import Batch
-from tp_llama.model.llama import Layers
-from tests.support.run_model import setup_slots, slot_batch
+from tests.support.run_model import setup_slots, slot_batch, steps_in_c_and_op_by_op
 
 pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"),
                                 reason="the C kernels need AVX2 or AVX-512 and a compiler (test_kernels checks they load here)")
@@ -258,32 +257,8 @@ def test_layers_in_c_give_the_op_by_op_bits(dtype: torch.dtype, quantized: str):
     model = served_model(dtype, 64, quantized)
     in_c_layers = model.layers
     assert in_c_layers._structs() is not None and len(in_c_layers._structs()) == 2
+    steps_in_c_and_op_by_op(model, 97)
     caches = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
-    gen = torch.Generator().manual_seed(1)
-
-    def check(rows: list, label: str) -> list[int]:
-        batch = slot_batch(model, rows)
-        before = [t.clone() for t in caches]
-        in_c = model(batch)
-        written = [t.clone() for t in caches]
-        for t, saved in zip(caches, before):
-            t.copy_(saved)
-        model.layers = Layers(in_c_layers)  # the same blocks, op by op
-        op_by_op = model(batch)
-        model.layers = in_c_layers
-        assert torch.equal(in_c, op_by_op), label
-        assert all(torch.equal(a, b) for a, b in zip(written, caches)), label
-        assert not all(torch.equal(a, b) for a, b in zip(written, before)), label
-        return in_c.argmax(-1).tolist()
-
-    lengths = {0: 9, 2: 4, 3: 30}  # 43 prompt rows: two of AMX's 32-row blocks
-    prefill = [(slot, 0, torch.randint(0, 97, (n,), generator=gen).tolist(), True) for slot, n in lengths.items()]
-    picked = check(prefill, "prefill")
-    for step in range(3):  # slot 1 stays empty (a hole among the decode rows), then gets a prompt
-        rows = [(slot, n + step, [token], True) for (slot, n), token in zip(lengths.items(), picked)]
-        if step == 2:
-            rows.append((1, 0, torch.randint(0, 97, (20,), generator=gen).tolist(), True))
-        picked = check(rows, f"step {step}")[:3]
     before = [t.clone() for t in caches]
     cache = model.layers[0].attention.cache
     with pytest.raises(IndexError, match="outside its block table or the KV cache"):  # a block past the pool

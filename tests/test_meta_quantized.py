@@ -23,7 +23,7 @@ import torch
 
 from tests.support.cli_util import launch_cli
 from tests.support.reference import ReferenceModel, greedy, read_config, split_dim
-from tests.support.run_model import dense_logits, setup_slots
+from tests.support.run_model import dense_logits, setup_slots, steps_in_c_and_op_by_op
 from tp_llama import backend
 from tp_llama.checkpoint.formats import read_format
 from tp_llama.checkpoint.loader import load_tp_model
@@ -302,6 +302,21 @@ INT4_CASES = {  # TP 1, in this process
     "qlora-g32": dict(group=32, lora_rank=4, zeros=True, **SMALL),
     "spinquant-g256": dict(group=256, spinquant=None, zeros=False, scheme=True, **WIDE),
 }
+
+
+@pytest.mark.skipif(not served_as_tiles(), reason="the C kernels' decode layers need AVX2 or AVX-512 and a compiler")
+@pytest.mark.parametrize("case", list(INT4_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@torch.inference_mode()
+def test_int4_layers_in_c_give_the_op_by_op_bits(tmp_path, case: str, dtype: torch.dtype):
+    """Without TP a decode step's int4 layers run in one C call (decode.c, QLoRA's adaptor and SpinQuant's
+    rotation inside): the bits of the same blocks op by op, which the float64 reference checks below."""
+    ckpt = write_int4_checkpoint(tmp_path / "ckpt", seed=4, **INT4_CASES[case])
+    args = read_params(ckpt, load_tokenizer(ckpt / "tokenizer.model").n_words)
+    model = load_tp_model(ckpt, args, CPU, dtype, backend.plan(CPU.device, dtype))
+    setup_slots(model, 4, 64, dtype, CPU.device)
+    assert model.layers._structs() is not None
+    steps_in_c_and_op_by_op(model, args.vocab_size)
 
 
 @pytest.mark.parametrize("case", list(INT4_CASES))

@@ -44,3 +44,42 @@ def dense_logits(model: nn.Module, tokens: torch.Tensor, start_pos: torch.Tensor
             enumerate(zip(start_pos.tolist(), tokens.tolist()))]
     logits = model(slot_batch(model, rows, all_logits=not last_only)).cpu()
     return logits if last_only else logits.view(*tokens.shape, logits.shape[-1])
+
+
+def in_c_and_op_by_op(model: nn.Module, rows: list[tuple[int, int, list[int], bool]], label: str) -> list[int]:
+    """One step of `rows` through the model's C decode layers (backend.cpu.DecodeLayers), then again from the
+    same caches through the same blocks op by op: the logits and the cache writes must be the same bits,
+    and the step must have written the caches. The greedy picks."""
+    from tp_llama.model.llama import Layers
+
+    caches = [t for layer in model.layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
+    batch = slot_batch(model, rows)
+    before = [t.clone() for t in caches]
+    in_c_layers = model.layers
+    in_c = model(batch)
+    written = [t.clone() for t in caches]
+    for t, saved in zip(caches, before):
+        t.copy_(saved)
+    model.layers = Layers(in_c_layers)  # the same blocks, op by op
+    try:
+        op_by_op = model(batch)
+    finally:
+        model.layers = in_c_layers
+    assert torch.equal(in_c, op_by_op), label
+    assert all(torch.equal(a, b) for a, b in zip(written, caches)), label
+    assert not all(torch.equal(a, b) for a, b in zip(written, before)), label
+    return in_c.argmax(-1).tolist()
+
+
+def steps_in_c_and_op_by_op(model: nn.Module, vocab: int) -> None:
+    """in_c_and_op_by_op over a prefill of three prompts (43 rows: two of AMX's 32-row blocks), then three
+    decode steps, the last beside a fourth prompt's prefill; the model needs 4 slots of 33 positions."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = {0: 9, 2: 4, 3: 30}
+    prefill = [(slot, 0, torch.randint(0, vocab, (n,), generator=gen).tolist(), True) for slot, n in lengths.items()]
+    picked = in_c_and_op_by_op(model, prefill, "prefill")
+    for step in range(3):  # slot 1 stays empty (a hole among the decode rows), then gets a prompt
+        rows = [(slot, n + step, [token], True) for (slot, n), token in zip(lengths.items(), picked)]
+        if step == 2:
+            rows.append((1, 0, torch.randint(0, vocab, (20,), generator=gen).tolist(), True))
+        picked = in_c_and_op_by_op(model, rows, f"step {step}")[:3]

@@ -1,7 +1,8 @@
 """The C kernels' modules (AVX-512 and AVX2 CPUs, tp_llama.kernels.cpu), swapped in after fusion.
 
 - RMSNorm in one C call.
-- SwiGLU in the w1/w3 matmul's tiles: a gated weight whose matmul ends in silu(gate) * up.
+- SwiGLU in the w1/w3 matmul's tiles: a gated weight whose matmul ends in silu(gate) * up (a C call
+  of its own after Meta's int4 weights).
 - Decode rows' attention (RoPE, the cache write, softmax(qK)V) in one C call; prompt rows' RoPE and
   cache write in another, then each chunk's attention in a third (bfloat16; PyTorch's in float32).
 - A decode-only step's layers in C: one call for them all without tensor parallelism, two per
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, serving_linear
-from tp_llama.kernels import QuantTiled, Tiled, linear, prepare_swiglu
+from tp_llama.kernels import QuantTiled, Tiled, Weight, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model.batch import Batch
@@ -45,6 +46,17 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(linear(x, self.w13))
+
+
+class CFeedForward(nn.Module):
+    """w1/w3 side by side in a matmul whose tiles cannot end in SwiGLU (Meta's int4 weights), then SwiGLU in C."""
+
+    def __init__(self, w13: Weight, w2: nn.Module):
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ops.swiglu(linear(x, self.w13)))
 
 
 def feed_forward(ffn: FeedForward, kind: str, bits: int) -> nn.Module:
@@ -138,7 +150,7 @@ class DecodeLayers(Layers):
         planned = []
         for layer in self:
             attention, ffn = layer.attention, layer.feed_forward
-            if not (isinstance(attention, CAttention) and isinstance(ffn, GatedFeedForward)
+            if not (isinstance(attention, CAttention) and isinstance(ffn, (GatedFeedForward, CFeedForward))
                     and isinstance(layer.attention_norm, CRMSNorm) and attention.cache is not None
                     and {attention.wo.comm, ffn.w2.comm} <= {NONE, ALL_REDUCE}):
                 return None

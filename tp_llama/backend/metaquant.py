@@ -4,8 +4,8 @@ by checkpoint.quantized as the block is read).
 q/k/v fuse into one int4 weight and w1/w3 into another, which is exact: they share their input, so its
 per-token quantization is the same, and the adaptors stack (A) and sit block-diagonal (B). Every int4
 weight is packed for the kernels that run it: with the C kernels, their int4 tiles (the norms and
-decode attention theirs too; the adaptors and SwiGLU in PyTorch, so a decode step runs layer by
-layer), elsewhere PyTorch's int4 op.
+decode attention and SwiGLU theirs too, and without tensor parallelism a decode step's layers in one C
+call, as with our own weights), elsewhere PyTorch's int4 op.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tp_llama.backend.cpu import CAttention, CRMSNorm
+from tp_llama.backend.cpu import CAttention, CFeedForward, CRMSNorm
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held, serving_linear
 from tp_llama.kernels import Fp8Weight, Int4Weight, Weight, prepare
 from tp_llama.kernels.cpu.ffi import library
@@ -70,11 +70,14 @@ def _fused_attention(cls: type, attention: nn.Module, kind: str, device: torch.d
     return fused
 
 
-def _fused_feed_forward(ffn: nn.Module, kind: str, device: torch.device, bf16: bool) -> FusedFeedForward:
+def _fused_feed_forward(ffn: nn.Module, kind: str, device: torch.device, bf16: bool) -> nn.Module:
+    """w1/w3 as one weight; with the C kernels SwiGLU in C too, as their decode layers run it."""
+    w13, w2 = _fused([ffn.w1.weight, ffn.w3.weight], kind, device, bf16), _serving(ffn.w2, kind, device, bf16)
+    if kind in ("amx", "tiles"):
+        return CFeedForward(w13, w2)
     fused = FusedFeedForward.__new__(FusedFeedForward)
     nn.Module.__init__(fused)
-    fused.w13 = _fused([ffn.w1.weight, ffn.w3.weight], kind, device, bf16)
-    fused.w2 = _serving(ffn.w2, kind, device, bf16)
+    fused.w13, fused.w2 = w13, w2
     return fused
 
 

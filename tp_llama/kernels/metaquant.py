@@ -18,6 +18,7 @@ Hadamard transform) spans the whole row: `Across` brings in the other ranks' par
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -73,6 +74,7 @@ class Int4Weight:
     dense: torch.Tensor | None = field(default=None, repr=False)  # group sizes the int4 matmuls lack
     tiles: QuantTiled | None = field(default=None, repr=False)  # the C kernels' int4 tiles (pack_tiles)
     row_sums: torch.Tensor | None = field(default=None, repr=False)  # [out] float32: the tiles' weight summed along k
+    c: ctypes.Structure | None = field(default=None, repr=False)  # the tiles' struct MetaInt4 (kernels/cpu/api.h)
 
     def dequantize(self) -> torch.Tensor:
         """The float64 weight [out, k] (before packing)."""
@@ -177,8 +179,13 @@ def pack_tiles(weight: Int4Weight) -> Int4Weight:
     lora = {}
     if weight.lora_a is not None:
         lora = {"lora_a": weight.lora_a.bfloat16().contiguous(), "lora_b": weight.lora_b.bfloat16().T.contiguous().T}
-    return replace(weight, q=None, zeros=None, tiles=pack_quant((u, scales16, mins16), 4), row_sums=sums.float(),
-                   **lora)
+    packed = replace(weight, q=None, zeros=None, tiles=pack_quant((u, scales16, mins16), 4), row_sums=sums.float(),
+                     **lora)
+    adaptor = ((packed.lora_a.data_ptr(), packed.lora_b.T.data_ptr(), packed.lora_a.shape[0]) if lora
+               else (None, None, 0))
+    packed.c = library().structs["MetaInt4"](packed.tiles.data.data_ptr(), packed.row_sums.data_ptr(), *adaptor,
+                                             packed.lora_scale, packed.hadamard)
+    return packed
 
 
 def quantize_steps(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,11 +301,9 @@ def tiles_matmul(x: torch.Tensor, bounds: torch.Tensor | None, weight: Int4Weigh
     if bounds is not None:
         bounds = bounds.float().contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
-    lora = weight.lora_a is not None
-    adaptor = (weight.lora_a.data_ptr(), weight.lora_b.T.data_ptr(), weight.lora_a.shape[0]) if lora else (0, 0, 0)
     if rows and library().meta_int4_linear(x.data_ptr(), 0 if bounds is None else bounds.data_ptr(), rows, k,
-                                           weight.tiles.data.data_ptr(), weight.row_sums.data_ptr(), weight.shape[0],
-                                           y.data_ptr(), x.dtype == torch.bfloat16, *adaptor, weight.lora_scale):
+                                           ctypes.byref(weight.c), weight.shape[0], y.data_ptr(),
+                                           x.dtype == torch.bfloat16):
         raise MemoryError(f"no memory to quantize {rows} x {k} inputs")
     return y
 

@@ -12,7 +12,7 @@ static const struct {
 } CONSTANTS[] = {
     {"TILE_COLS", TILE_COLS}, {"GATE_RUN", GATE_RUN}, {"MAX_HEAD_DIM", MAX_HEAD_DIM}, {"WIDE_MIN_ROWS", WIDE_MIN_ROWS},
     {"KEY_RUN", KEY_RUN}, {"AMX_PACKED_X", AMX_PACKED_X}, {"AMX_PACKED_Y", AMX_PACKED_Y},
-    {"QBLOCK", QBLOCK},
+    {"QBLOCK", QBLOCK}, {"META_INT4", META_INT4},
     {"TPL_OK", TPL_OK}, {"TPL_NO_MEMORY", TPL_NO_MEMORY}, {"TPL_OFF_CACHE", TPL_OFF_CACHE},
     {"TPL_HEAD_DIM", TPL_HEAD_DIM}, {"TPL_NO_AMX", TPL_NO_AMX}, {"TPL_BAD_TOKEN", TPL_BAD_TOKEN},
 };
@@ -30,6 +30,8 @@ static const struct {
     FIELD(DecodeLayer, attention_norm), FIELD(DecodeLayer, ffn_norm), FIELD(DecodeLayer, wqkv),
     FIELD(DecodeLayer, wo), FIELD(DecodeLayer, w13), FIELD(DecodeLayer, w2), FIELD(DecodeLayer, cache_k),
     FIELD(DecodeLayer, cache_v),
+    STRUCT(MetaInt4), FIELD(MetaInt4, tiles), FIELD(MetaInt4, row_sums), FIELD(MetaInt4, lora_a),
+    FIELD(MetaInt4, lora_bt), FIELD(MetaInt4, rank), FIELD(MetaInt4, lora_scale), FIELD(MetaInt4, hadamard),
     STRUCT(SampleRow), FIELD(SampleRow, row), FIELD(SampleRow, top_k), FIELD(SampleRow, temperature),
     FIELD(SampleRow, top_p), FIELD(SampleRow, min_p), FIELD(SampleRow, uniform), FIELD(SampleRow, token),
     STRUCT(PenaltyRow), FIELD(PenaltyRow, row), FIELD(PenaltyRow, tokens), FIELD(PenaltyRow, n_prompt),

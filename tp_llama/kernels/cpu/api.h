@@ -25,6 +25,7 @@
 #define AMX_PACKED_X 1           /* amx_matmul's layout: x comes packed (an AMX_PACKED_Y output) */
 #define AMX_PACKED_Y 2           /* amx_matmul's layout: y goes out packed, as the next matmul's x */
 #define QBLOCK 32                /* k per block of a quantized weight and of x quantized (quant.c) */
+#define META_INT4 1              /* DecodeLayer.bits of Meta's int4 checkpoints: its weights are struct MetaInt4 */
 
 /* Status codes */
 #define TPL_OK 0
@@ -39,9 +40,20 @@ struct DecodeLayer {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_blocks, block_size; /* n_blocks: the spare too */
     float eps;
     int32_t bf16, amx; /* amx: bfloat16 matmuls on AMX */
-    int32_t bits;      /* 16: the weights in matmul.c's tiles (float32 or bfloat16); 8 or 4: quant.c's */
+    int32_t bits;      /* 16: the weights in matmul.c's tiles (float32 or bfloat16); 8 or 4: quant.c's; META_INT4 */
     const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
     void *cache_k, *cache_v;
+};
+
+/* One of Meta's int4 weights [N][K] (kernels/metaquant.py's pack_tiles): its int4 tiles (quant.c), the
+ * sums of its rows along k (float32 [N]), and where lora_a is not NULL QLoRA's adaptor, lora_scale *
+ * (x A^T) B^T with A [rank][K] and B^T [rank][N] (lora_bt) in bfloat16, as Meta ships them. hadamard:
+ * its input is rotated first (SpinQuant's w2). A DecodeLayer of bits META_INT4 points at four. */
+struct MetaInt4 {
+    const void *tiles, *row_sums, *lora_a, *lora_bt;
+    int64_t rank;
+    float lora_scale;
+    int32_t hadamard;
 };
 
 /* One row to sample (sample.c): its filters and its uniform draw in, its token out. */
@@ -104,14 +116,19 @@ int64_t quant_scratch_bytes(int64_t M, int64_t K);
 /* Meta's int4 checkpoints (kernels/metaquant.py): each row of x [M][K] (float32, or bfloat16: bf16) quantized
  * to int8 as torchao's per-token asymmetric quantization does, over its range from bounds [M][2] float32
  * (the row's max and -min: under TP the whole row's) or, where bounds is NULL, its own; then y [M][N]
- * float32 = the dequantized rows @ w^T for int4 tiles w whose weight sums along k are row_sums [N]; plus,
- * where lora_a is not NULL, QLoRA's adaptor on x itself, lora_scale * (x A^T) B^T with A [R][K] and
- * B^T [R][N] (lora_bt) in bfloat16, as Meta ships them. TPL_OK or TPL_NO_MEMORY. */
-int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const void *w, const void *row_sums,
-                     int64_t N, void *y, int bf16, const void *lora_a, const void *lora_bt, int64_t R, float lora_scale);
-/* Each row of x [M][n] float32 (n a power of two) times the Sylvester Hadamard matrix over sqrt(n), in place:
- * log2(n) butterfly passes in the order kernels.metaquant.walsh_hadamard takes them (SpinQuant's w2 input). */
+ * float32 = the dequantized rows @ w^T, plus QLoRA's adaptor on x itself where w has one.
+ * TPL_OK or TPL_NO_MEMORY. meta_int4_matmul is its in-region form, with meta_int4_scratch_bytes(M, K,
+ * w->rank) of scratch. */
+int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const struct MetaInt4 *w, int64_t N,
+                     float *y, int bf16);
+void meta_int4_matmul(const void *x, const void *bounds, int64_t M, int64_t K, const struct MetaInt4 *w, int64_t N,
+                      float *y, int bf16, void *scratch);
+int64_t meta_int4_scratch_bytes(int64_t M, int64_t K, int64_t R);
+/* Each row of x [M][n] (n a power of two) times the Sylvester Hadamard matrix over sqrt(n), into y float32
+ * (in place where x is y): log2(n) butterfly passes in the order kernels.metaquant.walsh_hadamard takes
+ * them (SpinQuant's w2 input). hadamard_rows_in is the in-region form, of float32 or bfloat16 (bf16) x. */
 void hadamard_rows(void *x, int64_t M, int64_t n);
+void hadamard_rows_in(const void *x, int64_t M, int64_t n, int bf16, float *y);
 /* q [N][K] int8 (int4: values 0..15, a byte each), scales and (int4) mins [N][K / QBLOCK] fp16 bits,
  * into tiles at out: N rounded up to TILE_COLS, times K / QBLOCK blocks of quant_block_bytes(bits). */
 void pack_quant_tiles(const void *q, const void *scales, const void *mins, int64_t N, int64_t K, int bits, void *out);
@@ -140,6 +157,11 @@ void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t 
 int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads,
                      int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks,
                      int64_t block_size, void *out, int bf16);
+/* SwiGLU: y [M][F] = silu(gate) * up for x [M][2F], each row's F gate columns then its F up columns,
+ * x and y float32 or bfloat16 (bf16), rounded where PyTorch's ops round. swiglu_rows is the in-region
+ * form, x in its own type (x_bf16). */
+void swiglu(const void *x, int64_t M, int64_t F, void *y, int bf16);
+void swiglu_rows(const void *x, int64_t M, int64_t F, int x_bf16, void *y, int bf16);
 /* Prompt rows' q and k rotated in place in qkv, their keys and values written to the cache at
  * locations[r] < cache_len (cache_k/v [n_kv_heads][cache_len][head_dim]). TPL_OK or TPL_OFF_CACHE. */
 int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64_t *locations, int64_t n_heads,

@@ -27,11 +27,48 @@ static void add_rows(void *h, const void *delta, int64_t rows, int64_t dim, int 
         }
 }
 
-/* A layer's matmul on its float tiles (matmul.c) or its quantized ones (quant.c), with `wide` as
- * either's scratch. */
+/* A matmul of Meta's int4 (quant.c) into float32 at the start of `wide` (SpinQuant's w2 rotating its input
+ * into float32 there first), then out into y in the activation type, through SwiGLU where gated (w1's
+ * outputs then w3's): each output rounded to that type first, as the op-by-op path stores them. */
+static void meta_matmul(const struct DecodeLayer *L, const void *x, int64_t M, int64_t K, const struct MetaInt4 *w,
+                        int64_t N, void *y, int gated, float *wide) {
+    float *out = wide, *rotated = out + M * N;
+    int bf16 = L->bf16;
+    if (w->hadamard) {
+        hadamard_rows_in(x, M, K, bf16, rotated);
+        x = rotated;
+        bf16 = 0;
+    }
+    meta_int4_matmul(x, NULL, M, K, w, N, out, bf16, rotated + (w->hadamard ? M * K : 0));
+    if (gated)
+        swiglu_rows(out, M, N / 2, 0, y, L->bf16);
+    else
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n += 16)
+                store16(y, m * N + n, vloadz(lanes(N - n), out + m * N + n), L->bf16, lanes(N - n));
+}
+
+/* Scratch bytes meta_matmul needs in `wide` for the layer's largest matmul. */
+static int64_t meta_wide_bytes(const struct DecodeLayer *L, int64_t rows) {
+    const struct MetaInt4 *w[4] = {L->wqkv, L->wo, L->w13, L->w2};
+    int64_t attn = L->n_heads * L->head_dim, qkv = attn + 2 * L->n_kv_heads * L->head_dim;
+    int64_t k[4] = {L->dim, attn, L->dim, L->ffn}, n[4] = {qkv, L->dim, 2 * L->ffn, L->dim}, most = 0;
+    for (int i = 0; i < 4; i++) {
+        int64_t bytes = rows * (n[i] + (w[i]->hadamard ? k[i] : 0)) * (int64_t)sizeof(float) +
+                        meta_int4_scratch_bytes(rows, k[i], w[i]->rank);
+        most = bytes > most ? bytes : most;
+    }
+    return most;
+}
+
+/* A layer's matmul on its float tiles (matmul.c), its quantized ones (quant.c) or Meta's int4, with `wide`
+ * as their scratch. */
 static void layer_matmul(const struct DecodeLayer *L, const void *x, int64_t M, int64_t K, const void *w, int64_t N,
                          void *y, int gated, float *wide) {
-    if (L->bits == 16)
+    if (L->bits == META_INT4)
+        meta_matmul(L, x, M, K, w, N, y, gated, wide);
+    else if (L->bits == 16)
         tiled_matmul(x, M, K, w, N, y, gated, L->bf16, wide, L->amx);
     else
         quant_matmul(x, M, K, w, N, y, gated, L->bf16, L->bits, wide);
@@ -64,7 +101,9 @@ static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, uintptr_t
     s.second = (void *)(at += (rows + 31) / 32 * 32 * first * size);
     at = (at + rows * attn * size + 63) & ~(uintptr_t)63;
     s.wide = (float *)at;
-    s.end = at + (rows < WIDE_MIN_ROWS ? WIDE_MIN_ROWS : rows) * widest * sizeof(float);
+    int64_t wide = (rows < WIDE_MIN_ROWS ? WIDE_MIN_ROWS : rows) * widest * (int64_t)sizeof(float);
+    int64_t meta = L->bits == META_INT4 ? meta_wide_bytes(L, rows) : 0;
+    s.end = at + (wide > meta ? wide : meta);
     return s;
 }
 

@@ -9,6 +9,7 @@
  *                     written to the row's place in its cache blocks, then softmax attention
  *                     over the blocks of its table
  *   rope_prompt_rows  a prompt chunk's RoPE and cache write, before its attention
+ *   swiglu            silu(gate) * up where a matmul's tiles cannot end in it (Meta's int4 weights)
  * (SwiGLU's silu(gate) * up runs in the w1/w3 matmul's tiles, matmul.c.) Every output
  * element is computed from its own row alone, in a fixed order, so a row gets
  * the same bits whatever else shares the batch. bf16 = 1 means bfloat16 arrays, 0 float32;
@@ -44,6 +45,21 @@ void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16) {
 #pragma omp parallel if (rows * dim >= PARALLEL_ELEMENTS)
     rms_norm_rows(x, weight, y, rows, dim, eps, bf16);
+}
+
+void swiglu_rows(const void *x, int64_t M, int64_t F, int x_bf16, void *y, int bf16) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < F; j += 16) {
+            mask16 keep = lanes(F - j);
+            vec gate = load16(x, m * 2 * F + j, x_bf16, keep), up = load16(x, m * 2 * F + F + j, x_bf16, keep);
+            store16(y, m * F + j, swiglu16(gate, up, bf16), bf16, keep);
+        }
+}
+
+void swiglu(const void *x, int64_t M, int64_t F, void *y, int bf16) {
+#pragma omp parallel if (M * F >= PARALLEL_ELEMENTS)
+    swiglu_rows(x, M, F, bf16, y, bf16);
 }
 
 /* 16 lanes of a head rotated by Meta's RoPE: lanes (2i, 2i+1) are one complex number, times

@@ -135,6 +135,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x [rows, 2F] (each row's gate columns, then its up columns), float32 or bfloat16."""
+    x = x.contiguous()
+    rows, width = x.shape
+    y = x.new_empty((rows, width // 2))
+    library().swiglu(x.data_ptr(), rows, width // 2, y.data_ptr(), x.dtype == torch.bfloat16)
+    return y
+
+
 def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """h += delta (in place, unless None), then RMSNorm(h), one C call. h, delta [rows, dim] contiguous."""
     y = torch.empty_like(h)
@@ -220,35 +229,48 @@ def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: to
     return True
 
 
+def _meta_int4(weight: object) -> bool:
+    """Whether `weight` is one of Meta's int4 weights in tiles whose input rows are whole (not a
+    row-parallel shard's, whose range needs the other ranks' parts between C calls)."""
+    across = getattr(weight, "across", None)
+    return isinstance(getattr(weight, "c", None), library().structs["MetaInt4"]) and (across is None or across.size == 1)
+
+
 def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled | QuantTiled, ...],
                  cache_k: torch.Tensor, cache_v: torch.Tensor, block_size: int, eps: float) -> ctypes.Structure | None:
     """A layer as decode_stack, attention_block and ffn_block run it (struct DecodeLayer), or None where they cannot.
 
     norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
-    shards) in tiles, all float or all quantized alike; the cache [kv_heads, blocks * block_size,
-    head_dim]. The layer's tensors must outlive the returned struct, which holds only their addresses.
+    shards) in tiles, all float or all quantized alike, or all four Meta's int4 weights in tiles (each
+    with its `shape` and `c`, its struct MetaInt4: kernels.metaquant.pack_tiles; without tensor
+    parallelism), their w1/w3 side by side;
+    the cache [kv_heads, blocks * block_size, head_dim]. The layer's tensors must outlive the returned
+    struct, which holds only their addresses.
     """
     lib = library()
     wqkv, wo, w13, w2 = weights
-    bits = {w.bits if isinstance(w, QuantTiled) else 16 for w in weights}
-    if (not all(isinstance(w, (Tiled, QuantTiled)) for w in weights) or len(bits) > 1
-            or wqkv.gated or wo.gated or w2.gated or not w13.gated):
+    meta = all(_meta_int4(w) for w in weights)
+    bits = {lib.constants["META_INT4"]} if meta else {w.bits if isinstance(w, QuantTiled) else 16 for w in weights}
+    if not meta and (not all(isinstance(w, (Tiled, QuantTiled)) for w in weights) or len(bits) > 1
+                     or wqkv.gated or wo.gated or w2.gated or not w13.gated):
         return None
     n_kv_heads, pool, head_dim = cache_k.shape
     n_heads = wo.shape[1] // head_dim
     if (head_dim > lib.constants["MAX_HEAD_DIM"] or n_heads % n_kv_heads or block_size % lib.constants["KEY_RUN"]
             or wqkv.shape[0] != (n_heads + 2 * n_kv_heads) * head_dim):
         return None
-    tensors = (*norms, *(w.data for w in weights), cache_k, cache_v)
     float_weights = bits == {16}
+    tensors = (*norms, cache_k, cache_v) if meta else (*norms, *(w.data for w in weights), cache_k, cache_v)
     if not all(t.is_contiguous() and (t.dtype == cache_k.dtype or not float_weights) for t in tensors):
         return None
     if not all(t.dtype == cache_k.dtype for t in (*norms, cache_k, cache_v)):
         return None
     amx = float_weights and all(w.amx for w in weights)
+    pointers = [ctypes.addressof(w.c) for w in weights] if meta else [w.data.data_ptr() for w in weights]
     return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], pool // block_size,
                                       block_size, eps, cache_k.dtype == torch.bfloat16, amx, bits.pop(),
-                                      *(t.data_ptr() for t in tensors))
+                                      norms[0].data_ptr(), norms[1].data_ptr(), *pointers, cache_k.data_ptr(),
+                                      cache_v.data_ptr())
 
 
 def decode_layers(layers: list[ctypes.Structure]) -> ctypes.Array:

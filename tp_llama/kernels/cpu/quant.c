@@ -274,49 +274,56 @@ static void adaptor(const void *x, int64_t M, int64_t K, int bf16, const void *a
     }
 }
 
-int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const void *w, const void *row_sums,
-                     int64_t N, void *y, int bf16, const void *lora_a, const void *lora_bt, int64_t R, float lora_scale) {
-    int64_t bytes = quant_scratch_bytes(M, K);
-    void *scratch = malloc((size_t)(bytes + M * (1 + R) * (int64_t)sizeof(float)));
-    if (scratch == NULL) return TPL_NO_MEMORY;
+int64_t meta_int4_scratch_bytes(int64_t M, int64_t K, int64_t R) {
+    return quant_scratch_bytes(M, K) + M * (1 + R) * (int64_t)sizeof(float);
+}
+
+void meta_int4_matmul(const void *x, const void *bounds, int64_t M, int64_t K, const struct MetaInt4 *w, int64_t N,
+                      float *y, int bf16, void *scratch) {
     struct QRows r = carve(scratch, M, K);
-    float *shift = (float *)((uint8_t *)scratch + bytes), *out = y;
-    const float *range = bounds, *sums = row_sums;
-#pragma omp parallel
-    {
+    float *shift = (float *)((uint8_t *)scratch + quant_scratch_bytes(M, K));
+    const float *range = bounds, *sums = w->row_sums;
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            float hi, lo;
-            if (range != NULL) {
-                hi = range[2 * m];
-                lo = -range[2 * m + 1];
-            } else {
-                vec top = load16(x, m * K, bf16, 0xFFFF), bottom = top;
-                for (int64_t i = 16; i < K; i += 16) {
-                    vec v = load16(x, m * K + i, bf16, 0xFFFF);
-                    top = vmax(top, v);
-                    bottom = vmin(bottom, v);
-                }
-                hi = vhighest(top);
-                lo = -vhighest(vsub(vzero(), bottom));
+    for (int64_t m = 0; m < M; m++) {
+        float hi, lo;
+        if (range != NULL) {
+            hi = range[2 * m];
+            lo = -range[2 * m + 1];
+        } else {
+            vec top = load16(x, m * K, bf16, 0xFFFF), bottom = top;
+            for (int64_t i = 16; i < K; i += 16) {
+                vec v = load16(x, m * K + i, bf16, 0xFFFF);
+                top = vmax(top, v);
+                bottom = vmin(bottom, v);
             }
-            meta_row(x, m, K, bf16, hi, lo, r, shift);
+            hi = vhighest(top);
+            lo = -vhighest(vsub(vzero(), bottom));
         }
-        q_rows_blocks(r, M, K, w, N, y, 0, 0, 4);
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < N; n++) out[m * N + n] -= shift[m] * sums[n];
-        if (lora_a != NULL) adaptor(x, M, K, bf16, lora_a, lora_bt, R, lora_scale, N, out, shift + M);
+        meta_row(x, m, K, bf16, hi, lo, r, shift);
     }
+    q_rows_blocks(r, M, K, w->tiles, N, y, 0, 0, 4);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * N + n] -= shift[m] * sums[n];
+    if (w->lora_a != NULL) adaptor(x, M, K, bf16, w->lora_a, w->lora_bt, w->rank, w->lora_scale, N, y, shift + M);
+}
+
+int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const struct MetaInt4 *w, int64_t N,
+                     float *y, int bf16) {
+    void *scratch = malloc((size_t)meta_int4_scratch_bytes(M, K, w->rank));
+    if (scratch == NULL) return TPL_NO_MEMORY;
+#pragma omp parallel
+    meta_int4_matmul(x, bounds, M, K, w, N, y, bf16, scratch);
     free(scratch);
     return TPL_OK;
 }
 
-void hadamard_rows(void *x, int64_t M, int64_t n) {
-    float *v = x, norm = sqrtf((float)n);
-#pragma omp parallel for schedule(static)
+void hadamard_rows_in(const void *x, int64_t M, int64_t n, int bf16, float *y) {
+    float norm = sqrtf((float)n);
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        float *row = v + m * n;
+        float *row = y + m * n;
+        for (int64_t j = 0; j < n; j += 16) vstorem(row + j, lanes(n - j), load16(x, m * n + j, bf16, lanes(n - j)));
         for (int64_t half = 1; half < n; half *= 2)
             for (int64_t start = 0; start < n; start += 2 * half)
                 for (int64_t j = start; j < start + half; j++) {
@@ -326,6 +333,11 @@ void hadamard_rows(void *x, int64_t M, int64_t n) {
                 }
         for (int64_t j = 0; j < n; j++) row[j] /= norm;
     }
+}
+
+void hadamard_rows(void *x, int64_t M, int64_t n) {
+#pragma omp parallel
+    hadamard_rows_in(x, M, n, 0, x);
 }
 
 /* Rows of q [N][K] (int8, or int4 values 0..15 one a byte) with their scales and (int4) minimums
