@@ -29,8 +29,9 @@ from tp_llama.checkpoint.formats import read_format
 from tp_llama.checkpoint.loader import load_tp_model
 from tp_llama.checkpoint.params import read_params
 from tp_llama.errors import CheckpointError
-from tp_llama.kernels.metaquant import (Int4Weight, fuse_int4, hadamard_in_c, int4_linear, pack_tiles, quantize_rows,
-                                       rotate, row_bounds, walsh_hadamard)
+from tp_llama.kernels import linear
+from tp_llama.kernels.metaquant import (Int4Weight, fuse_int4, hadamard_in_c, int4_linear, int8_tiles, pack_tiles,
+                                       quantize_rows, rotate, row_bounds, walsh_hadamard)
 from tp_llama.parallel.distributed import DistInfo
 from tp_llama.testing.meta_quant import write_fp8_checkpoint, write_int4_checkpoint
 from tp_llama.tokenizer import load_tokenizer
@@ -42,6 +43,11 @@ NEAR_TIE = 0.05  # a reference logit gap under which a quantized engine may pick
 SMALL = dict(dim=128, n_layers=3, n_heads=8, n_kv_heads=4, multiple_of=32, ffn_dim_multiplier=1.5)  # FFN 512
 WIDE = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, multiple_of=256, ffn_dim_multiplier=1.5)  # FFN 1024
 CPU = DistInfo(0, 1, 0, torch.device("cpu"), "none")
+
+
+def served_as_tiles() -> bool:
+    """Whether this machine serves Meta's int4 layers on the C kernels' int4 tiles (kernels.metaquant.pack_tiles)."""
+    return backend.plan(CPU.device, torch.float32).kind in ("amx", "tiles")
 
 
 def torchao_layer(out: int, k: int, group: int, seed: int = 0):
@@ -177,6 +183,32 @@ def test_fused_int4_weights_give_each_weights_outputs():
     torch.testing.assert_close(int4_linear(x, fused), separate, rtol=0, atol=1e-6 * separate.abs().max().item())
 
 
+@pytest.mark.skipif(not served_as_tiles(), reason="the pair tiles are the C kernels' (AVX2 or AVX-512 and a compiler)")
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_int8_output_layer_runs_on_16_bit_inputs(groups: int, dtype: torch.dtype):
+    """Meta's int8 output layer on the C kernels' pair tiles: its int8 values exact, its scales in fp16 and
+    each input quantized to int16 per block of 32, against float64 on the file's values."""
+    gen = torch.Generator().manual_seed(7)
+    out, k = 203, 256  # a ragged last tile
+    q = torch.randint(-127, 128, (out, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out, groups, generator=gen) * 0.02 + 1e-3
+    x = (torch.randn(5, k, generator=gen) * 3).to(dtype)
+
+    def weight(s: torch.Tensor) -> torch.Tensor:
+        return (q.double().view(out, groups, -1) * s.double()[..., None]).view(out, k)
+
+    got = linear(x, int8_tiles(q, scales.squeeze(1) if groups == 1 else scales)).double()
+    held = x.double() @ weight(scales.half()).T  # the scales as the tiles hold them, in fp16
+    magnitude = x.double().abs() @ weight(scales).abs().T
+    # int16 inputs err by up to 2^-16 of their block's largest a value; bfloat16 outputs round by 2^-9
+    assert ((got - held).abs() <= 2**-15 * magnitude + (2**-8 if dtype == torch.bfloat16 else 0) * held.abs()).all()
+    # fp16 scales err by up to 2^-11 of each product: less than a bfloat16 model's own weights (2^-9)
+    assert ((held - x.double() @ weight(scales).T).abs() <= 2**-11 * magnitude).all()
+    assert int8_tiles(q, torch.rand(out, 16, generator=gen)) is None  # groups of 16: no whole blocks of 32
+    assert int8_tiles(q, torch.full((out,), 1e-6)) is None  # under fp16's normal range
+
+
 # ---- whole models against the float64 reference --------------------------------------------------------------
 
 
@@ -204,11 +236,6 @@ class Int4Reference(ReferenceModel):
             a, b = self.adaptors[name]
             y = y + x @ a.T @ b.T * self.lora_scale
         return y
-
-
-def served_as_tiles() -> bool:
-    """Whether this machine serves Meta's int4 layers on the C kernels' int4 tiles (kernels.metaquant.pack_tiles)."""
-    return backend.plan(CPU.device, torch.float32).kind in ("amx", "tiles")
 
 
 def int4_reference(ckpt, fp16_scales: bool = False) -> tuple[Int4Reference, object]:

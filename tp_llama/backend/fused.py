@@ -30,6 +30,8 @@ def held(weight: Weight) -> Weight:
 def serving_linear(module: nn.Module, kind: str, device: torch.device | None = None, bits: int = 16) -> LocalLinear:
     """A Linear (or this rank's LocalLinear) with its weight prepared for `kind` of matmul (quantized to `bits`)."""
     local = module if isinstance(module, LocalLinear) else LocalLinear(module.weight.detach(), NONE, None)
+    if not isinstance(local.weight, torch.Tensor):  # a checkpoint's own quantized weight, in its kernel's form
+        return local
     prepared = held(prepare(local.weight, kind, device, bits))
     del local.weight
     local.weight = prepared

@@ -22,6 +22,7 @@ from tp_llama.checkpoint.quantized import Layout
 from tp_llama.checkpoint.reader import Piece, ShardFiles, local_shape, plan_local_shard, read_pieces
 from tp_llama.checkpoint.shards import check_keys, find_shards, load_shard
 from tp_llama.errors import CheckpointError
+from tp_llama.kernels import C_KINDS
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, log
 from tp_llama.parallel.layout import check_tp_size, full_shapes
@@ -46,6 +47,7 @@ class Preparer(Protocol):
     """What the serving backend does to a model as it is read (tp_llama.backend.Preparation)."""
 
     bits: int  # 16: the weights as read; 8 or 4: quantized at load (refused for a quantized checkpoint)
+    kind: str  # the kind of matmul this process runs (tp_llama.kernels.choose)
 
     def layer(self, block: nn.Module, name: str) -> None: ...
 
@@ -153,7 +155,7 @@ def quantized_layout(ckpt_dir: str | Path, args: ModelArgs, paths: list[Path], t
             f"{ckpt_dir}: quantize {asked!r} was asked for, but this checkpoint comes quantized "
             f"({fmt.describe()}): it is served in its own format; set quantize to none (handler.quantize in the "
             "yaml, --quantize on the command line)")
-    return Layout.build(args, fmt, paths, tp, dtype, device)
+    return Layout.build(args, fmt, paths, tp, dtype, device, getattr(prepare, "kind", None) in C_KINDS)
 
 
 def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype) -> FSDP:

@@ -6,8 +6,9 @@ dim, and after a block is read puts the quantized parts into the model:
 - int4: each linear of the layers becomes a LocalLinear holding a kernels.metaquant.Int4Weight (its
   slices of the values, scales, zeros and adaptor), which runs Meta's 8da4w matmul with or without a
   serving backend; a row-parallel one (wo, w2) under TP learns the whole row's range of each token
-  from the other ranks (`GroupAcross`). The embedding and output tables are dequantized into the
-  serving dtype, as Meta's reference loader does (int8 times its scales).
+  from the other ranks (`GroupAcross`). The embedding table is dequantized into the serving dtype, as
+  Meta's reference loader does (int8 times its scales), and so is the output layer, but where the C
+  kernels run it: there it keeps its int8 values (kernels.metaquant.int8_tiles).
 - fp8: each float8 feed-forward weight is multiplied by its row scales (fp8_scales_N.pt, per file
   shard) into the serving dtype, or, on a CUDA GPU with float8 matmuls, kept in float8 as an
   Fp8Weight with one scale per row of each file's k slice.
@@ -26,7 +27,8 @@ from tp_llama.checkpoint.formats import (FP8, INT8_TABLES, LINEARS, ROW_PARALLEL
                                          check_int4_file, int4_specs, table_scale_spec)
 from tp_llama.checkpoint.shards import load_shard
 from tp_llama.errors import CheckpointError
-from tp_llama.kernels.metaquant import Fp8Weight, Int4Weight, check_int4, dequantize_fp8, dequantize_rows, fp8_matmuls
+from tp_llama.kernels.metaquant import (Fp8Weight, Int4Weight, check_int4, dequantize_fp8, dequantize_rows, fp8_matmuls,
+                                       int8_tiles)
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.parallel.layout import NONE, full_shapes, shard_dim, tp_sharding
 from tp_llama.parallel.modules import LocalLinear, all_gather_last_dim
@@ -73,16 +75,17 @@ class Layout:
     specs: dict[str, TensorSpec]
     dtype: torch.dtype
     device: torch.device
+    c_kernels: bool = False  # the C kernels run the matmuls: an int8 output layer goes into their pair tiles
     fp8_keys: set[str] = field(default_factory=set)
     _fp8_tables: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, args: ModelArgs, fmt: CheckpointFormat, paths: list[Path], tp: int, dtype: torch.dtype,
-              device: torch.device) -> Layout:
+              device: torch.device, c_kernels: bool = False) -> Layout:
         full = full_shapes(args)
         dims = {key: shard_dim(key, args.family) for key in full}
         specs = {key: TensorSpec(shape, dtype, dims[key]) for key, shape in full.items()}
-        layout = cls(args, fmt, specs, dtype, device)
+        layout = cls(args, fmt, specs, dtype, device, c_kernels)
         if fmt.kind == "int4":
             first = load_shard(paths[0])
             specs = {**specs, **int4_specs(args, fmt, full, dims, set(first), paths[0])}
@@ -158,7 +161,11 @@ class Layout:
         for table in INT8_TABLES:
             if f"{table}.weight" in state:
                 q, scales = state.pop(f"{table}.weight"), state.pop(f"{table}.scales")
-                state[f"{table}.weight"] = dequantize_rows(q, scales, self.dtype)
+                tiled = int8_tiles(q, scales) if table == "output" and self.c_kernels else None
+                if tiled is not None:
+                    self._place(model, table, tiled, tp, group)
+                else:
+                    state[f"{table}.weight"] = dequantize_rows(q, scales, self.dtype)
 
     def _place(self, model: Transformer, base: str, weight: Int4Weight | Fp8Weight, tp: int,
                group: dist.ProcessGroup | None) -> None:

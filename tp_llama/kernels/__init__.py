@@ -47,9 +47,10 @@ from tp_llama.kernels.metaquant import Fp8Weight, Int4Weight, fp8_linear, int4_l
 from tp_llama.kernels.quant import Quantized, quantize, quantized_linear
 
 KINDS = ("amx", "tiles", "onednn", "plain")
+C_KINDS = KINDS[:2]  # the C kernels' (kernels/cpu)
 Weight = torch.Tensor | Tiled | QuantTiled | Quantized | Int4Weight | Fp8Weight
 
-__all__ = ["KINDS", "Fp8Weight", "Int4Weight", "QuantTiled", "Quantized", "Tiled", "Weight", "choose", "cpu_flags",
+__all__ = ["C_KINDS", "KINDS", "Fp8Weight", "Int4Weight", "QuantTiled", "Quantized", "Tiled", "Weight", "choose", "cpu_flags",
            "linear", "prepare", "prepare_swiglu", "warm_up"]
 
 

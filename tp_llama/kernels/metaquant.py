@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_llama.kernels.cpu.ffi import library
-from tp_llama.kernels.cpu.qtiles import QuantTiled, group_size
+from tp_llama.kernels.cpu.qtiles import QuantTiled, group_size, pack_pairs
 from tp_llama.kernels.cpu.qtiles import pack as pack_quant
 from tp_llama.kernels.quant import INT4_ROWS, pack_int4
 
@@ -306,6 +306,25 @@ def tiles_matmul(x: torch.Tensor, bounds: torch.Tensor | None, weight: Int4Weigh
                                            x.dtype == torch.bfloat16):
         raise MemoryError(f"no memory to quantize {rows} x {k} inputs")
     return y
+
+
+def int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> QuantTiled | None:
+    """Meta's int8 output layer, q [out, k] with scales [out] or [out, n] (n groups along each row), in the C
+    kernels' pair tiles: int8 times an fp16 scale a block, the inputs quantized to int16 per block of QBLOCK
+    in each matmul. Meta's loader multiplies the int8 values by their scales into the model's dtype and
+    runs them on float inputs: in a bfloat16 model the rounding of each weight there errs more than the
+    fp16 scales and 16-bit inputs here, and the tiles stream half the bytes (a float32 model's logits
+    move by about 2^-15 of their scale). None where a group is no whole number of blocks, or a scale lies
+    outside fp16's normal range."""
+    out, k = q.shape
+    scales = scales.reshape(out, -1).float()
+    if k % scales.shape[1] or (k // scales.shape[1]) % group_size():
+        return None
+    fp16 = torch.finfo(torch.float16)
+    if not bool(((scales.abs() >= fp16.tiny) & (scales.abs() <= fp16.max)).all()):
+        return None
+    blocks = scales.repeat_interleave(k // scales.shape[1] // group_size(), dim=1)
+    return pack_pairs(q.contiguous(), blocks.half())
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

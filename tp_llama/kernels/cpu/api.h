@@ -26,6 +26,7 @@
 #define AMX_PACKED_Y 2           /* amx_matmul's layout: y goes out packed, as the next matmul's x */
 #define QBLOCK 32                /* k per block of a quantized weight and of x quantized (quant.c) */
 #define META_INT4 1              /* DecodeLayer.bits of Meta's int4 checkpoints: its weights are struct MetaInt4 */
+#define Q8_PAIRS 88              /* quant.c's bits for int8 weights in pair tiles, whose inputs are quantized to int16 */
 
 /* Status codes */
 #define TPL_OK 0
@@ -106,7 +107,8 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
 void set_next_tile_min_chunks(int chunks);
 
 /* Weights quantized at load (quant.c): y [M][N] = x [M][K] @ w^T, x and y float32 or bfloat16 (bf16),
- * w int8 or int4 (bits) tiles from pack_quant_tiles, K a multiple of QBLOCK; gated as tiled_linear.
+ * w int8 or int4 (bits) tiles from pack_quant_tiles, or int8 pair tiles (Q8_PAIRS: kernels/cpu/qtiles.py
+ * packs them), K a multiple of QBLOCK; gated as tiled_linear.
  * TPL_OK or TPL_NO_MEMORY. quant_matmul is its in-region form, with quant_scratch_bytes(M, K) of scratch. */
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                  int bits);

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.pages import huge_empty
@@ -73,6 +74,25 @@ def _pack_into(groups: tuple[torch.Tensor, ...], bits: int, address: int) -> Non
     q, scales = groups[0], groups[1]
     mins = groups[2] if bits == 4 else scales
     library().pack_quant_tiles(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), q.shape[0], q.shape[1], bits, address)
+
+
+def pack_pairs(q: torch.Tensor, scales: torch.Tensor) -> QuantTiled:
+    """int8 q [out, in] with fp16 scales [out, in / QBLOCK] (w = q * scale) in quant.c's pair tiles, whose
+    matmul quantizes its inputs to int16 (bits Q8_PAIRS), ROWS_AT_ONCE rows at a time."""
+    lib = library()
+    cols, block, bits = lib.constants["TILE_COLS"], group_size(), lib.constants["Q8_PAIRS"]
+    out, k = q.shape
+    data = _tiles((out, k), bits)
+    tiles = data.view(-1, k // block, lib.quant_block_bytes(bits))  # [tiles, blocks, bytes]
+    for first in range(0, out, ROWS_AT_ONCE):
+        rows = slice(first, min(first + ROWS_AT_ONCE, out))
+        pad = -(rows.stop - rows.start) % cols
+        part = F.pad(q[rows], (0, 0, 0, pad)).view(-1, cols, k // block, block // 2, 2).permute(0, 2, 3, 1, 4)
+        scale = F.pad(scales[rows], (0, 0, 0, pad)).view(-1, cols, k // block).transpose(1, 2)
+        at = tiles[first // cols : first // cols + part.shape[0]]
+        at[..., : 2 * cols] = scale.contiguous().view(torch.uint8)
+        at[..., 2 * cols :] = part.reshape(part.shape[0], k // block, -1).view(torch.uint8)
+    return QuantTiled(data, (out, k), bits)
 
 
 def prepare_quant_tiles(weight: torch.Tensor, bits: int, gated: bool = False) -> QuantTiled:

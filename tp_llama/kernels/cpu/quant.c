@@ -10,6 +10,8 @@
  *   int8: [TILE_COLS fp16 scales][QSTEPS][TILE_COLS][4 k] int8             w = q * scale, q in -127..127
  *   int4: [TILE_COLS fp16 scales][TILE_COLS fp16 minimums][QSTEPS / 2][TILE_COLS][4 k] bytes, whose
  *         low nibble is the pair's first step and high nibble its second   w = q * scale + min, q in 0..15
+ *   pairs (Q8_PAIRS): [TILE_COLS fp16 scales][QBLOCK / 2][TILE_COLS][2 k] int8, x quantized to int16
+ *         per block instead (Meta's int8 output layer, which its loader runs on float inputs)
  * so a step (4 k of 16 columns) is one 64-byte load, and its 16 sums need no horizontal adds.
  * x is quantized per row and block (symmetric int8 with a float32 scale; int4's minimums also need
  * each block's sum), so a row's outputs never depend on the other rows of its call. A block's
@@ -40,10 +42,12 @@ static inline void prefetch_ahead(const uint8_t *block, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)block + AHEAD_BYTES + line, _MM_HINT_T0);
 }
 
-/* x quantized: q [M][K] and |q|, and per row and block its scale and scale * sum of q. */
+/* x quantized: q [M][K] and |q|, and per row and block its scale and scale * sum of q; or, for pair
+ * tiles, x16 [M][K] (over q and a) and the scales. */
 struct QRows {
     int8_t *q;
     uint8_t *a;
+    int16_t *x16;
     float *d, *ds;
 };
 
@@ -51,14 +55,17 @@ static struct QRows carve(void *scratch, int64_t M, int64_t K) {
     struct QRows r;
     r.q = scratch;
     r.a = (uint8_t *)scratch + M * K;
+    r.x16 = scratch;
     r.d = (float *)((uint8_t *)scratch + 2 * M * K);
     r.ds = r.d + M * (K / QBLOCK);
     return r;
 }
 
-int64_t quant_block_bytes(int bits) { return bits == 8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES; }
+int64_t quant_block_bytes(int bits) { return bits == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES; }
 
 int64_t quant_scratch_bytes(int64_t M, int64_t K) { return 2 * M * K + 2 * M * (K / QBLOCK) * (int64_t)sizeof(float); }
+
+static inline float block_max(vec lo, vec hi) { return vhighest(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi)))); }
 
 /* Each block of QBLOCK values as round(x / d) with d = max |x| / 127, in-region. */
 static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, struct QRows r) {
@@ -68,7 +75,7 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, struct 
         for (int64_t b = 0; b < blocks; b++) {
             int64_t at = m * K + b * QBLOCK;
             vec lo = load16(x, at, bf16, 0xFFFF), hi = load16(x, at + 16, bf16, 0xFFFF);
-            float amax = vhighest(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi))));
+            float amax = block_max(lo, hi);
             vec inverse = vset1(amax > 0 ? 127.0f / amax : 0.0f);
             int32_t q[QBLOCK], sum = 0;
             vstore_int(q, 0xFFFF, vround(vmul(lo, inverse)));
@@ -80,6 +87,24 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, struct 
             }
             r.d[m * blocks + b] = amax / 127.0f;
             r.ds[m * blocks + b] = amax / 127.0f * (float)sum;
+        }
+}
+
+/* Each block of QBLOCK values as round(x / d) in int16 with d = max |x| / 32767 (pair tiles' inputs), in-region. */
+static void quantize16_rows(const void *x, int64_t M, int64_t K, int bf16, struct QRows r) {
+    int64_t blocks = K / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t at = m * K + b * QBLOCK;
+            vec lo = load16(x, at, bf16, 0xFFFF), hi = load16(x, at + 16, bf16, 0xFFFF);
+            float amax = block_max(lo, hi);
+            vec inverse = vset1(amax > 0 ? 32767.0f / amax : 0.0f);
+            int32_t q[QBLOCK];
+            vstore_int(q, 0xFFFF, vround(vmul(lo, inverse)));
+            vstore_int(q + 16, 0xFFFF, vround(vmul(hi, inverse)));
+            for (int i = 0; i < QBLOCK; i++) r.x16[at + i] = (int16_t)q[i];
+            r.d[m * blocks + b] = amax / 32767.0f;
         }
 }
 
@@ -137,6 +162,29 @@ static inline __attribute__((always_inline)) void q4_rows(struct QRows r, int64_
     }
 }
 
+/* Pair tiles: each block's k in pairs, [QBLOCK / 2][TILE_COLS][2 k] int8 after its scales, so 16 columns of a
+ * pair widen to int16 in one load and vpmaddwd sums each column's two products with x's int16 pair. */
+static inline __attribute__((always_inline)) void p8_rows(struct QRows r, int64_t K, const uint8_t *wt, vec acc[][VECS],
+                                                         const int MT) {
+    int64_t blocks = K / QBLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = wt + b * Q8_BLOCK_BYTES, *pairs = block + 2 * TILE_COLS;
+        prefetch_ahead(block, Q8_BLOCK_BYTES);
+        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
+            ivec sum[QROWS];
+            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) sum[m] = izero();
+            _Pragma("GCC unroll 1") for (int p = 0; p < QBLOCK / 2; p++) {
+                qvec w = qload_pairs(pairs + (p * TILE_COLS + 16 * j) * 2);
+                _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
+                    sum[m] = pdot(sum[m], w, qset2(r.x16 + m * K + b * QBLOCK + 2 * p));
+            }
+            vec scale = load_halves(block + 32 * j);
+            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
+                acc[m][j] = vfmadd(ifloat(sum[m]), vmul(scale, vset1(r.d[m * blocks + b])), acc[m][j]);
+        }
+    }
+}
+
 /* A tile for MT rows into y (row stride ldy, from column i). */
 static inline __attribute__((always_inline)) void q_tile(struct QRows r, int64_t K, const uint8_t *wt, int bits,
                                                         void *y, int64_t ldy, int64_t i, int64_t cols, int gated,
@@ -146,6 +194,8 @@ static inline __attribute__((always_inline)) void q_tile(struct QRows r, int64_t
         for (int j = 0; j < VECS; j++) acc[m][j] = vzero();
     if (bits == 8)
         q8_rows(r, K, wt, acc, MT);
+    else if (bits == Q8_PAIRS)
+        p8_rows(r, K, wt, acc, MT);
     else
         q4_rows(r, K, wt, acc, MT);
     for (int m = 0; m < MT; m++) put_row(y, m * ldy + i, acc[m][0], acc[m][1], cols, gated, bf16);
@@ -154,6 +204,7 @@ static inline __attribute__((always_inline)) void q_tile(struct QRows r, int64_t
 static struct QRows offset(struct QRows r, int64_t m, int64_t K) {
     r.q += m * K;
     r.a += m * K;
+    r.x16 += m * K;
     r.d += m * (K / QBLOCK);
     r.ds += m * (K / QBLOCK);
     return r;
@@ -164,7 +215,7 @@ static struct QRows offset(struct QRows r, int64_t m, int64_t K) {
 static void q_tiles(struct QRows r, int64_t M, int64_t K, const uint8_t *w, int64_t N, int bits, void *y, int gated,
                     int bf16) {
     int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS, chunks = (M + QROWS - 1) / QROWS;
-    int64_t tile_bytes = K / QBLOCK * (bits == 8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES), ldy = gated ? N / 2 : N;
+    int64_t tile_bytes = K / QBLOCK * quant_block_bytes(bits), ldy = gated ? N / 2 : N;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *wt = w + t * tile_bytes;
@@ -199,7 +250,10 @@ static void q_rows_blocks(struct QRows r, int64_t M, int64_t K, const void *w, i
 void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   int bits, void *scratch) {
     struct QRows r = carve(scratch, M, K);
-    quantize_rows(x, M, K, bf16, r);
+    if (bits == Q8_PAIRS)
+        quantize16_rows(x, M, K, bf16, r);
+    else
+        quantize_rows(x, M, K, bf16, r);
     q_rows_blocks(r, M, K, w, N, y, gated, bf16, bits);
 }
 

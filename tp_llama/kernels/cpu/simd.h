@@ -141,6 +141,21 @@ typedef __m512i isums;
 static inline isums isums_add(isums acc, qvec u, qvec s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
 static inline ivec isums_end(isums acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 #endif
+/* int8 weights with int16 inputs (quant.c's pair tiles): a qvec of 16 columns x 2 k as int16 (from 32
+ * bytes), a k pair of x as int16 in every column, and acc + each column's 2 products. */
+static inline qvec qload_pairs(const void *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline qvec qset2(const int16_t *p) {
+    int32_t two;
+    memcpy(&two, p, sizeof(two));
+    return _mm512_set1_epi32(two);
+}
+static inline ivec pdot(ivec acc, qvec w, qvec x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
 static inline vec ifloat(ivec a) { return _mm512_cvtepi32_ps(a); }
 static inline vec load_halves(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
@@ -356,6 +371,23 @@ static inline ivec isums_end(isums acc) {
     return IBOTH(_mm256_madd_epi16(acc.lo, _mm256_set1_epi16(1)), _mm256_madd_epi16(acc.hi, _mm256_set1_epi16(1)));
 }
 #endif
+static inline qvec qload_pairs(const void *p) {
+    return IBOTH(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
+                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p + 1)));
+}
+static inline qvec qset2(const int16_t *p) {
+    int32_t two;
+    memcpy(&two, p, sizeof(two));
+    return IBOTH(_mm256_set1_epi32(two), _mm256_set1_epi32(two));
+}
+static inline __m256i pdot8(__m256i acc, __m256i w, __m256i x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+static inline ivec pdot(ivec acc, qvec w, qvec x) { return IBOTH(pdot8(acc.lo, w.lo, x.lo), pdot8(acc.hi, w.hi, x.hi)); }
 #undef IBOTH
 static inline vec ifloat(ivec a) { return BOTH(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
 static inline vec load_halves(const void *p) {
