@@ -65,55 +65,42 @@ int64_t quant_block_bytes(int bits) { return bits == 4 ? Q4_BLOCK_BYTES : Q8_BLO
 
 int64_t quant_scratch_bytes(int64_t M, int64_t K) { return 2 * M * K + 2 * M * (K / QBLOCK) * (int64_t)sizeof(float); }
 
-static inline float block_max(vec lo, vec hi) { return vhighest(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi)))); }
-
-/* Each block of QBLOCK values as round(x / d) with d = max |x| / 127, in-region. */
-static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, struct QRows r) {
+/* Each block of QBLOCK values as round(x / d) with d = max |x| / 127, or in int16 with d = max |x| / 32767
+ * for pair tiles (wide), in-region. */
+static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, int wide, struct QRows r) {
     int64_t blocks = K / QBLOCK;
+    float top = wide ? 32767.0f : 127.0f;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t at = m * K + b * QBLOCK;
             vec lo = load16(x, at, bf16, 0xFFFF), hi = load16(x, at + 16, bf16, 0xFFFF);
-            float amax = block_max(lo, hi);
-            vec inverse = vset1(amax > 0 ? 127.0f / amax : 0.0f);
+            float amax = vhighest(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi))));
+            vec inverse = vset1(amax > 0 ? top / amax : 0.0f);
             int32_t q[QBLOCK], sum = 0;
             vstore_int(q, 0xFFFF, vround(vmul(lo, inverse)));
             vstore_int(q + 16, 0xFFFF, vround(vmul(hi, inverse)));
+            r.d[m * blocks + b] = amax / top;
+            if (wide) {
+                for (int i = 0; i < QBLOCK; i++) r.x16[at + i] = (int16_t)q[i];
+                continue;
+            }
             for (int i = 0; i < QBLOCK; i++) {
                 r.q[at + i] = (int8_t)q[i];
                 r.a[at + i] = (uint8_t)(q[i] < 0 ? -q[i] : q[i]);
                 sum += q[i];
             }
-            r.d[m * blocks + b] = amax / 127.0f;
-            r.ds[m * blocks + b] = amax / 127.0f * (float)sum;
-        }
-}
-
-/* Each block of QBLOCK values as round(x / d) in int16 with d = max |x| / 32767 (pair tiles' inputs), in-region. */
-static void quantize16_rows(const void *x, int64_t M, int64_t K, int bf16, struct QRows r) {
-    int64_t blocks = K / QBLOCK;
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t at = m * K + b * QBLOCK;
-            vec lo = load16(x, at, bf16, 0xFFFF), hi = load16(x, at + 16, bf16, 0xFFFF);
-            float amax = block_max(lo, hi);
-            vec inverse = vset1(amax > 0 ? 32767.0f / amax : 0.0f);
-            int32_t q[QBLOCK];
-            vstore_int(q, 0xFFFF, vround(vmul(lo, inverse)));
-            vstore_int(q + 16, 0xFFFF, vround(vmul(hi, inverse)));
-            for (int i = 0; i < QBLOCK; i++) r.x16[at + i] = (int16_t)q[i];
-            r.d[m * blocks + b] = amax / 32767.0f;
+            r.ds[m * blocks + b] = amax / top * (float)sum;
         }
 }
 
 /* One tile's blocks for MT rows (rows m of r from row 0 of the call's block), their float32 sums in
  * acc [MT][VECS]. Each vector of 16 columns in turn through a block, so only MT sums are live (AVX2
  * has 16 registers); the loop over a block's steps stays a loop, or gcc hoists every product ahead
- * of the adds and spills them. */
+ * of the adds and spills them. pairs: pair tiles, whose 16 columns of a k pair widen to int16 in one
+ * load and vpmaddwd sums each column's two products with x's int16 pair. */
 static inline __attribute__((always_inline)) void q8_rows(struct QRows r, int64_t K, const uint8_t *wt, vec acc[][VECS],
-                                                         const int MT) {
+                                                         const int pairs, const int MT) {
     int64_t blocks = K / QBLOCK;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = wt + b * Q8_BLOCK_BYTES, *steps = block + 2 * TILE_COLS;
@@ -121,7 +108,14 @@ static inline __attribute__((always_inline)) void q8_rows(struct QRows r, int64_
         _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
             ivec sum[QROWS];
             _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) sum[m] = izero();
-            _Pragma("GCC unroll 1") for (int s = 0; s < QSTEPS; s++) {
+            const int n_steps = pairs ? QBLOCK / 2 : QSTEPS;
+            _Pragma("GCC unroll 1") for (int s = 0; s < n_steps; s++) {
+                if (pairs) {
+                    qvec w = qload_pairs(steps + (s * TILE_COLS + 16 * j) * 2);
+                    _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
+                        sum[m] = pdot(sum[m], w, qset4(r.x16 + m * K + b * QBLOCK + 2 * s));
+                    continue;
+                }
                 qvec w = qload(steps + (s * TILE_COLS + 16 * j) * 4);
                 _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {
                     int64_t at = m * K + b * QBLOCK + 4 * s;
@@ -162,29 +156,6 @@ static inline __attribute__((always_inline)) void q4_rows(struct QRows r, int64_
     }
 }
 
-/* Pair tiles: each block's k in pairs, [QBLOCK / 2][TILE_COLS][2 k] int8 after its scales, so 16 columns of a
- * pair widen to int16 in one load and vpmaddwd sums each column's two products with x's int16 pair. */
-static inline __attribute__((always_inline)) void p8_rows(struct QRows r, int64_t K, const uint8_t *wt, vec acc[][VECS],
-                                                         const int MT) {
-    int64_t blocks = K / QBLOCK;
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = wt + b * Q8_BLOCK_BYTES, *pairs = block + 2 * TILE_COLS;
-        prefetch_ahead(block, Q8_BLOCK_BYTES);
-        _Pragma("GCC unroll 2") for (int j = 0; j < VECS; j++) {
-            ivec sum[QROWS];
-            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) sum[m] = izero();
-            _Pragma("GCC unroll 1") for (int p = 0; p < QBLOCK / 2; p++) {
-                qvec w = qload_pairs(pairs + (p * TILE_COLS + 16 * j) * 2);
-                _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
-                    sum[m] = pdot(sum[m], w, qset2(r.x16 + m * K + b * QBLOCK + 2 * p));
-            }
-            vec scale = load_halves(block + 32 * j);
-            _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++)
-                acc[m][j] = vfmadd(ifloat(sum[m]), vmul(scale, vset1(r.d[m * blocks + b])), acc[m][j]);
-        }
-    }
-}
-
 /* A tile for MT rows into y (row stride ldy, from column i). */
 static inline __attribute__((always_inline)) void q_tile(struct QRows r, int64_t K, const uint8_t *wt, int bits,
                                                         void *y, int64_t ldy, int64_t i, int64_t cols, int gated,
@@ -193,9 +164,9 @@ static inline __attribute__((always_inline)) void q_tile(struct QRows r, int64_t
     for (int m = 0; m < MT; m++)
         for (int j = 0; j < VECS; j++) acc[m][j] = vzero();
     if (bits == 8)
-        q8_rows(r, K, wt, acc, MT);
+        q8_rows(r, K, wt, acc, 0, MT);
     else if (bits == Q8_PAIRS)
-        p8_rows(r, K, wt, acc, MT);
+        q8_rows(r, K, wt, acc, 1, MT);
     else
         q4_rows(r, K, wt, acc, MT);
     for (int m = 0; m < MT; m++) put_row(y, m * ldy + i, acc[m][0], acc[m][1], cols, gated, bf16);
@@ -250,10 +221,7 @@ static void q_rows_blocks(struct QRows r, int64_t M, int64_t K, const void *w, i
 void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   int bits, void *scratch) {
     struct QRows r = carve(scratch, M, K);
-    if (bits == Q8_PAIRS)
-        quantize16_rows(x, M, K, bf16, r);
-    else
-        quantize_rows(x, M, K, bf16, r);
+    quantize_rows(x, M, K, bf16, bits == Q8_PAIRS, r);
     q_rows_blocks(r, M, K, w, N, y, gated, bf16, bits);
 }
 

@@ -142,13 +142,8 @@ static inline isums isums_add(isums acc, qvec u, qvec s) { return _mm512_add_epi
 static inline ivec isums_end(isums acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 #endif
 /* int8 weights with int16 inputs (quant.c's pair tiles): a qvec of 16 columns x 2 k as int16 (from 32
- * bytes), a k pair of x as int16 in every column, and acc + each column's 2 products. */
+ * bytes; qset4 puts a k pair of x in every column), and acc + each column's 2 products. */
 static inline qvec qload_pairs(const void *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
-static inline qvec qset2(const int16_t *p) {
-    int32_t two;
-    memcpy(&two, p, sizeof(two));
-    return _mm512_set1_epi32(two);
-}
 static inline ivec pdot(ivec acc, qvec w, qvec x) {
 #ifdef __AVX512VNNI__
     return _mm512_dpwssd_epi32(acc, w, x);
@@ -374,11 +369,6 @@ static inline ivec isums_end(isums acc) {
 static inline qvec qload_pairs(const void *p) {
     return IBOTH(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
                  _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p + 1)));
-}
-static inline qvec qset2(const int16_t *p) {
-    int32_t two;
-    memcpy(&two, p, sizeof(two));
-    return IBOTH(_mm256_set1_epi32(two), _mm256_set1_epi32(two));
 }
 static inline __m256i pdot8(__m256i acc, __m256i w, __m256i x) {
 #ifdef __AVXVNNI__
