@@ -178,6 +178,10 @@ def test_fused_int4_weights_give_each_weights_outputs():
                           2.0) for s in layers]
     x = torch.randn(7, 128, generator=gen)
     fused = fuse_int4(weights)  # before they run: a weight is packed (its int8 values dropped) as it first runs
+    if served_as_tiles():  # the C tiles keep only B's diagonal blocks: each output sums its own part's ranks
+        tiled = torch.cat([int4_linear(x, pack_tiles(w)) for w in weights], dim=1)
+        assert pack_tiles(fused).lora_parts == (64, 32, 32)
+        assert torch.equal(int4_linear(x, pack_tiles(fused)), tiled)
     separate = torch.cat([int4_linear(x, w) for w in weights], dim=1)
     # The same matmul per output; the adaptor's B block-diagonal sums its zeros in another order.
     torch.testing.assert_close(int4_linear(x, fused), separate, rtol=0, atol=1e-6 * separate.abs().max().item())

@@ -69,12 +69,14 @@ class Int4Weight:
     lora_scale: float = 1.0
     hadamard: bool = False
     across: Across | None = None
+    lora_parts: tuple[int, ...] = ()  # fused weights' output widths, their adaptors' B block-diagonal (fuse_int4)
     packed: torch.Tensor | None = field(default=None, repr=False)
     scales_zeros: torch.Tensor | None = field(default=None, repr=False)
     dense: torch.Tensor | None = field(default=None, repr=False)  # group sizes the int4 matmuls lack
     tiles: QuantTiled | None = field(default=None, repr=False)  # the C kernels' int4 tiles (pack_tiles)
     row_sums: torch.Tensor | None = field(default=None, repr=False)  # [out] float32: the tiles' weight summed along k
     c: ctypes.Structure | None = field(default=None, repr=False)  # the tiles' struct MetaInt4 (kernels/cpu/api.h)
+    lora_ends: torch.Tensor | None = field(default=None, repr=False)  # int64: where each part's outputs end (c's)
 
     def dequantize(self) -> torch.Tensor:
         """The float64 weight [out, k] (before packing)."""
@@ -116,6 +118,7 @@ def fuse_int4(weights: list[Int4Weight]) -> Int4Weight:
     out = sum(w.shape[0] for w in weights)
     return replace(first, shape=(out, first.shape[1]), q=torch.cat([w.q for w in weights]),
                    scales=torch.cat([w.scales for w in weights]), zeros=zeros, lora_a=lora_a, lora_b=lora_b,
+                   lora_parts=tuple(w.shape[0] for w in weights) if lora_a is not None else (),
                    packed=None, scales_zeros=None, dense=None)
 
 
@@ -164,7 +167,7 @@ def pack_tiles(weight: Int4Weight) -> Int4Weight:
     values; each row's zero point comes off afterwards, times the weight's sum along k. A group the tiles
     cannot hold is refused (`fits_tiles`). The adaptor goes into the same C call, in bfloat16 as Meta
     ships it (its float32 copy in PyTorch's matmuls cost more than its bytes: docs/perf-log/2026-11-27.md),
-    B transposed."""
+    B transposed and, after fusion, only its diagonal blocks (`_adaptor_blocks`)."""
     block = group_size()
     out, k = weight.shape
     if weight.q is None or not fits_tiles(weight):
@@ -178,14 +181,29 @@ def pack_tiles(weight: Int4Weight) -> Int4Weight:
     sums = (u.view(out, k // block, block).double().sum(-1) * scales16.double() + block * mins16.double()).sum(-1)
     lora = {}
     if weight.lora_a is not None:
-        lora = {"lora_a": weight.lora_a.bfloat16().contiguous(), "lora_b": weight.lora_b.bfloat16().T.contiguous().T}
+        parts, b = _adaptor_blocks(weight)
+        lora = {"lora_a": weight.lora_a.bfloat16().contiguous(), "lora_b": b.bfloat16().T.contiguous().T,
+                "lora_parts": parts, "lora_ends": torch.tensor(parts).cumsum(0)}
     packed = replace(weight, q=None, zeros=None, tiles=pack_quant((u, scales16, mins16), 4), row_sums=sums.float(),
                      **lora)
-    adaptor = ((packed.lora_a.data_ptr(), packed.lora_b.T.data_ptr(), packed.lora_a.shape[0]) if lora
-               else (None, None, 0))
+    adaptor = (None, None, None, 0, 1)
+    if lora:
+        adaptor = (packed.lora_a.data_ptr(), packed.lora_b.T.data_ptr(), packed.lora_ends.data_ptr(),
+                   packed.lora_a.shape[0], len(packed.lora_parts))
     packed.c = library().structs["MetaInt4"](packed.tiles.data.data_ptr(), packed.row_sums.data_ptr(), *adaptor,
                                              packed.lora_scale, packed.hadamard)
     return packed
+
+
+def _adaptor_blocks(weight: Int4Weight) -> tuple[tuple[int, ...], torch.Tensor]:
+    """(the parts' output widths, B's diagonal blocks side by side [out, rank / parts]): fused weights' B
+    without its zeros, where every part's width is a multiple of the C adaptor's 16 columns; else one part."""
+    out, rank = weight.lora_b.shape
+    parts = weight.lora_parts or (out,)
+    if rank % len(parts) or any(width % 16 for width in parts):
+        return (out,), weight.lora_b
+    r = rank // len(parts)
+    return parts, torch.cat([b[:, i * r : (i + 1) * r] for i, b in enumerate(weight.lora_b.split(list(parts)))])
 
 
 def quantize_steps(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

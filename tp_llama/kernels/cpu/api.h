@@ -48,11 +48,15 @@ struct DecodeLayer {
 
 /* One of Meta's int4 weights [N][K] (kernels/metaquant.py's pack_tiles): its int4 tiles (quant.c), the
  * sums of its rows along k (float32 [N]), and where lora_a is not NULL QLoRA's adaptor, lora_scale *
- * (x A^T) B^T with A [rank][K] and B^T [rank][N] (lora_bt) in bfloat16, as Meta ships them. hadamard:
- * its input is rotated first (SpinQuant's w2). A DecodeLayer of bits META_INT4 points at four. */
+ * (x A^T) B^T with A [rank][K] in bfloat16, as Meta ships it. B is block-diagonal where weights fused
+ * (q/k/v, w1/w3): part i (of lora_parts) owns outputs lora_ends[i - 1] .. lora_ends[i] - 1 (multiples
+ * of 16) and ranks i * rank / lora_parts on, so B^T (lora_bt) holds only the blocks, [rank / lora_parts][N]
+ * bfloat16. hadamard: decode.c rotates its input first (SpinQuant's w2). A DecodeLayer of bits
+ * META_INT4 points at four. */
 struct MetaInt4 {
     const void *tiles, *row_sums, *lora_a, *lora_bt;
-    int64_t rank;
+    const int64_t *lora_ends;
+    int64_t rank, lora_parts;
     float lora_scale;
     int32_t hadamard;
 };

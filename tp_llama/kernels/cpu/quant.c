@@ -269,9 +269,12 @@ static void meta_row(const void *x, int64_t m, int64_t K, int bf16, float hi, fl
 
 #define ADAPTOR_RANKS 4 /* ranks of A summed at once: their sums and x fill AVX2's registers */
 
-/* y [M][N] += scale * (x A^T) B^T: A [R][K] and B^T [R][N] bfloat16 (in-region). */
-static void adaptor(const void *x, int64_t M, int64_t K, int bf16, const void *a, const void *bt, int64_t R,
-                    float scale, int64_t N, float *y, float *t) {
+/* y [M][N] += scale * (x A^T) B^T for w's adaptor (struct MetaInt4), t [M][R] scratch (in-region). */
+static void adaptor(const void *x, int64_t M, int64_t K, int bf16, const struct MetaInt4 *w, int64_t N, float *y,
+                    float *t) {
+    const void *a = w->lora_a, *bt = w->lora_bt;
+    int64_t R = w->rank, part_rank = R / w->lora_parts;
+    float scale = w->lora_scale;
     int64_t chunks = (R + ADAPTOR_RANKS - 1) / ADAPTOR_RANKS;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M * chunks; i++) { /* ADAPTOR_RANKS ranks of A share each load of x */
@@ -288,9 +291,12 @@ static void adaptor(const void *x, int64_t M, int64_t K, int bf16, const void *a
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n += 16) {
         mask16 keep = N - n >= 16 ? 0xFFFF : (mask16)((1u << (N - n)) - 1);
+        int64_t part = 0;
+        while (n >= w->lora_ends[part]) part++;
         for (int64_t m = 0; m < M; m++) {
             vec acc = vloadz(keep, y + m * N + n);
-            for (int64_t rank = 0; rank < R; rank++) acc = vfmadd(vset1(t[m * R + rank]), load16(bt, rank * N + n, 1, keep), acc);
+            const float *ts = t + m * R + part * part_rank;
+            for (int64_t j = 0; j < part_rank; j++) acc = vfmadd(vset1(ts[j]), load16(bt, j * N + n, 1, keep), acc);
             vstorem(y + m * N + n, keep, acc);
         }
     }
@@ -327,7 +333,7 @@ void meta_int4_matmul(const void *x, const void *bounds, int64_t M, int64_t K, c
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) y[m * N + n] -= shift[m] * sums[n];
-    if (w->lora_a != NULL) adaptor(x, M, K, bf16, w->lora_a, w->lora_bt, w->rank, w->lora_scale, N, y, shift + M);
+    if (w->lora_a != NULL) adaptor(x, M, K, bf16, w, N, y, shift + M);
 }
 
 int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const struct MetaInt4 *w, int64_t N,
