@@ -269,13 +269,9 @@ static void meta_row(const void *x, int64_t m, int64_t K, int bf16, float hi, fl
 
 #define ADAPTOR_RANKS 4 /* ranks of A summed at once: their sums and x fill AVX2's registers */
 
-/* y [M][N] += scale * (x A^T) B^T for w's adaptor (struct MetaInt4), t [M][R] scratch (in-region). */
-static void adaptor(const void *x, int64_t M, int64_t K, int bf16, const struct MetaInt4 *w, int64_t N, float *y,
-                    float *t) {
-    const void *a = w->lora_a, *bt = w->lora_bt;
-    int64_t R = w->rank, part_rank = R / w->lora_parts;
-    float scale = w->lora_scale;
-    int64_t chunks = (R + ADAPTOR_RANKS - 1) / ADAPTOR_RANKS;
+/* t [M][R] = scale * x A^T for w's adaptor (in-region). */
+static void adaptor_ranks(const void *x, int64_t M, int64_t K, int bf16, const struct MetaInt4 *w, float *t) {
+    int64_t R = w->rank, chunks = (R + ADAPTOR_RANKS - 1) / ADAPTOR_RANKS;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M * chunks; i++) { /* ADAPTOR_RANKS ranks of A share each load of x */
         int64_t m = i / chunks, first = i % chunks * ADAPTOR_RANKS;
@@ -284,19 +280,30 @@ static void adaptor(const void *x, int64_t M, int64_t K, int bf16, const struct 
         for (int j = 0; j < ADAPTOR_RANKS; j++) acc[j] = vzero();
         for (int64_t k = 0; k < K; k += 16) {
             vec xv = load16(x, m * K + k, bf16, 0xFFFF);
-            for (int j = 0; j < n; j++) acc[j] = vfmadd(xv, load16(a, (first + j) * K + k, 1, 0xFFFF), acc[j]);
+            for (int j = 0; j < n; j++) acc[j] = vfmadd(xv, load16(w->lora_a, (first + j) * K + k, 1, 0xFFFF), acc[j]);
         }
-        for (int j = 0; j < n; j++) t[m * R + first + j] = vsum(acc[j]) * scale;
+        for (int j = 0; j < n; j++) t[m * R + first + j] = vsum(acc[j]) * w->lora_scale;
     }
+}
+
+/* y [M][N] -= shift[m] * the weight's row sums, then (where t is not NULL) += t B^T for the adaptor's part of
+ * each output: over the columns, so the one row of a decode step splits across the threads too (in-region). */
+static void finish_columns(const struct MetaInt4 *w, int64_t M, int64_t N, const float *shift, const float *t,
+                           float *y) {
+    int64_t part_rank = w->rank / (w->lora_parts ? w->lora_parts : 1);
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n += 16) {
-        mask16 keep = N - n >= 16 ? 0xFFFF : (mask16)((1u << (N - n)) - 1);
+        mask16 keep = lanes(N - n);
+        vec sums = vloadz(keep, (const float *)w->row_sums + n);
         int64_t part = 0;
-        while (n >= w->lora_ends[part]) part++;
+        while (t != NULL && n >= w->lora_ends[part]) part++;
         for (int64_t m = 0; m < M; m++) {
-            vec acc = vloadz(keep, y + m * N + n);
-            const float *ts = t + m * R + part * part_rank;
-            for (int64_t j = 0; j < part_rank; j++) acc = vfmadd(vset1(ts[j]), load16(bt, j * N + n, 1, keep), acc);
+            vec acc = vfnmadd(vset1(shift[m]), sums, vloadz(keep, y + m * N + n));
+            if (t != NULL) {
+                const float *ts = t + m * w->rank + part * part_rank;
+                for (int64_t j = 0; j < part_rank; j++)
+                    acc = vfmadd(vset1(ts[j]), load16(w->lora_bt, j * N + n, 1, keep), acc);
+            }
             vstorem(y + m * N + n, keep, acc);
         }
     }
@@ -310,7 +317,7 @@ void meta_int4_matmul(const void *x, const void *bounds, int64_t M, int64_t K, c
                       float *y, int bf16, void *scratch) {
     struct QRows r = carve(scratch, M, K);
     float *shift = (float *)((uint8_t *)scratch + quant_scratch_bytes(M, K));
-    const float *range = bounds, *sums = w->row_sums;
+    const float *range = bounds;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float hi, lo;
@@ -330,10 +337,9 @@ void meta_int4_matmul(const void *x, const void *bounds, int64_t M, int64_t K, c
         meta_row(x, m, K, bf16, hi, lo, r, shift);
     }
     q_rows_blocks(r, M, K, w->tiles, N, y, 0, 0, 4);
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) y[m * N + n] -= shift[m] * sums[n];
-    if (w->lora_a != NULL) adaptor(x, M, K, bf16, w, N, y, shift + M);
+    float *t = w->lora_a != NULL ? shift + M : NULL;
+    if (t != NULL) adaptor_ranks(x, M, K, bf16, w, t);
+    finish_columns(w, M, N, shift, t, y);
 }
 
 int meta_int4_linear(const void *x, const void *bounds, int64_t M, int64_t K, const struct MetaInt4 *w, int64_t N,
