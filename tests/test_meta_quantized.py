@@ -15,8 +15,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +42,7 @@ from tp_llama.tokenizer import load_tokenizer
 torchao = pytest.importorskip("torchao.quantization.linear_quant_modules", reason="torchao makes the int4 checkpoints")
 warnings.filterwarnings("ignore", module="torchao")
 
+REPO = Path(__file__).resolve().parents[1]
 NEAR_TIE = 0.05  # a reference logit gap under which a quantized engine may pick either token
 SMALL = dict(dim=128, n_layers=3, n_heads=8, n_kv_heads=4, multiple_of=32, ffn_dim_multiplier=1.5)  # FFN 512
 WIDE = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, multiple_of=256, ffn_dim_multiplier=1.5)  # FFN 1024
@@ -362,6 +366,32 @@ def test_int4_logits_match_the_float64_reference(tmp_path, case: str):
     # the input quantization moves these logits by about twice this bound; leaving out the adaptor or the
     # Hadamard transform, by about the logits themselves.
     torch.testing.assert_close(got, want, rtol=0, atol=0.04 * want.abs().max().item())
+
+
+def test_int4_logits_match_metas_own_model_code(tmp_path, monkeypatch):
+    """Meta's Llama 3 model code with its int4 loader's modules (torchao's, float32; tests/support/
+    meta_int4_model.py) on a QLoRA checkpoint: the float64 reference agrees with it, and so do we, on
+    PyTorch's int4 op (float32 scales, as Meta's) and on the C tiles (fp16 scales)."""
+    pytest.importorskip("fairscale", reason="Meta's model code runs on fairscale's layers")
+    ckpt = write_int4_checkpoint(tmp_path / "ckpt", seed=4, **INT4_CASES["qlora-g32"])
+    tokenizer = load_tokenizer(ckpt / "tokenizer.model")
+    tokens = tokenizer.encode(PROMPTS[1], bos=True)
+    run = subprocess.run([sys.executable, "-m", "tests.support.meta_int4_model", str(ckpt), json.dumps(tokens),
+                          str(tmp_path / "meta.pt")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    meta = torch.load(tmp_path / "meta.pt").double()
+    scale = meta.abs().max().item()
+    # As in the float64 test above: an input element on an int8 rounding boundary now and then rounds the other
+    # way in float32, and its step spreads through attention.
+    torch.testing.assert_close(int4_reference(ckpt)[0].logits(tokens), meta, rtol=0, atol=0.04 * scale)
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
+    plain = served_logits(ckpt, tokens)
+    torch.testing.assert_close(plain, meta, rtol=0, atol=0.04 * scale)
+    clear = (meta.topk(2).values.diff(dim=-1).abs() > NEAR_TIE).squeeze(-1)
+    assert clear.sum() >= len(tokens) // 2 and torch.equal(plain.argmax(-1)[clear], meta.argmax(-1)[clear])
+    monkeypatch.delenv("TP_LLAMA_MATMUL")
+    if served_as_tiles():  # fp16 scales move the quantized inputs' rounding further: twice the bound
+        torch.testing.assert_close(served_logits(ckpt, tokens), meta, rtol=0, atol=0.08 * scale)
 
 
 def test_int4_engine_at_tp_2_generates_the_reference_tokens(tmp_path):
