@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from tp_llama.kernels import choose, cpu_flags
+from tp_llama.kernels import C_KINDS, choose, cpu_flags
 from tp_llama.kernels.quant import QUANTIZE
 
 MODES = ("tp", "fsdp")
@@ -88,7 +88,7 @@ def cpu_streams_bf16(device: torch.device) -> bool:
     bfloat16 in registers (AVX2 and AVX-512: decode faster than in float32, prefill about level;
     bench/engine/generate.py --dtype bfloat16). Elsewhere bfloat16 goes through PyTorch's slow paths."""
     flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags or choose(device, torch.bfloat16)[0] in ("amx", "tiles")
+    return "avx512_bf16" in flags or "amx_bf16" in flags or choose(device, torch.bfloat16)[0] in C_KINDS
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tp_llama.backend import cpu, fused, metaquant
-from tp_llama.kernels import Weight, choose
+from tp_llama.kernels import C_KINDS, Weight, choose
 from tp_llama.kernels.quant import BITS, check_groups
 from tp_llama.model import Transformer
 from tp_llama.parallel.modules import LocalLinear
@@ -45,7 +45,7 @@ class Preparation:
             for child, module in block.named_modules():
                 if isinstance(module, (nn.Linear, LocalLinear)):
                     check_groups(f"{name}.{child}", module.weight)
-        if self.kind in ("amx", "tiles"):
+        if self.kind in C_KINDS:
             cpu.apply_layer(block, self.kind, self.bits)
         else:
             fused.apply_layer(block, self.kind, self.device, self.bits)
@@ -63,7 +63,7 @@ class Preparation:
         bits = OUTPUT_BITS.get(self.bits, self.bits)
         if bits != 16:
             check_groups("output", model.output.weight)
-        if self.kind in ("amx", "tiles"):
+        if self.kind in C_KINDS:
             cpu.apply_top(model, self.kind, bits)
         else:
             fused.apply_top(model, self.kind, self.device, bits)

@@ -15,7 +15,7 @@ from torch import nn
 
 from tp_llama.backend.cpu import CAttention, CFeedForward, CRMSNorm
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held, serving_linear
-from tp_llama.kernels import Fp8Weight, Int4Weight, Weight, prepare
+from tp_llama.kernels import C_KINDS, Fp8Weight, Int4Weight, Weight, prepare
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.kernels.metaquant import fits_tiles, fuse_int4, pack, pack_tiles
 from tp_llama.parallel.modules import LocalLinear
@@ -30,7 +30,7 @@ def holds_meta_weights(block: nn.Module) -> bool:
 
 def _packed(weight: Int4Weight, kind: str, device: torch.device, bf16: bool) -> Int4Weight:
     """The C kernels' int4 tiles where they run and hold the groups, PyTorch's int4 op elsewhere."""
-    return pack_tiles(weight) if kind in ("amx", "tiles") and fits_tiles(weight) else pack(weight, device, bf16)
+    return pack_tiles(weight) if kind in C_KINDS and fits_tiles(weight) else pack(weight, device, bf16)
 
 
 def _fused(weights: list[Weight], kind: str, device: torch.device, bf16: bool) -> Weight:
@@ -73,7 +73,7 @@ def _fused_attention(cls: type, attention: nn.Module, kind: str, device: torch.d
 def _fused_feed_forward(ffn: nn.Module, kind: str, device: torch.device, bf16: bool) -> nn.Module:
     """w1/w3 as one weight; with the C kernels SwiGLU in C too, as their decode layers run it."""
     w13, w2 = _fused([ffn.w1.weight, ffn.w3.weight], kind, device, bf16), _serving(ffn.w2, kind, device, bf16)
-    if kind in ("amx", "tiles"):
+    if kind in C_KINDS:
         return CFeedForward(w13, w2)
     fused = FusedFeedForward.__new__(FusedFeedForward)
     nn.Module.__init__(fused)
@@ -85,7 +85,7 @@ def apply_layer(block: nn.Module, kind: str, device: torch.device) -> None:
     """One block's serving modules for `kind` of matmul on `device` (the C kernels' norms and decode
     attention where kind is theirs); a bfloat16 model's int4 weights take bfloat16 inputs (kernels.metaquant.pack)."""
     bf16 = block.attention_norm.weight.dtype == torch.bfloat16
-    c_kernels = kind in ("amx", "tiles")
+    c_kernels = kind in C_KINDS
     c_attention = c_kernels and block.attention.head_dim <= library().constants["MAX_HEAD_DIM"]
     block.attention = _fused_attention(CAttention if c_attention else FusedAttention, block.attention, kind, device,
                                        bf16)

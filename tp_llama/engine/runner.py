@@ -22,7 +22,7 @@ from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scoring import row_entries, score_hidden, score_logits
-from tp_llama.kernels import warm_up
+from tp_llama.kernels import C_KINDS, warm_up
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model import Batch, KVCache, ModelArgs
 from tp_llama.pages import huge_page_bytes
@@ -47,7 +47,7 @@ def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None
         return False, f"compile={config.compile}"
     if kind is None:
         return False, "fsdp mode runs eagerly"
-    if kind in ("amx", "tiles"):
+    if kind in C_KINDS:
         return False, "the C kernels already run a decode step in one call"
     return True, ""
 
@@ -119,7 +119,7 @@ class ModelRunner:
                 prepared = plan_backend(config, info, self.dtype)
                 prepared.apply(self.model)
             why = prepared.why
-            if prepared.kind in ("amx", "tiles"):
+            if prepared.kind in C_KINDS:
                 chunks = library().next_tile_min_chunks
                 ahead = "every call" if chunks == 1 else f"calls of {chunks} chunks of rows or more"
                 why = f"{library().variant} build of the C kernels; the next tile prefetched in {ahead}"

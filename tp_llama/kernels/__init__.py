@@ -83,8 +83,8 @@ def prepare(weight: torch.Tensor, kind: str, device: torch.device | None = None,
     quantized, packed for `device` (the weight's own by default), where it will run."""
     weight = weight.detach()
     if bits != 16:
-        return prepare_quant_tiles(weight, bits) if kind in ("amx", "tiles") else quantize(weight, bits, device)
-    if kind in ("amx", "tiles") and tileable(weight):
+        return prepare_quant_tiles(weight, bits) if kind in C_KINDS else quantize(weight, bits, device)
+    if kind in C_KINDS and tileable(weight):
         return prepare_tiles(weight, amx=kind == "amx")
     if kind in ("amx", "tiles", "onednn") and onednn.available(weight.dtype):
         return onednn.prepare(weight)
@@ -93,7 +93,7 @@ def prepare(weight: torch.Tensor, kind: str, device: torch.device | None = None,
 
 def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str, bits: int = 16) -> Tiled | QuantTiled | None:
     """w1 and w3 [ffn, in] as one gated weight whose matmul ends in SwiGLU, or None where `kind` has none."""
-    if kind not in ("amx", "tiles"):
+    if kind not in C_KINDS:
         return None
     return prepare_swiglu_tiles(w1, w3, amx=kind == "amx") if bits == 16 else prepare_quant_swiglu(w1, w3, bits)
 
