@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, serving_linear
-from tp_llama.kernels import QuantTiled, Tiled, Weight, linear, prepare_swiglu
+from tp_llama.kernels import Weight, linear, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model.batch import Batch
@@ -40,7 +40,7 @@ class CRMSNorm(nn.Module):
 
 
 class GatedFeedForward(nn.Module):
-    def __init__(self, w13: Tiled | QuantTiled, w2: nn.Module):
+    def __init__(self, w13: Weight, w2: nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2
 
@@ -48,12 +48,8 @@ class GatedFeedForward(nn.Module):
         return self.w2(linear(x, self.w13))
 
 
-class CFeedForward(nn.Module):
+class CFeedForward(GatedFeedForward):
     """w1/w3 side by side in a matmul whose tiles cannot end in SwiGLU (Meta's int4 weights), then SwiGLU in C."""
-
-    def __init__(self, w13: Weight, w2: nn.Module):
-        super().__init__()
-        self.w13, self.w2 = w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(ops.swiglu(linear(x, self.w13)))
@@ -150,7 +146,7 @@ class DecodeLayers(Layers):
         planned = []
         for layer in self:
             attention, ffn = layer.attention, layer.feed_forward
-            if not (isinstance(attention, CAttention) and isinstance(ffn, (GatedFeedForward, CFeedForward))
+            if not (isinstance(attention, CAttention) and isinstance(ffn, GatedFeedForward)
                     and isinstance(layer.attention_norm, CRMSNorm) and attention.cache is not None
                     and {attention.wo.comm, ffn.w2.comm} <= {NONE, ALL_REDUCE}):
                 return None
