@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up tp-llama-serve and, with --serve, run it: a tensor-parallel Llama on TorchServe.
 #
-#   ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve] [--management]
+#   ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--threads N] [--set KEY=VALUE ...] [--name NAME]
+#                    [--model-store DIR] [--serve] [--management]
 #
 # Safe to run again: every step skips work that is already done.
 set -euo pipefail
@@ -14,6 +15,8 @@ DEFAULT_CKPT="$REPO/checkpoints/synthetic-llama2"
 CKPT_DIR=""
 CKPT_ARG=""
 TP=2
+THREADS=""
+SETS=()
 NAME="llama"
 MODEL_STORE="$REPO/model_store"
 SERVE=0
@@ -28,12 +31,19 @@ READY_TIMEOUT="${READY_TIMEOUT:-1800}"
 
 usage() {
   cat <<EOF
-Usage: ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--name NAME] [--model-store DIR] [--serve] [--management]
+Usage: ./setup_model.sh [--ckpt-dir DIR] [--tp N] [--threads N] [--set KEY=VALUE ...] [--name NAME]
+                        [--model-store DIR] [--serve] [--management]
 
   --ckpt-dir DIR     Meta Llama checkpoint folder (params.json, tokenizer.model,
                      consolidated.NN.pth). Default: a small random-weight Llama 2
                      checkpoint written to checkpoints/synthetic-llama2.
   --tp N             tensor-parallel ranks per worker (torchrun nproc-per-node). Default 2.
+  --threads N        CPU threads per rank (torchrun.OMP_NUMBER_THREADS). Default: the cores this
+                     worker may use (affinity, cgroup quota) divided by its ranks, logged at load.
+  --set KEY=VALUE    set a key of the model folder's model-config.yaml, dotted, the value read as
+                     YAML (repeatable): --set handler.max_seq_len=8192 --set batchSize=100.
+                     Checked now: an unknown key or a wrong type stops setup, naming it. A rerun
+                     rebuilds the folder from model-config.yaml: give the same --set again.
   --name NAME        model name in the URL /predictions/NAME. Default llama.
   --model-store DIR  where the model folder NAME is written. Default model_store.
   --serve            start TorchServe on 127.0.0.1, wait for the model, send a sample request.
@@ -58,6 +68,9 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --ckpt-dir) [ $# -ge 2 ] || die "--ckpt-dir needs a value"; CKPT_DIR="$2"; CKPT_ARG="$2"; shift 2 ;;
     --tp) [ $# -ge 2 ] || die "--tp needs a value"; TP="$2"; shift 2 ;;
+    --threads) [ $# -ge 2 ] || die "--threads needs a value"; THREADS="$2"; shift 2 ;;
+    --set) [ $# -ge 2 ] || die "--set needs KEY=VALUE"; [[ "$2" == ?*=* ]] || die "--set needs KEY=VALUE, got '$2'"
+      SETS+=("$2"); shift 2 ;;
     --name) [ $# -ge 2 ] || die "--name needs a value"; NAME="$2"; shift 2 ;;
     --model-store) [ $# -ge 2 ] || die "--model-store needs a value"; MODEL_STORE="$2"; shift 2 ;;
     --serve) SERVE=1; shift ;;
@@ -67,6 +80,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 [[ "$TP" =~ ^[1-9][0-9]*$ ]] || die "--tp must be a positive integer, got '$TP'"
+if [ -n "$THREADS" ]; then
+  [[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer, got '$THREADS'"
+  SETS+=("torchrun.OMP_NUMBER_THREADS=$THREADS")
+fi
 [[ "$NAME" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || die "--name may use letters, digits, '_', '.', '-'"
 if [ "$MANAGEMENT" = 1 ] && [ "$SERVE" = 0 ]; then die "--management only makes sense with --serve"; fi
 mkdir -p "$MODEL_STORE"
@@ -138,7 +155,10 @@ setup_checkpoint() {
 
 build_archive() {
   step "[4/4] Model archive $MODEL_STORE/$NAME (weights stay in $CKPT_DIR)"
-  "$PY" "$REPO/deploy/make_archive.py" --ckpt-dir "$CKPT_DIR" --tp "$TP" --name "$NAME" --model-store "$MODEL_STORE"
+  local sets=() assignment
+  for assignment in ${SETS[@]+"${SETS[@]}"}; do sets+=(--set "$assignment"); done
+  "$PY" "$REPO/deploy/make_archive.py" --ckpt-dir "$CKPT_DIR" --tp "$TP" --name "$NAME" --model-store "$MODEL_STORE" \
+    ${sets[@]+"${sets[@]}"} || die "could not write the model folder $MODEL_STORE/$NAME"
 }
 
 # Loopback only, token authorization on, management on a unix socket unless --management.
@@ -302,6 +322,8 @@ build_archive
 if [ "$SERVE" = 1 ]; then
   serve
 else
-  printf '\nDone. To serve it: ./setup_model.sh%s --tp %s --name %s --model-store %s --serve\n' \
-    "${CKPT_ARG:+ --ckpt-dir $CKPT_DIR}" "$TP" "$NAME" "$MODEL_STORE"
+  again=""
+  for assignment in ${SETS[@]+"${SETS[@]}"}; do again+=" --set $(printf '%q' "$assignment")"; done
+  printf '\nDone. To serve it: ./setup_model.sh%s --tp %s%s --name %s --model-store %s --serve\n' \
+    "${CKPT_ARG:+ --ckpt-dir $CKPT_DIR}" "$TP" "$again" "$NAME" "$MODEL_STORE"
 fi

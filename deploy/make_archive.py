@@ -22,6 +22,9 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script: tp_llama from this checkout
+from tp_llama.serving.settings import check_model_config  # noqa: E402
+
 HANDLER = REPO / "handler" / "llama_handler.py"
 
 
@@ -32,9 +35,14 @@ def apply_override(config: dict[str, Any], assignment: str) -> None:
         raise ValueError(f"--set expects KEY=VALUE, got {assignment!r}")
     *parents, leaf = key.split(".")
     node = config
-    for part in parents:
+    for depth, part in enumerate(parents):
         node = node.setdefault(part, {})
-    node[leaf] = yaml.safe_load(raw)
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {assignment}: {'.'.join(parents[:depth + 1])} is not a block of keys")
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--set {assignment}: the value is not YAML ({exc})") from None
 
 
 def archiver_command() -> str:
@@ -51,6 +59,7 @@ def model_config(template: Path, ckpt_dir: Path, tp: int, overrides: list[str]) 
     config.setdefault("handler", {})["ckpt_dir"] = str(ckpt_dir)
     for assignment in overrides:
         apply_override(config, assignment)
+    check_model_config(config)  # the worker would refuse it at load: say so now
     return config
 
 

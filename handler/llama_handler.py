@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -35,7 +36,8 @@ from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.native import NativeRequest, parse_request
 from tp_llama.serving.openai_api import MODELS, PATHS, error_body, models_list, parse_openai
 from tp_llama.serving.request import Live, RequestError, json_line
-from tp_llama.serving.settings import HandlerSettings, device_of, resolve_ckpt_dir, settings_from_yaml
+from tp_llama.serving.settings import HandlerSettings, check_model_config, device_of, resolve_ckpt_dir
+from tp_llama.serving.threads import choose_threads
 from tp_llama.serving.tool_use import resolve_tool_format
 
 logger = logging.getLogger(__name__)
@@ -75,11 +77,16 @@ class LlamaHandler(BaseHandler):
     def initialize(self, context: Any) -> None:
         """Read the yaml handler block and load the checkpoint on this rank (joins the process group)."""
         yaml_config = context.model_yaml_config or {}
-        settings = settings_from_yaml(yaml_config.get("handler"))
+        settings = check_model_config(yaml_config)
         self.response_timeout_s = float(yaml_config.get("responseTimeout", float("inf")))
         ckpt_dir = resolve_ckpt_dir(settings.engine.ckpt_dir, context.system_properties["model_dir"])
         engine = replace(settings.engine, ckpt_dir=ckpt_dir, device=device_of(yaml_config.get("deviceType")))
         self.settings = settings = replace(settings, engine=engine)
+        if engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available()):
+            # TorchServe's OMP_NUM_THREADS is 1 unless the yaml says: unset, the ranks share the usable cores.
+            threads = choose_threads(yaml_config.get("torchrun"))
+            torch.set_num_threads(threads.threads)
+            logger.info("rank %s: %s", os.environ.get("RANK", "0"), threads.log_line())
         started = time.perf_counter()
         self.engine = Engine.load(settings.engine)
         self.settings = settings = replace(settings, tool_format=resolve_tool_format(

@@ -1,14 +1,17 @@
-"""The `handler:` block of model-config.yaml, checked once when a worker starts.
+"""model-config.yaml, checked once when a worker starts (and when setup writes the model folder).
 
 A typo in the yaml must stop the worker with a clear message instead of silently serving with
-defaults, so unknown keys, wrong types and values out of range are errors. The engine's keys
-(ckpt_dir, mode, dtype, max_seq_len, max_batch_size, prefill_budget) make its EngineConfig; the
-others are the server's own.
+defaults, so unknown keys, wrong types and values out of range are errors, in every block:
+TorchServe's own top-level keys and `torchrun:` (which TorchServe only warns about and resets),
+and this project's `handler:`. The handler's engine keys (ckpt_dir, mode, dtype, max_seq_len,
+max_batch_size, prefill_budget, ...) make its EngineConfig; the others are the server's own.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -40,6 +43,63 @@ class HandlerSettings:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
 
 
+# TorchServe 0.12's own keys and the yaml type each must have (its ModelConfig and ModelConfig.TorchRun
+# read these and only these); `handler` is this project's block.
+TORCHSERVE_KEYS: dict[str, type] = {
+    "minWorkers": int, "maxWorkers": int, "batchSize": int, "maxBatchDelay": int, "responseTimeout": int,
+    "startupTimeout": int, "deviceType": str, "deviceIds": list, "parallelType": str, "parallelLevel": int,
+    "torchrun": dict, "maxRetryTimeoutInSec": int, "clientTimeoutInMills": int, "jobQueueSize": int,
+    "useJobTicket": bool, "sequenceMaxIdleMSec": int, "sequenceTimeoutMSec": int, "maxSequenceJobQueueSize": int,
+    "maxNumSequence": int, "continuousBatching": bool, "sequenceBatching": bool, "asyncCommunication": bool,
+    "useVenv": bool,
+}
+TORCHRUN_KEYS: dict[str, type] = {
+    "nnodes": int, "nproc-per-node": int, "rdzv-backend": str, "rdzv-endpoint": str, "rdzv-conf": str,
+    "monitor-interval": int, "node-rank": int, "OMP_NUMBER_THREADS": int,
+}
+POSITIVE = {"batchSize", "nnodes", "nproc-per-node", "OMP_NUMBER_THREADS"}  # the rest of the integers: >= 0
+NOUNS = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "a mapping"}
+
+
+def _check_value(name: str, key: str, value: Any, kind: type) -> None:
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if ok and kind is int:
+        ok = value >= (1 if key in POSITIVE else 0)
+    if ok and kind is list:
+        ok = all(isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in value)
+    if not ok:
+        noun = NOUNS[kind] + (" >= 1" if key in POSITIVE else " >= 0" if kind is int else "")
+        noun += " of GPU ids" if kind is list else ""
+        raise ValueError(f"model-config.yaml: {name} must be {noun}, got {value!r}")
+
+
+def _unknown(name: str, key: object, known: Mapping[str, Any]) -> ValueError:
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ValueError(f"model-config.yaml: unknown key {name}{hint}; allowed: {', '.join(known)}")
+
+
+def check_model_config(config: Mapping[str, Any] | None) -> HandlerSettings:
+    """Every key of model-config.yaml: TorchServe's and torchrun's by name and type, then the handler
+    block (settings_from_yaml), whose settings it returns."""
+    config = config or {}
+    if not isinstance(config.get("handler") or {}, Mapping):
+        raise ValueError(f"model-config.yaml: handler must be a mapping of settings, got {config['handler']!r}")
+    for key, value in config.items():
+        if key == "handler":
+            continue
+        if key not in TORCHSERVE_KEYS:
+            raise _unknown(repr(key), key, {**TORCHSERVE_KEYS, "handler": dict})
+        _check_value(key, key, value, TORCHSERVE_KEYS[key])
+    if config.get("deviceType") is not None:
+        device_of(config["deviceType"])
+    for key, value in (config.get("torchrun") or {}).items():
+        if key not in TORCHRUN_KEYS:
+            raise _unknown(f"torchrun.{key}", key, TORCHRUN_KEYS)
+        _check_value(f"torchrun.{key}", key, value, TORCHRUN_KEYS[key])
+    return settings_from_yaml(config.get("handler"))
+
+
 def settings_from_yaml(block: dict[str, Any] | None) -> HandlerSettings:
     """Validate the yaml `handler:` block and fill in defaults."""
     block = dict(block or {})
@@ -65,7 +125,7 @@ def device_of(device_type: str | None) -> str:
     if device_type is None:
         return "auto"
     if device_type not in DEVICE_TYPES:
-        raise ValueError(f"deviceType must be one of {sorted(DEVICE_TYPES)}, got {device_type!r}")
+        raise ValueError(f"model-config.yaml: deviceType must be one of {sorted(DEVICE_TYPES)}, got {device_type!r}")
     return DEVICE_TYPES[device_type]
 
 
