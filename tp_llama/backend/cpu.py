@@ -64,16 +64,23 @@ def feed_forward(ffn: FeedForward, kind: str, bits: int) -> nn.Module:
 
 
 class CAttention(FusedAttention):
-    """Decode rows' attention in one C call; prompt rows' RoPE and cache write in another, then each
-    chunk's attention."""
+    """Decode rows' attention in one C call. Prompt rows: in bfloat16 with heads of a multiple of 64,
+    RoPE and the cache write in another, then each chunk's attention in C; otherwise every token of
+    the step as a decode row of its own, so a prompt token gets a decoded token's bits."""
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         qkv = linear(x, self.wqkv)
         done = batch.n_decode
         out = qkv.new_empty((qkv.shape[0], self.widths[0]))
+        cache = self.cache
+        if done < qkv.shape[0] and not ops.blocked_prompts(qkv.dtype, self.head_dim):
+            tables = batch.tables.index_select(0, batch.token_rows)  # each token's, alive for the call
+            rows = ops.decode_rows(rotation, tables, batch.positions)
+            ops.decode_attention(qkv, rows, cache.k, cache.v, cache.block_size, out, write_first=True)
+            return self.wo(out)
         if done:
             rows = ops.decode_rows(rotation[:done], batch.tables[:done], batch.positions[:done])
-            ops.decode_attention(qkv[:done], rows, self.cache.k, self.cache.v, self.cache.block_size, out[:done])
+            ops.decode_attention(qkv[:done], rows, cache.k, cache.v, cache.block_size, out[:done])
         if done < qkv.shape[0]:
             self._attend_prompts(qkv[done:], rotation[done:], batch, done, out[done:])
         return self.wo(out)
@@ -81,8 +88,9 @@ class CAttention(FusedAttention):
     def _attend_prompts(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int,
                         out: torch.Tensor) -> None:
         """Prompt rows into out: RoPE and the cache write in C, then each chunk against its sequence's
-        keys so far, in C in bfloat16 (faster than PyTorch's flash kernel at prompt lengths on every build,
-        bench/kernels/attention.py), else through PyTorch's flash attention."""
+        keys so far in C (faster than PyTorch's flash kernel at prompt lengths on every build,
+        bench/kernels/attention.py), through PyTorch's flash attention where it has no memory for a
+        long sequence's keys."""
         n_q, n_kv = self.widths
         cache = self.cache
         ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, cache.k, cache.v)
@@ -104,8 +112,7 @@ class DecodeLayers(Layers):
 
     def forward(self, h: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         structs = self._structs()
-        # float32 prompt steps of GEMM_ROWS rows or more run oneDNN's GEMM (ops.tiled_linear), not the tiles.
-        if structs is None or h.dtype == torch.float32 and len(h) >= ops.GEMM_ROWS:
+        if structs is None:
             return super().forward(h, rotation, batch)
         scratch = ops.decode_scratch(structs[0], len(h))
         h = h.contiguous()

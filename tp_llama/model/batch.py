@@ -16,7 +16,7 @@ class Batch:
     the blocks of its positions 0, B, 2B, ... (padded with the spare block). The first `n_decode`
     tokens are decode rows (one token each, rows 0 .. n_decode - 1 of `tables`); `prefill` lists
     the other rows as (first token index, row of `tables`, start position, length). Logits come
-    back for the tokens at `logits_at` only.
+    back for the tokens at `logits_at` only; token t belongs to row token_rows[t] of `tables`.
     """
 
     tokens: torch.Tensor
@@ -29,6 +29,7 @@ class Batch:
     decode_mask: torch.Tensor | None  # [n_decode, 1, 1, kv_len] keys each decode row may see
     prefill: list[tuple[int, int, int, int]]
     block_mask: BlockMask | None = None  # decode_by_index: the blocks each row reads, for every layer
+    token_rows: torch.Tensor | None = None  # build: each token's row of `tables`
 
     @classmethod
     def build(cls, rows: list[tuple[int, list[int], bool, list[int]]], block_size: int, spare: int,
@@ -41,7 +42,7 @@ class Batch:
         """
         order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) > 1)
         width = max(len(rows[i][3]) for i in order)
-        tokens, positions, locations, tables, prefill = [], [], [], [], []
+        tokens, positions, locations, tables, prefill, token_rows = [], [], [], [], [], []
         first = [0] * len(rows)
         for r, i in enumerate(order):
             start, ids, _, blocks = rows[i]
@@ -49,6 +50,7 @@ class Batch:
             if len(ids) > 1:
                 prefill.append((len(tokens), r, start, len(ids)))
             tokens += ids
+            token_rows += [r] * len(ids)
             positions += range(start, start + len(ids))
             locations += (cache_index(blocks, p, block_size) for p in range(start, start + len(ids)))
             tables += padded_table(blocks, width, spare)
@@ -61,8 +63,8 @@ class Batch:
                 logits_at.append(first[i] + len(ids) - 1)
         n_decode = sum(1 for _, ids, _, _ in rows if len(ids) == 1)
         # One host-to-device copy for everything the forward reads.
-        parts = (tokens, positions, locations, logits_at, tables)
-        tokens_t, positions_t, locations_t, logits_t, tables_t = to_device(
+        parts = (tokens, positions, locations, logits_at, tables, token_rows)
+        tokens_t, positions_t, locations_t, logits_t, tables_t, token_rows_t = to_device(
             torch.tensor([v for part in parts for v in part], dtype=torch.long), device
         ).split([len(part) for part in parts])
         decode_mask = None
@@ -71,7 +73,7 @@ class Batch:
             decode_mask = (torch.arange(kv_len, device=device) <= positions_t[:n_decode].unsqueeze(1)
                            ).view(n_decode, 1, 1, kv_len)
         return cls(tokens_t, positions_t, locations_t, logits_t, tables_t.view(len(rows), width), block_size,
-                   n_decode, decode_mask, prefill)
+                   n_decode, decode_mask, prefill, token_rows=token_rows_t)
 
     @classmethod
     def decode_by_index(cls, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor,

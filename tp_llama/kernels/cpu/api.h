@@ -96,8 +96,6 @@ struct DecodeRows {
  * along k) becomes [tiles][K][TILE_COLS]; gated weights interleave w1 and w3 in runs of GATE_RUN.
  * amx: bfloat16 pairs in AMX's layout instead where K is a multiple of 16 (amx.c). */
 void pack_tiles(const uint32_t *w, int64_t N, int64_t K, uint32_t *out, int amx);
-void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out);
-void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated);
 
 /* y [M][N] = x [M][K] @ w^T (gated: y [M][N / 2] = silu(x w1^T) * (x w3^T)); 0 or TPL_NO_MEMORY.
  * amx: bfloat16 calls run on AMX (after amx_enable) where K is a multiple of 32. */
@@ -160,9 +158,12 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
 
 /* Layer ops (layer.c). */
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
+/* Attention of rows each at its own position (RoPE on its q and k, its key and value written to the
+ * cache, softmax(qK)V over its blocks): a decode step's rows, or with write_first a prompt chunk's
+ * (every row's key written before any row attends), with a decode row's bits either way. */
 int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads,
                      int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks,
-                     int64_t block_size, void *out, int bf16);
+                     int64_t block_size, void *out, int bf16, int write_first);
 /* SwiGLU: y [M][F] = silu(gate) * up for x [M][2F], each row's F gate columns then its F up columns,
  * x and y float32 or bfloat16 (bf16), rounded where PyTorch's ops round. swiglu_rows is the in-region
  * form, x in its own type (x_bf16). */
@@ -213,7 +214,7 @@ void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int
 /* Rows already checked by check_rows; scores: max_threads * scores_per_thread floats. */
 void attention_rows(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,
                     int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
-                    int bf16, float *scores, int64_t scores_per_thread);
+                    int bf16, float *scores, int64_t scores_per_thread, int write_first);
 /* TPL_OK where the blocks of a sequence's table that hold its positions 0 .. last all lie in the
  * cache's n_blocks, else TPL_OFF_CACHE. */
 int blocks_in_cache(const int64_t *table, int64_t last, int64_t block_size, int64_t n_blocks);

@@ -128,7 +128,7 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
         add_and_norm(h, delta_in, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
         layer_matmul(L, s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, s.wide);
         attention_rows(s.first, R, L->n_heads, L->n_kv_heads, L->head_dim, L->cache_k, L->cache_v, L->n_blocks,
-                       L->block_size, s.second, L->bf16, scores, per_thread);
+                       L->block_size, s.second, L->bf16, scores, per_thread, 0);
         layer_matmul(L, s.second, rows, attn, L->wo, L->dim, delta_out, 0, s.wide);
     }
     free(scores);

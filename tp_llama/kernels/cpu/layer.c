@@ -87,14 +87,11 @@ static inline __attribute__((always_inline)) void prefetch_run(const struct Atte
     for (int64_t at = 0; at < n * hd * size; at += 64) _mm_prefetch(first + at, _MM_HINT_T0);
 }
 
-/* One row's KV head g and the rep query heads that share it; `scores` (rep * (pos + 1)) is this
- * thread's scratch. A query (head_dim <= MAX_HEAD_DIM) stays in registers over all its keys.
- * Inlined with constant hd and bf16 for Llama's shapes, so its loops unroll and lose their masks. */
-static inline __attribute__((always_inline)) void attend(const struct Attention *a, const void *qkv_row,
-                                                          const float *rot, const int64_t *table, int64_t pos,
-                                                          int64_t g, void *cache_k, void *cache_v, void *out_row,
-                                                          float *scores, const int64_t hd, const int bf16) {
-    const int64_t vecs = (hd + 15) / 16, rep = a->n_heads / a->n_kv_heads, keys = pos + 1;
+/* A row's key (rotated) and value of KV head g, written to its position's place in the cache. */
+static inline __attribute__((always_inline)) void write_key(const struct Attention *a, const void *qkv_row,
+                                                             const float *rot, const int64_t *table, int64_t pos,
+                                                             int64_t g, void *cache_k, void *cache_v, const int64_t hd,
+                                                             const int bf16) {
     const int64_t own = key_at(a, table, g, pos, hd);
     const int64_t k_at = (a->n_heads + g) * hd, v_at = (a->n_heads + a->n_kv_heads + g) * hd;
     for (int64_t d = 0; d < hd; d += 16) {
@@ -102,6 +99,18 @@ static inline __attribute__((always_inline)) void attend(const struct Attention 
         store16(cache_k, own + d, rotate16(load16(qkv_row, k_at + d, bf16, m), rot, d, m), bf16, m);
         store16(cache_v, own + d, load16(qkv_row, v_at + d, bf16, m), bf16, m);
     }
+}
+
+/* One row's KV head g and the rep query heads that share it (its key and value written first where
+ * `write`); `scores` (rep * (pos + 1)) is this thread's scratch. A query (head_dim <= MAX_HEAD_DIM) stays in registers over all its keys.
+ * Inlined with constant hd and bf16 for Llama's shapes, so its loops unroll and lose their masks. */
+static inline __attribute__((always_inline)) void attend(const struct Attention *a, const void *qkv_row,
+                                                          const float *rot, const int64_t *table, int64_t pos,
+                                                          int64_t g, void *cache_k, void *cache_v, void *out_row,
+                                                          float *scores, const int64_t hd, const int bf16,
+                                                          const int write) {
+    const int64_t vecs = (hd + 15) / 16, rep = a->n_heads / a->n_kv_heads, keys = pos + 1;
+    if (write) write_key(a, qkv_row, rot, table, pos, g, cache_k, cache_v, hd, bf16);
     for (int64_t j0 = 0; j0 < PREFETCH_KEYS; j0 += KEY_RUN) prefetch_run(a, cache_k, table, g, j0, keys, hd, bf16);
     const vec scale = vset1(1.0f / sqrtf((float)hd));
     for (int64_t i = 0; i < rep; i++) {
@@ -240,37 +249,68 @@ int check_rows(const struct DecodeRows *R, int64_t n_blocks, int64_t block_size,
     return TPL_OK;
 }
 
+/* Row r's KV head g, inlined with constant hd and bf16 for Llama's head sizes. */
+static void attend_item(const struct Attention *a, const void *qkv, const struct DecodeRows *R, int64_t r, int64_t g,
+                        int64_t head_dim, void *cache_k, void *cache_v, void *out, int bf16, float *scores, int write) {
+    const int64_t width = (a->n_heads + 2 * a->n_kv_heads) * head_dim, size = bf16 ? 2 : 4;
+    const void *row = (const char *)qkv + r * width * size;
+    const float *rot = R->rotation + r * head_dim;
+    const int64_t *table = R->tables + r * R->width;
+    void *out_row = (char *)out + r * a->n_heads * head_dim * size;
+#define ATTEND(HD, BF16, W) attend(a, row, rot, table, R->positions[r], g, cache_k, cache_v, out_row, scores, HD, BF16, W)
+    if (write) {
+        if (head_dim == 128)
+            bf16 ? ATTEND(128, 1, 1) : ATTEND(128, 0, 1);
+        else if (head_dim == 64)
+            bf16 ? ATTEND(64, 1, 1) : ATTEND(64, 0, 1);
+        else
+            ATTEND(head_dim, bf16, 1);
+    } else {
+        if (head_dim == 128)
+            bf16 ? ATTEND(128, 1, 0) : ATTEND(128, 0, 0);
+        else if (head_dim == 64)
+            bf16 ? ATTEND(64, 1, 0) : ATTEND(64, 0, 0);
+        else
+            ATTEND(head_dim, bf16, 0);
+    }
+#undef ATTEND
+}
+
 void attention_rows(const void *qkv, const struct DecodeRows *R, int64_t n_heads, int64_t n_kv_heads,
                     int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
-                    int bf16, float *scores, int64_t scores_per_thread) {
+                    int bf16, float *scores, int64_t scores_per_thread, int write_first) {
     const struct Attention a = {n_heads, n_kv_heads, n_blocks, block_size};
-    const int64_t width = (n_heads + 2 * n_kv_heads) * head_dim, size = bf16 ? 2 : 4;
     float *mine = scores + omp_get_thread_num() * scores_per_thread;
+    if (!write_first) {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < R->rows; r++)
+            for (int64_t g = 0; g < n_kv_heads; g++)
+                attend_item(&a, qkv, R, r, g, head_dim, cache_k, cache_v, out, bf16, mine, 1);
+        return;
+    }
+    /* Rows of one sequence see each other's keys: all are written (the loop's barrier) before any
+     * attends, and a later row's longer work is dealt out one at a time. */
+    const int64_t width = (n_heads + 2 * n_kv_heads) * head_dim, size = bf16 ? 2 : 4;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < R->rows; r++)
-        for (int64_t g = 0; g < n_kv_heads; g++) {
-            const void *row = (const char *)qkv + r * width * size;
-            const float *rot = R->rotation + r * head_dim;
-            const int64_t *table = R->tables + r * R->width;
-            void *out_row = (char *)out + r * n_heads * head_dim * size;
-#define ATTEND(HD, BF16) attend(&a, row, rot, table, R->positions[r], g, cache_k, cache_v, out_row, mine, HD, BF16)
-            if (head_dim == 128)
-                bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
-            else if (head_dim == 64)
-                bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
-            else
-                ATTEND(head_dim, bf16);
-#undef ATTEND
-        }
+        for (int64_t g = 0; g < n_kv_heads; g++)
+            write_key(&a, (const char *)qkv + r * width * size, R->rotation + r * head_dim, R->tables + r * R->width,
+                      R->positions[r], g, cache_k, cache_v, head_dim, bf16);
+#pragma omp for collapse(2) schedule(static, 1)
+    for (int64_t r = 0; r < R->rows; r++)
+        for (int64_t g = 0; g < n_kv_heads; g++)
+            attend_item(&a, qkv, R, r, g, head_dim, cache_k, cache_v, out, bf16, mine, 0);
 }
 
 /* qkv [rows][(n_heads + 2 n_kv_heads) head_dim]: each row's new token, q then k then v heads.
  * cache_k/v [n_kv_heads][n_blocks * block_size][head_dim], block_size a multiple of KEY_RUN.
- * out [rows][n_heads head_dim]. Rows must write distinct cache positions.
+ * out [rows][n_heads head_dim]. Rows must write distinct cache positions. write_first: rows may
+ * see each other's keys (a prompt chunk's tokens, each at its own position): every row's key and
+ * value are written before any row attends. Either way a row's bits are those of a decode step.
  * TPL_OK, TPL_NO_MEMORY, TPL_OFF_CACHE or TPL_HEAD_DIM. */
 int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,
                      int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
-                     int bf16) {
+                     int bf16, int write_first) {
     int64_t per_thread;
     int status = check_rows(rows, n_blocks, block_size, n_heads, n_kv_heads, head_dim, &per_thread);
     if (status) return status;
@@ -278,7 +318,7 @@ int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_h
     if (scores == NULL) return TPL_NO_MEMORY;
 #pragma omp parallel
     attention_rows(qkv, rows, n_heads, n_kv_heads, head_dim, cache_k, cache_v, n_blocks, block_size, out, bf16, scores,
-                   per_thread);
+                   per_thread, write_first);
     free(scores);
     return TPL_OK;
 }

@@ -15,8 +15,6 @@ from tp_llama.kernels.cpu.ffi import Library, amx_ready, library
 from tp_llama.kernels.cpu.qtiles import QuantTiled
 from tp_llama.pages import huge_empty
 
-GEMM_ROWS = 256  # float32 calls with this many rows are compute-bound, where a GEMM library's kernel is faster
-PLAIN_FLOATS = 1 << 22  # the most of a weight laid out plainly at once for the GEMM (16 MB)
 
 
 @dataclass(frozen=True)
@@ -68,10 +66,11 @@ def prepare_swiglu_tiles(w1: torch.Tensor, w3: torch.Tensor, amx: bool = False) 
 
 
 def tiled_linear(x: torch.Tensor, weight: Tiled, lib: Library | None = None) -> torch.Tensor:
-    """x [..., in] @ weight.T (or the gated product).
+    """x [..., in] @ weight.T (or the gated product), every row by the tiles at any row count, so a
+    row's bits never depend on how many share the call.
 
     lib: the kernels whose tiles multiply, the loaded ones by default (bench/kernels/matmul.py --before passes
-    an older checkout's build; float32 calls of GEMM_ROWS rows or more go to the GEMM either way).
+    an older checkout's build).
     """
     if x.dtype != weight.dtype or x.device.type != "cpu":
         raise TypeError(f"a {weight.dtype} CPU weight got {x.dtype} input on {x.device}")
@@ -80,49 +79,10 @@ def tiled_linear(x: torch.Tensor, weight: Tiled, lib: Library | None = None) -> 
     rows = x.numel() // in_features
     y = torch.empty((*x.shape[:-1], out_features // 2 if weight.gated else out_features), dtype=x.dtype)
     lib = lib or library()
-    if x.dtype == torch.float32 and rows >= GEMM_ROWS:
-        _gemm_linear(x.view(rows, in_features), weight, y)
-        return y
     if rows and lib.tiled_linear(x.data_ptr(), rows, in_features, weight.data.data_ptr(), out_features,
                                  y.data_ptr(), weight.gated, x.dtype == torch.bfloat16, weight.amx):
         raise MemoryError(f"no memory to widen {rows} x {in_features} bfloat16 inputs")
     return y
-
-
-def _gemm_linear(x: torch.Tensor, weight: Tiled, y: torch.Tensor) -> None:
-    """Many float32 rows: oneDNN's matmul on the weight laid out plainly again, a slice of tiles at a time.
-
-    A GEMM on the [in, TILE_COLS] tiles themselves (a batch of narrow ones) is slower. oneDNN
-    rather than MKL's sgemm (torch.mm), which takes a slower path on AMD CPUs (bench/kernels/matmul.py
-    at 1024 rows). A PyTorch built without oneDNN gets torch.mm.
-    """
-    lib = library()
-    tiles, in_features, cols = weight.data.shape
-    per = max(1, PLAIN_FLOATS // (max(in_features, x.shape[0]) * cols))  # tiles per slice: both buffers bounded
-    plain = _scratch("plain", in_features * min(per, tiles) * cols)
-    onednn = torch.backends.mkldnn.is_available()
-    product = None if onednn else _scratch("product", x.shape[0] * min(per, tiles) * cols)
-    for t0 in range(0, tiles, per):
-        n = min(per, tiles - t0)
-        block = plain[: in_features * n * cols].view(in_features, n * cols)
-        lib.untile_weight(weight.data.data_ptr(), in_features, t0, n, block.data_ptr())
-        if product is None:  # the weight [out, in] as oneDNN takes it: block's transposed view
-            out = torch.ops.mkldnn._linear_pointwise(x, block.t(), None, "none", [], "")
-        else:
-            out = product[: x.shape[0] * n * cols].view(x.shape[0], n * cols)
-            torch.mm(x, block, out=out)
-        lib.place_product(out.data_ptr(), x.shape[0], t0, n, weight.shape[0], y.data_ptr(), weight.gated)
-
-
-_scratches: dict[str, torch.Tensor] = {}
-
-
-def _scratch(name: str, floats: int) -> torch.Tensor:
-    """A float32 buffer kept between calls: fresh pages for every prefill matmul cost more than the copy."""
-    buffer = _scratches.get(name)
-    if buffer is None or buffer.numel() < floats:
-        buffer = _scratches[name] = torch.empty(floats)
-    return buffer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -166,11 +126,13 @@ def _raise_for(status: int, cache_k: torch.Tensor) -> None:
 
 
 def decode_attention(qkv: torch.Tensor, rows: ctypes.Structure, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                     block_size: int, out: torch.Tensor) -> None:
+                     block_size: int, out: torch.Tensor, write_first: bool = False) -> None:
     """Attention of one new token per row (`decode_rows`), in one C call: RoPE, the cache write, softmax(qK)V.
 
     qkv [rows, (heads + 2 kv_heads) * head_dim]; writes out [rows, heads * head_dim] and each
     row's new key and value into cache_k / cache_v [kv_heads, blocks * block_size, head_dim].
+    write_first: rows that see each other's keys (a prompt chunk's tokens, each a row at its own
+    position) have every key written before any row attends; each row gets a decode step's bits.
     """
     if not rows.rows:
         return
@@ -179,7 +141,7 @@ def decode_attention(qkv: torch.Tensor, rows: ctypes.Structure, cache_k: torch.T
         raise ValueError("decode_attention needs contiguous tensors")
     status = library().decode_attention(
         qkv.data_ptr(), ctypes.byref(rows), out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(),
-        cache_v.data_ptr(), pool // block_size, block_size, out.data_ptr(), qkv.dtype == torch.bfloat16)
+        cache_v.data_ptr(), pool // block_size, block_size, out.data_ptr(), qkv.dtype == torch.bfloat16, write_first)
     _raise_for(status, cache_k)
 
 
@@ -201,6 +163,14 @@ def rope_prompt_rows(qkv: torch.Tensor, rotation: torch.Tensor, locations: torch
                                         cache_len, qkv.dtype == torch.bfloat16)
     if status:
         raise IndexError(f"a prompt row's cache index lies outside the KV cache {tuple(cache_k.shape)}")
+
+
+def blocked_prompts(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prompt_attention runs prompt chunks of this dtype and head size (else they attend as
+    decode rows, decode_attention's write_first)."""
+    lib = library()
+    return (dtype == torch.bfloat16 and head_dim % 64 == 0 and head_dim <= lib.constants["MAX_HEAD_DIM"]
+            and not (lib.variant.endswith("-amx") and not amx_ready()))
 
 
 def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: torch.Tensor, cache_v: torch.Tensor,
