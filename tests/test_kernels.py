@@ -54,29 +54,55 @@ def test_avx2_and_avx512_cpus_get_the_tiled_kernel():
     assert library().variant == VARIANT
 
 
-FULL = ("kernels", "quant_kernels", "layer_ops", "sampling")
+FULL = ("kernels", "quant_kernels", "layer_ops", "sampling", "batch_invariance")
+INVARIANCE = "tests/test_batch_invariance.py"
+
+
+def rerun(modules: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Test modules again in a process of their own, with `env` added to this one's."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *modules],
+                          cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
+                          check=False)
 
 
 @pytest.mark.parametrize(("variant", "names", "least"), [
-    ("avx512", FULL, 60), ("avx2", FULL, 60),
-    ("avx2-vnni", ("quant_kernels",), 9),  # it differs from avx2 only in the quantized tiles' dot products
+    ("avx512-vnni", ("quant_kernels", "batch_invariance"), 22),  # it differs from avx512 in quantized dot products
+    ("avx512", FULL, 73), ("avx2", FULL, 73),
+    ("avx2-vnni", ("quant_kernels", "batch_invariance"), 22),  # it differs from avx2 in quantized dot products
 ])
 def test_the_lesser_builds_pass_the_kernel_tests(variant: str, names: tuple[str, ...], least: int):
-    """A CPU runs the builds for less than it has, so those are tested here too (plain AVX-512 for
-    Intel's Skylake-SP, AVX2 for AMD's Zen 2/3, AVX-VNNI's for Intel from Alder Lake and Sapphire
-    Rapids on): these modules again, in a process that loads the build (TP_LLAMA_KERNELS).
-    test_decode_step is left out: its models run plain matmuls, and its compiled runs took 50 s of
-    each rerun."""
+    """A CPU runs the builds for less than it has, so those are tested here too (AVX-512 VNNI's for
+    Intel's Cascade Lake and Ice Lake, plain AVX-512 for Skylake-SP, AVX2 for AMD's Zen 2/3, AVX-VNNI's
+    for Intel from Alder Lake and Sapphire Rapids on): these modules again, in a process that loads
+    the build (TP_LLAMA_KERNELS). test_decode_step is left out: its models run plain matmuls, and its
+    compiled runs took 50 s of each rerun."""
     if os.environ.get("TP_LLAMA_KERNELS"):
         pytest.skip("a run with a forced build tests that build alone")
     if not HAS_COMPILER or variant not in runnable() or variant == VARIANT:
         pytest.skip(f"needs a compiler and a CPU beyond {variant} (where it is the best, the main run tests it)")
-    modules = [f"tests/test_{name}.py" for name in names]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=REPO,
-                            env={**os.environ, "TP_LLAMA_KERNELS": variant}, capture_output=True, text=True,
-                            timeout=600, check=False)
+    result = rerun([f"tests/test_{name}.py" for name in names], {"TP_LLAMA_KERNELS": variant})
     assert result.returncode == 0, result.stdout[-4000:]
     assert int(re.search(r"(\d+) passed", result.stdout).group(1)) >= least, result.stdout[-1000:]
+
+
+def test_batch_invariance_holds_with_atens_kernels_held_to_avx2():
+    """Paths that go through PyTorch (its SDPA, its elementwise ops) pick kernels by ATen's CPU
+    capability: the invariance tests again with it held to AVX2, where ATen would pick more."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        pytest.skip("ATen runs its AVX2 kernels here already: the main run is this case")
+    result = rerun([INVARIANCE], {"ATEN_CPU_CAPABILITY": "avx2"})
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+@pytest.mark.skipif(not TILES, reason="needs a build of the C kernels: AVX2 or AVX-512, and a C compiler")
+def test_remainder_rows_summed_in_another_order_fail_the_batch_invariance_tests():
+    """The invariance tests can fail: a build whose tiles sum a chunk of fewer than a full chunk's rows
+    backwards (TPL_TEST_REMAINDER_ORDER, matmul.c) gives a row alone other bits than in a batch."""
+    result = rerun([INVARIANCE], {"TP_LLAMA_KERNELS_TEST_DEFINES": "-DTPL_TEST_REMAINDER_ORDER"})
+    assert result.returncode == 1, result.stdout[-4000:]
+    failed = re.findall(r"FAILED \S+::(\w+)\[([^\]]+)\]", result.stdout)
+    assert ("test_a_rows_logits_alone_equal_it_at_every_place_of_a_mixed_batch", "float32-hd16-none") in failed, \
+        result.stdout[-4000:]
 
 
 def test_each_cpu_gets_the_best_variant_it_can_run():
@@ -374,30 +400,24 @@ def test_the_prefetches_survive_compilation(source: str, hint: str, variant: str
 @NEEDS_TILES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_a_row_gets_the_same_bits_in_any_batch(dtype: torch.dtype):
-    """Each output sums its products in k order whatever rows share the call: batching is exact."""
+    """Each output sums its products in k order whatever rows share the call, a prefill's hundreds
+    included: batching is exact."""
     gen = torch.Generator().manual_seed(3)
     weight = prepare(torch.randn(200, 512, generator=gen).to(dtype), "tiles")
-    x = torch.randn(21, 512, generator=gen).to(dtype)
+    x = torch.randn(300, 512, generator=gen).to(dtype)
     full = linear(x, weight)
-    for rows in (slice(0, 1), slice(4, 5), slice(3, 12), slice(20, 21), slice(2, 19)):
+    for rows in (slice(0, 1), slice(4, 5), slice(3, 12), slice(20, 21), slice(2, 19), slice(299, 300)):
         assert torch.equal(linear(x[rows], weight), full[rows])
 
 
 @NEEDS_TILES
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "torch.mm"])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_prefill_rows_through_the_gemm_in_slices_of_the_weight(monkeypatch, gated: bool, onednn: bool):
-    """float32 calls of GEMM_ROWS or more lay the tiles out plainly a slice at a time (here two tiles,
-    so a weight of five takes three slices, the last one short) and place each product; by oneDNN,
-    or by torch.mm in a PyTorch without it."""
-    rows = ops.GEMM_ROWS + 44
-    monkeypatch.setattr(ops, "PLAIN_FLOATS", rows * 32 * 2)  # the rows outnumber the inputs
-    if not onednn:
-        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+def test_a_prefills_hundreds_of_float32_rows_match_float64(gated: bool):
+    """float32 calls of a prompt step's size run the tiles too, in blocks of rows that share a pass."""
     gen = torch.Generator().manual_seed(2)
     out_features = 160 if gated else 130  # five tiles either way
     w = torch.randn(out_features, 96, generator=gen) / 96**0.5
-    x = torch.randn(rows, 96, generator=gen)
+    x = torch.randn(300, 96, generator=gen)
     product = x.double() @ w.double().T
     if gated:
         gate, up = product.chunk(2, dim=-1)

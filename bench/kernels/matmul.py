@@ -35,7 +35,7 @@ from bench.lib.common import before_root, copy_bandwidth_gbs, table
 from tp_llama.checkpoint.params import read_params
 from tp_llama.kernels import choose, linear, onednn, prepare
 from tp_llama.kernels.cpu.ffi import HEADER, Library, library, parse_header
-from tp_llama.kernels.cpu.ops import GEMM_ROWS, tiled_linear
+from tp_llama.kernels.cpu.ops import tiled_linear
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -101,10 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {s[1] for s in shapes}}
             best = dict.fromkeys(kinds, float("inf"))
             repeats = a.repeats if rows <= 32 else max(2, a.repeats // 4)
-            # float32 calls of GEMM_ROWS rows go to oneDNN's GEMM, not the tiles: nothing of the older tiles to time
-            timed = [k for k in here if k != "before" or dtype == torch.bfloat16 or rows < GEMM_ROWS]
             for _ in range(repeats):
-                for kind in timed:  # taking turns, so a change in the machine's load hits all of them
+                for kind in here:  # taking turns, so a change in the machine's load hits all of them
                     started = time.perf_counter()
                     for w in weights[kind]:
                         if kind == "before":
@@ -112,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
                         else:
                             linear(xs[w.shape[1]], w)
                     best[kind] = min(best[kind], time.perf_counter() - started)
-            best = {k: best[k] if k in timed else float("nan") for k in kinds}
             ours = min(best["tiles"], best.get("amx", float("inf")))
             rows_out.append([
                 str(dtype).removeprefix("torch."), rows, *(1e3 * best[k] for k in kinds),
@@ -120,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 ours / best.get("plain", float("nan")),
                 *([best[mine] / best["before"]] if before else []),
             ])
-            print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in timed), flush=True)
+            print(f"{dtype} rows {rows}: " + ", ".join(f"{k} {1e3 * best[k]:.2f} ms" for k in here), flush=True)
         del weights, plain  # before the next dtype's: the 1B shape's float32 copies fill most of 24 GiB
     names = {"plain": "F.linear", "onednn": "oneDNN", "tiles": "tiles", "amx": "AMX tiles", "before": "tiles before",
              "int8": "int8 tiles", "int4": "int4 tiles"}

@@ -87,8 +87,14 @@ def _cache_dirs() -> list[Path]:
 
 
 def build(variant: str, cc: str) -> Path:
-    """The compiled library of `variant`, from the cache when it was built before."""
-    flags = [*COMMON_FLAGS, *VARIANTS[variant][1]]
+    """The compiled library of `variant`, from the cache when it was built before.
+
+    TP_LLAMA_KERNELS_TEST_DEFINES: -D flags for the tests alone (tests/test_kernels.py builds a
+    library that breaks batch invariance on purpose, to see its tests fail)."""
+    defines = os.environ.get("TP_LLAMA_KERNELS_TEST_DEFINES", "").split()
+    if any(not flag.startswith("-D") for flag in defines):
+        raise ValueError(f"TP_LLAMA_KERNELS_TEST_DEFINES takes -D flags only, not {defines}")
+    flags = [*COMMON_FLAGS, *VARIANTS[variant][1], *defines]
     code = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(code + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     errors = []

@@ -29,6 +29,15 @@
 #define F32_ROWS 3  /* AVX2 has 16 registers: 3 rows x 4 halves of sums, 2 for the weight */
 #define BF16_ROWS 4 /* widening pairs costs more than spilling (bench/kernels/matmul.py) */
 #endif
+/* The k each step of a tile of MT rows takes: in order, or for the tests alone (a build with
+ * TPL_TEST_REMAINDER_ORDER, tests/test_kernels.py) backwards in chunks of fewer rows than a full
+ * one, a row's sum then depending on the chunk its batch puts it in, which the batch-invariance
+ * tests must catch. STEP is 1 for float32, 2 for bfloat16 pairs. */
+#ifdef TPL_TEST_REMAINDER_ORDER
+#define K_AT(k, K, MT, ROWS, STEP) ((MT) < (ROWS) ? (K) - (STEP) - (k) : (k))
+#else
+#define K_AT(k, K, MT, ROWS, STEP) (k)
+#endif
 /* How far ahead in its own tile a chunk of MT rows asks for the next lines, into L1. From 3 rows a
  * line takes long enough to compute that 8 KiB ahead keeps memory streaming; one or two rows run
  * ahead by themselves, and asking that far ahead only costs them (bench/kernels/matmul.py). */
@@ -88,9 +97,10 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
         vec acc[MT][VECS];                                                                         \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = vzero();            \
-        for (int64_t k = 0; k < K; k++) {                                                          \
+        for (int64_t step = 0; step < K; step++) {                                                 \
+            const int64_t k = K_AT(step, K, MT, F32_ROWS, 1);                                      \
             const float *wk = wt + k * TILE_COLS;                                                  \
-            prefetch(ahead, k, per_step);                                                          \
+            prefetch(ahead, step, per_step);                                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
                 _mm_prefetch((const char *)wk + NEAR_BYTES(MT) + 64 * j, _MM_HINT_T0);             \
                 vec w = vload(wk + 16 * j);                                                        \
@@ -111,9 +121,10 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
         vec acc[MT][VECS];                                                                         \
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) acc[m][j] = vzero();            \
-        for (int64_t k = 0; k < K; k += 2) {                                                       \
+        for (int64_t step = 0; step < K; step += 2) {                                              \
+            const int64_t k = K_AT(step, K, MT, BF16_ROWS, 2);                                     \
             const uint16_t *wk = wt + k * TILE_COLS;                                               \
-            prefetch(ahead, k / 2, per_step);                                                      \
+            prefetch(ahead, step / 2, per_step);                                                   \
             _Pragma("GCC unroll 4") for (int j = 0; j < VECS; j++) {                               \
                 _mm_prefetch((const char *)wk + NEAR_BYTES(MT) + 64 * j, _MM_HINT_T0);             \
                 bf16_weights w = load_bf16_weights(wk + 32 * j);                                   \
@@ -258,29 +269,4 @@ int tiled_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
     tiled_matmul(x, M, K, w, N, y, gated, bf16, wide, amx);
     free(wide);
     return TPL_OK;
-}
-
-/* Tiles t0 .. t0 + n - 1 of a float32 weight as one plain matrix [K][n * TILE_COLS], a layout
- * GEMM libraries run at full speed: the prefill path (ops.py) multiplies many rows by it. */
-void untile_weight(const float *w, int64_t K, int64_t t0, int64_t n, float *out) {
-    _Pragma("omp parallel for schedule(static)") for (int64_t k = 0; k < K; k++) {
-        for (int64_t t = 0; t < n; t++) {
-            const float *src = w + ((t0 + t) * K + k) * TILE_COLS;
-            vstore(out + (k * n + t) * TILE_COLS, vload(src));
-            vstore(out + (k * n + t) * TILE_COLS + 16, vload(src + 16));
-        }
-    }
-}
-
-/* x times untile_weight's matrix, [M][n * TILE_COLS], into y's columns of those tiles (N columns
- * in all); gated, as SwiGLU's silu(gate) * up into y [M][N / 2]. */
-void place_product(const float *product, int64_t M, int64_t t0, int64_t n, int64_t N, float *y, int gated) {
-    int64_t ldy = gated ? N / 2 : N;
-    _Pragma("omp parallel for schedule(static)") for (int64_t m = 0; m < M; m++) {
-        for (int64_t t = 0; t < n; t++) {
-            const float *src = product + (m * n + t) * TILE_COLS;
-            int64_t col = (t0 + t) * TILE_COLS;
-            put_row(y, m * ldy + (gated ? col / 2 : col), vload(src), vload(src + 16), N - col, gated, 0);
-        }
-    }
 }

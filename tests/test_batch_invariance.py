@@ -1,0 +1,134 @@
+"""A row's bits do not depend on its batch: with the C kernels, a whole forward's logits of a row alone
+equal (torch.equal) the same row at every position of a batch of mixed lengths, and an engine's
+prompt and reply log-probabilities of a request alone equal those of the same request beside others.
+
+Run for the build this CPU loads, and again for every lesser build it can execute and with
+ATen held to AVX2 (tests/test_kernels.py reruns this module with TP_LLAMA_KERNELS and
+ATEN_CPU_CAPABILITY); test_kernels also builds the kernels with remainder rows summed in another
+order (TPL_TEST_REMAINDER_ORDER) and checks that this module then fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tp_llama import backend
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.sampling import SamplingParams, top_logits
+from tp_llama.engine.scheduler import Sequence
+from tp_llama.kernels import choose
+from tp_llama.model import ModelArgs, Transformer
+from tests.support.run_model import setup_slots, slot_batch
+
+pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"),
+                                reason="the C kernels need AVX2 or AVX-512 and a compiler (test_kernels checks they load here)")
+
+VOCAB = 97
+SLOTS = 6
+MAX_SEQ_LEN = 48
+# (slot, tokens already in its cache, tokens of this step): decode rows after 7 and 19 tokens (the
+# second's key in its second block), prompts from 0 of lengths that are no multiple of a tile's
+# rows (3, 4, 8) or of a block, a later chunk of a prompt, and a first token alone.
+ROWS = [(0, 7, 1), (1, 19, 1), (2, 0, 5), (3, 0, 13), (4, 9, 11), (5, 0, 1)]
+
+
+def model(dtype: torch.dtype, head_dim: int, quantized: str) -> Transformer:
+    """A small GQA Llama 3.1 model with SLOTS cache slots, the same weights every call, prepared for
+    the C kernels (head_dim 64: bfloat16 prompts take prompt_attention.c's blocks; 16: decode rows')."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=4 * head_dim, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_dim=96,
+                     family="llama3", rope_theta=500000.0, use_scaled_rope=True)
+    built = Transformer(args).to(dtype)
+    assert backend.optimize(built, quantized=quantized)[0] in ("amx", "tiles")
+    setup_slots(built, SLOTS, MAX_SEQ_LEN, dtype, torch.device("cpu"))
+    return built
+
+
+def tokens_of(slot: int, count: int) -> list[int]:
+    gen = torch.Generator().manual_seed(100 + slot)
+    return torch.randint(0, VOCAB, (count,), generator=gen).tolist()
+
+
+def with_history(dtype: torch.dtype, head_dim: int, quantized: str) -> Transformer:
+    """The model with each row's earlier tokens in its cache, each prefilled in a step of its own."""
+    built = model(dtype, head_dim, quantized)
+    for slot, done, _ in ROWS:
+        if done:
+            built(slot_batch(built, [(slot, 0, tokens_of(slot, done), True)]))
+    return built
+
+
+def step_rows(order: list[int]) -> list[tuple[int, int, list[int], bool]]:
+    return [(ROWS[i][0], ROWS[i][1], tokens_of(ROWS[i][0], ROWS[i][1] + ROWS[i][2])[ROWS[i][1]:], True) for i in order]
+
+
+def per_row(logits: torch.Tensor, order: list[int]) -> dict[int, torch.Tensor]:
+    """Every token's logits of a step (all_logits, the caller's row order), by row of ROWS."""
+    return dict(zip(order, logits.split([ROWS[i][2] for i in order])))
+
+
+CASES = [(torch.float32, 16, "none"), (torch.float32, 64, "none"), (torch.bfloat16, 16, "none"),
+         (torch.bfloat16, 64, "none"), (torch.float32, 16, "int8"), (torch.bfloat16, 64, "int8"),
+         (torch.float32, 64, "int4"), (torch.bfloat16, 16, "int4")]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "quantized"), CASES,
+                         ids=[f"{str(d)[6:]}-hd{h}-{q}" for d, h, q in CASES])
+@torch.inference_mode()
+def test_a_rows_logits_alone_equal_it_at_every_place_of_a_mixed_batch(dtype, head_dim, quantized):
+    alone_model, batched_model = (with_history(dtype, head_dim, quantized) for _ in range(2))
+    alone = {i: alone_model(slot_batch(alone_model, step_rows([i]), all_logits=True)) for i in range(len(ROWS))}
+    for shift in range(len(ROWS)):  # each row at each place of the batch
+        order = [(i + shift) % len(ROWS) for i in range(len(ROWS))]
+        batched = per_row(batched_model(slot_batch(batched_model, step_rows(order), all_logits=True)), order)
+        for i, logits in batched.items():
+            assert torch.equal(logits, alone[i]), f"row {ROWS[i]} at place {order.index(i)} of {order}"
+            lse, ids, values = top_logits(logits, list(range(len(logits))), 5)
+            lse_alone, ids_alone, values_alone = top_logits(alone[i], list(range(len(logits))), 5)
+            assert torch.equal(lse, lse_alone) and torch.equal(ids, ids_alone) and torch.equal(values, values_alone)
+
+
+ROW_PATH = [(torch.float32, 16), (torch.float32, 64), (torch.bfloat16, 16)]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), ROW_PATH, ids=[f"{str(d)[6:]}-hd{h}" for d, h in ROW_PATH])
+@torch.inference_mode()
+def test_a_prompt_prefilled_in_one_step_gets_the_bits_of_its_tokens_decoded_one_by_one(dtype, head_dim):
+    """Where prompt tokens attend as decode rows (all but bfloat16 heads of 64 and more), a prompt's
+    logits at every position are those of feeding its tokens one per step, however it is chunked."""
+    prompt = tokens_of(9, 21)
+    one_step, chunked, one_by_one = (model(dtype, head_dim, "none") for _ in range(3))
+    whole = one_step(slot_batch(one_step, [(0, 0, prompt, True)], all_logits=True))
+    parts = torch.cat([chunked(slot_batch(chunked, [(0, start, prompt[start:end], True)], all_logits=True))
+                       for start, end in ((0, 6), (6, 17), (17, 21))])
+    decoded = torch.cat([one_by_one(slot_batch(one_by_one, [(0, p, [prompt[p]], True)])) for p in range(len(prompt))])
+    assert torch.equal(whole, decoded) and torch.equal(parts, decoded)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(synthetic_checkpoint):
+    return synthetic_checkpoint("llama3", mp=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engines_log_probabilities_of_a_request_alone_equal_them_beside_others(checkpoint, dtype):
+    """Prompt log-probabilities (echo, perplexity) and the reply's, alone and beside requests of other
+    lengths that share its steps (its prompt then chunked elsewhere by the prefill budget)."""
+    engine = Engine.load(EngineConfig(str(checkpoint), "tp", dtype, max_seq_len=128, max_batch_size=8,
+                                      prefill_budget=24, prefix_caching=False))
+
+    def request(name: str, length: int, seed: int) -> Sequence:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, engine.args.vocab_size, (length,), generator=gen).tolist()
+        return Sequence(name, ids, SamplingParams(6, temperature=1.0, seed=seed, logprobs=5, prompt_logprobs=5,
+                                                  ignore_eos=True))
+
+    alone = request("alone", 29, 1)
+    engine.generate([alone])
+    beside = request("beside", 29, 1)
+    engine.generate([request("a", 11, 2), beside, request("b", 37, 3), request("c", 1, 4)])
+    assert beside.output == alone.output
+    assert beside.prompt_logprobs == alone.prompt_logprobs
+    assert beside.logprobs == alone.logprobs
