@@ -164,12 +164,14 @@ build_archive() {
 # Loopback only, token authorization on, management on a unix socket unless --management.
 write_server_config() {
   CONFIG="$MODEL_STORE/config.properties"
-  local where=(--management-socket "$MANAGEMENT_SOCKET")
+  local where=(--management-socket "$MANAGEMENT_SOCKET") out
   if [ "$MANAGEMENT" = 1 ]; then where=(--management-port "$MANAGEMENT_PORT"); fi
-  "$PY" "$REPO/deploy/server_config.py" write --model-store "$MODEL_STORE" --out "$CONFIG" \
+  # Lines added by hand to an earlier config.properties (token_expiration_min=N, ...) are kept.
+  out="$("$PY" "$REPO/deploy/server_config.py" write --model-store "$MODEL_STORE" --out "$CONFIG" \
     --inference-port "$INFERENCE_PORT" --metrics-port "$METRICS_PORT" \
     --grpc-inference-port "$GRPC_INFERENCE_PORT" --grpc-management-port "$GRPC_MANAGEMENT_PORT" \
-    "${where[@]}" >/dev/null || die "could not write $CONFIG"
+    --keep-from "$CONFIG" "${where[@]}")" || die "could not write $CONFIG"
+  printf '%s\n' "$out" | grep '^kept' || true
 }
 
 # True while the pid in TorchServe's pid file is a live (not zombie) process.

@@ -2,7 +2,7 @@
 
     python deploy/server_config.py write --model-store DIR --out FILE [--inference-port N]
         [--metrics-port N] [--grpc-inference-port N] [--grpc-management-port N]
-        [--management-socket PATH | --management-port N] [--set KEY=VALUE ...]
+        [--management-socket PATH | --management-port N] [--set KEY=VALUE ...] [--keep-from OLD]
     python deploy/server_config.py model-status --config FILE --name NAME [--key-file FILE]
 
 What `write` produces (used by setup_model.sh and tests/serving_util.py):
@@ -20,6 +20,10 @@ What `write` produces (used by setup_model.sh and tests/serving_util.py):
   first reported, so no metrics yaml has to list them; see tp_llama/serving/metrics.py);
 - the frontend's logging from deploy/log4j2.xml (`vmargs`): TorchServe's own files, without the
   lines its default configuration writes on every continuous-batching call (see that file).
+
+`--keep-from OLD` carries over the lines of an earlier config.properties whose keys `write` does not
+produce itself (token_expiration_min=N, job_queue_size=N, ...), so settings added by hand survive
+setup_model.sh rewriting the file; the keys it writes come from its arguments again.
 
 `model-status` prints the worker states of a model ("READY", or e.g. "STARTED" while loading),
 asking the management API wherever that config put it (unix socket or TCP), or prints nothing
@@ -169,15 +173,31 @@ def write_config(path: str | os.PathLike, **kwargs) -> Path:
     return out
 
 
-def read_properties(path: str | os.PathLike) -> dict[str, str]:
-    """key=value pairs of a config.properties (comments and blank lines skipped)."""
+def kept_lines(old: str | os.PathLike, **kwargs) -> list[str]:
+    """The `key=value` lines of an earlier config.properties that config_properties(**kwargs) would not
+    write itself (hand-added settings such as token_expiration_min), to pass on as `extra`."""
+    path = Path(old)
+    if not path.is_file():
+        return []
+    written = set(read_properties_text(config_properties(**kwargs)))
+    return [f"{key}={value}" for key, value in read_properties(path).items()
+            if key not in written and key not in LOCKED_KEYS]
+
+
+def read_properties_text(text: str) -> dict[str, str]:
+    """key=value pairs of config.properties text (comments and blank lines skipped)."""
     values: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith(("#", "!")):
             key, _, value = line.partition("=")
             values[key.strip()] = value.strip()
     return values
+
+
+def read_properties(path: str | os.PathLike) -> dict[str, str]:
+    """key=value pairs of a config.properties (comments and blank lines skipped)."""
+    return read_properties_text(Path(path).read_text())
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -244,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="serve management on 127.0.0.1:PORT instead, with the model API on")
     write.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                        help="a further config.properties line, e.g. max_request_size=4194304")
+    write.add_argument("--keep-from", metavar="OLD",
+                       help="carry over OLD's lines whose keys this command does not write (e.g. token_expiration_min)")
     status = commands.add_parser("model-status", help="print the model's worker states, comma-separated")
     status.add_argument("--config", required=True)
     status.add_argument("--name", required=True)
@@ -253,12 +275,15 @@ def main(argv: list[str] | None = None) -> int:
         print(",".join(model_status(a.config, a.name, a.key_file)))
         return 0
     try:
-        path = write_config(
-            a.out, model_store=Path(a.model_store).resolve(), inference_port=a.inference_port,
+        settings = dict(
+            model_store=Path(a.model_store).resolve(), inference_port=a.inference_port,
             metrics_port=a.metrics_port, grpc_inference_port=a.grpc_inference_port,
             grpc_management_port=a.grpc_management_port, management_socket=a.management_socket,
-            management_port=a.management_port, extra=a.extra,
-        )
+            management_port=a.management_port)
+        kept = kept_lines(a.keep_from, **settings) if a.keep_from else []
+        path = write_config(a.out, **settings, extra=[*kept, *a.extra])
+        if kept:
+            print(f"kept from {a.keep_from}: {', '.join(line.partition('=')[0] for line in kept)}")
     except (OSError, ValueError) as exc:
         print(f"server_config: {exc}", file=sys.stderr)
         return 1

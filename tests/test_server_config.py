@@ -169,3 +169,21 @@ def test_the_frontend_logs_from_our_log4j2_config_without_its_per_call_lines() -
         assert all(pattern.fullmatch(line) for line in dropped), name
         assert not any(pattern.fullmatch(line) for line in KEPT[name]), name
         assert loggers[name].get("level") == "info"
+
+
+def test_hand_added_lines_survive_a_rewrite_and_the_written_keys_do_not(tmp_path: Path) -> None:
+    """setup_model.sh rewrites config.properties on every --serve: token_expiration_min added by hand stays."""
+    out = tmp_path / "config.properties"
+    write = [sys.executable, str(REPO / "deploy" / "server_config.py"), "write", "--model-store", str(STORE),
+             "--out", str(out), "--management-socket", str(SOCKET), "--keep-from", str(out)]
+    first = subprocess.run(write, capture_output=True, text=True, timeout=60)  # no earlier file: nothing kept
+    assert first.returncode == 0 and "kept" not in first.stdout, first.stderr
+    with out.open("a") as f:
+        f.write("token_expiration_min=1440\njob_queue_size=50\ninference_address=http://0.0.0.0:9\n")
+    again = subprocess.run([*write, "--inference-port", "18080"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert "kept from" in again.stdout and "token_expiration_min" in again.stdout
+    config = parse(out.read_text())
+    assert config["token_expiration_min"] == "1440" and config["job_queue_size"] == "50"
+    assert config["inference_address"] == "http://127.0.0.1:18080"  # written keys come from the arguments
+    assert server_config.kept_lines(tmp_path / "missing", model_store=STORE, management_socket=SOCKET) == []
