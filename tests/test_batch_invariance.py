@@ -26,12 +26,13 @@ pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] no
                                 reason="the C kernels need AVX2 or AVX-512 and a compiler (test_kernels checks they load here)")
 
 VOCAB = 97
-SLOTS = 6
-MAX_SEQ_LEN = 48
+SLOTS = 7
+MAX_SEQ_LEN = 256
 # (slot, tokens already in its cache, tokens of this step): decode rows after 7 and 19 tokens (the
 # second's key in its second block), prompts from 0 of lengths that are no multiple of a tile's
-# rows (3, 4, 8) or of a block, a later chunk of a prompt, and a first token alone.
-ROWS = [(0, 7, 1), (1, 19, 1), (2, 0, 5), (3, 0, 13), (4, 9, 11), (5, 0, 1)]
+# rows (3, 4, 8) or of a block, a later chunk of a prompt, a first token alone, and a long prompt
+# that makes the step 256 rows or more (where float32 had run oneDNN's GEMM).
+ROWS = [(0, 7, 1), (1, 19, 1), (2, 0, 5), (3, 0, 13), (4, 9, 11), (5, 0, 1), (6, 0, 227)]
 
 
 def model(dtype: torch.dtype, head_dim: int, quantized: str) -> Transformer:
@@ -105,6 +106,18 @@ def test_a_prompt_prefilled_in_one_step_gets_the_bits_of_its_tokens_decoded_one_
                        for start, end in ((0, 6), (6, 17), (17, 21))])
     decoded = torch.cat([one_by_one(slot_batch(one_by_one, [(0, p, [prompt[p]], True)])) for p in range(len(prompt))])
     assert torch.equal(whole, decoded) and torch.equal(parts, decoded)
+
+
+@torch.inference_mode()
+def test_a_bfloat16_prompt_in_prompt_attentions_blocks_gets_the_same_bits_however_it_is_chunked():
+    """prompt_attention.c (bfloat16, heads of 64) groups a chunk's rows in blocks of 16 from the
+    chunk's start: a row's bits must not depend on which block, or which chunk, holds it."""
+    prompt = tokens_of(9, 40)
+    one_step, chunked = (model(torch.bfloat16, 64, "none") for _ in range(2))
+    whole = one_step(slot_batch(one_step, [(0, 0, prompt, True)], all_logits=True))
+    parts = torch.cat([chunked(slot_batch(chunked, [(0, start, prompt[start:end], True)], all_logits=True))
+                       for start, end in ((0, 7), (7, 30), (30, 40))])
+    assert torch.equal(whole, parts)
 
 
 @pytest.fixture(scope="module")
