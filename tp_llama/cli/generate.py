@@ -57,8 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-block-size", type=int, default=SERVER.kv_block_size, help="positions per KV-cache block")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt from its first token")
     parser.add_argument("--quantize", choices=QUANTIZE, default="none",
-                        help="matmul weights quantized by each rank as it reads them, in groups of 32 along k: "
-                             "int8 symmetric, int4 with a scale and a minimum (docs/checkpoints.md)")
+                        help="matmul weights quantized by each rank as it reads them: int8 symmetric (a scale per "
+                             "group of 32 along k with the C kernels, per output row on PyTorch's ops), int4 a scale "
+                             "and a minimum per group of 32 (docs/checkpoints.md)")
     parser.add_argument("--prefill-budget", type=int, default=SERVER.prefill_budget,
                         help="rows per step, decode rows included (longer prompts are prefilled in chunks)")
     return parser.parse_args(argv)

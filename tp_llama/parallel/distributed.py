@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import sys
@@ -32,7 +33,19 @@ class DistInfo:
 
 
 def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("TP_LLAMA_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    """TP_LLAMA_COLLECTIVE_TIMEOUT_S seconds, DEFAULT_TIMEOUT_S when unset or empty (as the other
+    TP_LLAMA_* variables); anything but a number above 0 stops the rank naming the variable, rather
+    than float()'s bare message or a timeout that fails every collective at once."""
+    raw = os.environ.get("TP_LLAMA_COLLECTIVE_TIMEOUT_S", "").strip()
+    if not raw:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"TP_LLAMA_COLLECTIVE_TIMEOUT_S={raw!r}: a number of seconds above 0, e.g. 600")
+    return timedelta(seconds=seconds)
 
 
 def pick_device(wanted: str, local_rank: int, local_world_size: int, gpus: int | None = None) -> torch.device:
