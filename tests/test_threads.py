@@ -124,3 +124,14 @@ def test_the_handler_sets_the_threads_at_load(tmp_path: Path, caplog: pytest.Log
         torch.set_num_threads(before)
     lines = [r.getMessage() for r in caplog.records if "CPU threads" in r.getMessage()]
     assert len(lines) == 1 and f"CPU threads: {expected} per rank (torchrun.OMP_NUMBER_THREADS" in lines[0], lines
+
+
+def test_a_served_worker_takes_its_share_of_the_cores_by_default(synthetic_checkpoint, serve) -> None:
+    """Through TorchServe, whose yaml reaches the worker without the key: its OMP_NUM_THREADS=1 is not the
+    last word, the rank logs why and serves on its share (TP 1 here, so all the cores it may use)."""
+    expected = choose_threads({}, ranks=1)
+    with serve(synthetic_checkpoint("llama3", mp=1), tp=1) as ts:
+        assert ts.predict({"prompt": "Hello", "max_new_tokens": 2, "temperature": 0}).status == 200
+        log = ts.model_log()
+    assert f"rank 0: {expected.log_line()}" in log, [line for line in log.splitlines() if "threads" in line]
+    assert f"rank 0/1 ready on cpu ({expected.threads} threads)" in log
