@@ -196,6 +196,9 @@ class LlamaHandler(BaseHandler):
         decoding = sum(1 for seq in scheduler.running if not seq.prefilling)
         self.metrics.update_gauges(decoding, len(scheduler.waiting), scheduler.pool.used)
         self.metrics.cache_counts(scheduler.prefix_queries, scheduler.prefix_hits, scheduler.preemptions)
+        speculator = scheduler.speculator
+        if speculator is not None:
+            self.metrics.speculation(speculator.proposed, speculator.accepted, speculator.accepted_at)
         self.metrics.flush()
 
     def _count(self, outcome: str, seqs: list[Sequence] = ()) -> None:

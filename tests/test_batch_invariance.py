@@ -108,6 +108,21 @@ def test_a_prompt_prefilled_in_one_step_gets_the_bits_of_its_tokens_decoded_one_
     assert torch.equal(whole, decoded) and torch.equal(parts, decoded)
 
 
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 16), (torch.bfloat16, 64)], ids=["f32-hd16", "bf16-hd64"])
+@torch.inference_mode()
+def test_a_row_verifying_proposals_gets_the_bits_of_decoding_them_one_by_one(dtype, head_dim):
+    """Speculative decoding's rows (logits at several positions) attend as decode rows even where
+    prompts take prompt_attention.c's blocks, beside a prompt chunk and a decode row."""
+    prompt, ahead = tokens_of(9, 21), tokens_of(10, 5)
+    verifying, decoding = (model(dtype, head_dim, "none") for _ in range(2))
+    for built in (verifying, decoding):
+        built(slot_batch(built, [(0, 0, prompt, True), (1, 0, prompt[:7], True)]))
+    rows = [(0, len(prompt), ahead, len(ahead)), (1, 7, [3], True), (2, 0, prompt[:18], True)]
+    verified = verifying(slot_batch(verifying, rows))[: len(ahead)]
+    one_by_one = torch.cat([decoding(slot_batch(decoding, [(0, len(prompt) + i, [t], True)])) for i, t in enumerate(ahead)])
+    assert torch.equal(verified, one_by_one)
+
+
 @torch.inference_mode()
 def test_a_bfloat16_prompt_in_prompt_attentions_blocks_gets_the_same_bits_however_it_is_chunked():
     """prompt_attention.c (bfloat16, heads of 64) groups a chunk's rows in blocks of 16 from the

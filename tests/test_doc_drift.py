@@ -84,7 +84,7 @@ def same(value: object, written: str) -> bool:
             return float(written) == float(value)
         except ValueError:
             return False
-    return written == str(value)
+    return written.strip("'\"") == str(value)  # yaml quotes strings it would read otherwise ('off')
 
 
 def test_the_handler_tables_give_the_codes_defaults() -> None:

@@ -15,6 +15,7 @@ from tp_llama.kernels.quant import QUANTIZE
 MODES = ("tp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where this process sees a GPU
 COMPILE = ("auto", "on", "off")  # auto: on for CUDA
+SPECULATIVE = ("off", "ngram")  # off, or n-gram prompt lookup (engine/speculate.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -67,11 +68,17 @@ class EngineConfig:
     kv_block_size: int = bounded(16, 16)  # positions per KV-cache block, a multiple of 16
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     quantize: str = one_of("none", QUANTIZE)  # matmul weights quantized by each rank as it loads them
+    speculative: str = one_of("off", SPECULATIVE)  # proposals verified several a step (engine/speculate.py)
+    speculative_tokens: int = bounded(4, 1)  # proposals per decode row at most
+    ngram_min: int = bounded(2, 1)  # the shortest suffix n-gram that proposes
+    ngram_max: int = bounded(4, 1)  # the longest suffix n-gram looked up first
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.kv_block_size % 16:
             raise ValueError(f"kv_block_size must be a multiple of 16, got {self.kv_block_size}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
         if self.quantize != "none" and self.mode != "tp":
             raise ValueError(f"quantize {self.quantize!r} needs mode 'tp' (fsdp mode loads the seed converter's "
                              "unquantized shards)")

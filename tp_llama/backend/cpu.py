@@ -70,17 +70,16 @@ class CAttention(FusedAttention):
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         qkv = linear(x, self.wqkv)
-        done = batch.n_decode
+        # Tokens that attend as decode rows: every one where prompt_attention.c does not run prompts,
+        # else the decode rows and the rows that verify proposals (their bits those of decode steps).
+        done = len(qkv) if not ops.blocked_prompts(qkv.dtype, self.head_dim) else batch.n_decode + batch.n_verify
         out = qkv.new_empty((qkv.shape[0], self.widths[0]))
         cache = self.cache
-        if done < qkv.shape[0] and not ops.blocked_prompts(qkv.dtype, self.head_dim):
-            tables = batch.tables.index_select(0, batch.token_rows)  # each token's, alive for the call
-            rows = ops.decode_rows(rotation, tables, batch.positions)
-            ops.decode_attention(qkv, rows, cache.k, cache.v, cache.block_size, out, write_first=True)
-            return self.wo(out)
         if done:
-            rows = ops.decode_rows(rotation[:done], batch.tables[:done], batch.positions[:done])
-            ops.decode_attention(qkv[:done], rows, cache.k, cache.v, cache.block_size, out[:done])
+            own = done > batch.n_decode  # rows that see each other's keys: all written first
+            tables = batch.tables.index_select(0, batch.token_rows[:done]) if own else batch.tables[:done]
+            rows = ops.decode_rows(rotation[:done], tables, batch.positions[:done])  # tables alive for the call
+            ops.decode_attention(qkv[:done], rows, cache.k, cache.v, cache.block_size, out[:done], write_first=own)
         if done < qkv.shape[0]:
             self._attend_prompts(qkv[done:], rotation[done:], batch, done, out[done:])
         return self.wo(out)
@@ -96,6 +95,8 @@ class CAttention(FusedAttention):
         ops.rope_prompt_rows(qkv, rotation, batch.locations[done:], n_q // self.head_dim, cache.k, cache.v)
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv.split([n_q, n_kv, n_kv], dim=1))
         for first, row, start, length in batch.prefill:
+            if first < done:
+                continue  # a verifying row, attended as decode rows
             rows = slice(first - done, first - done + length)
             if not ops.prompt_attention(qkv[rows], n_q // self.head_dim, self.head_dim, cache.k, cache.v,
                                         cache.block_size, batch.tables[row], start, out[rows]):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, EngineConfig
+from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, SPECULATIVE, EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.runner import CPU_DEFAULT_SEQUENCES
 from tp_llama.kernels.quant import QUANTIZE
@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "and a minimum per group of 32 (docs/checkpoints.md)")
     parser.add_argument("--prefill-budget", type=int, default=SERVER.prefill_budget,
                         help="rows per step, decode rows included (longer prompts are prefilled in chunks)")
+    parser.add_argument("--speculative", choices=SPECULATIVE, default=SERVER.speculative,
+                        help="ngram: decode rows carry tokens proposed by n-gram prompt lookup, verified several "
+                             "a step (replies do not change)")
+    parser.add_argument("--speculative-tokens", type=int, default=SERVER.speculative_tokens,
+                        help="proposals per decode row at most")
+    parser.add_argument("--ngram-min", type=int, default=SERVER.ngram_min, help="the shortest suffix n-gram that proposes")
+    parser.add_argument("--ngram-max", type=int, default=SERVER.ngram_max, help="the longest suffix n-gram, looked up first")
     return parser.parse_args(argv)
 
 
@@ -93,7 +100,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     max_seq_len = a.max_seq_len if a.max_seq_len is not None else max(2, min(longest, SERVER.max_seq_len))
     slots = a.slots if a.slots is not None else min(len(a.prompt), SERVER.max_batch_size)
     return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget, a.device, a.compile,
-                        a.kv_cache_memory_gb, a.kv_block_size, not a.no_prefix_caching, a.quantize)
+                        a.kv_cache_memory_gb, a.kv_block_size, not a.no_prefix_caching, a.quantize, a.speculative,
+                        a.speculative_tokens, a.ngram_min, a.ngram_max)
 
 
 def run(a: argparse.Namespace) -> None:

@@ -26,8 +26,9 @@ from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import StepPlan
 from tp_llama.engine.runner import ModelRunner, plan_backend
-from tp_llama.engine.sampling import sample_rows
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
+from tp_llama.engine.speculate import Speculator
+from tp_llama.engine.verify import verify_rows
 from tp_llama.model import KVCache, ModelArgs
 from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, init_distributed, log
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
@@ -121,7 +122,8 @@ class Engine:
     def new_scheduler(self) -> Scheduler:
         c = self.config
         pool = BlockPool(self.cache.n_blocks, c.kv_block_size, c.prefix_caching)
-        return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool)
+        speculator = Speculator(c.speculative_tokens, c.ngram_min, c.ngram_max) if c.speculative == "ngram" else None
+        return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool, speculator)
 
     def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
             on_step: Callable[[list[Sequence]], bool | None] | None = None) -> None:
@@ -138,9 +140,9 @@ class Engine:
             # The last step unless one more would still end within the budget (a step takes about as
             # long as the one before).
             end = step_started - started + 2 * self._last_step_s > budget_s
-            picked, logprobs, scores = self._lead(scheduled, end)
+            picked, logprobs, scores, verified = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
-            touched = scheduler.commit(scheduled, picked, logprobs, scores)
+            touched = scheduler.commit(scheduled, picked, logprobs, scores, verified)
             for seq in touched:
                 if seq.constraint is not None and seq.constraint.failed:
                     scheduler.cancel(seq, "error")
@@ -178,9 +180,10 @@ class Engine:
         self.run(scheduler, on_step=on_step)
         return sequences
 
-    def _lead(self, scheduled: Scheduled, end: bool) -> tuple[list[int], list, list]:
+    def _lead(self, scheduled: Scheduled, end: bool) -> tuple[list[int], list, list, dict[int, list]]:
         """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row
-        (with its log-probabilities where the sequence asks), and each row's prompt log-probabilities."""
+        (with its log-probabilities where the sequence asks), each row's prompt log-probabilities, and
+        the proposals each row that carried some accepted (engine/verify.py)."""
         started = time.perf_counter()
         sampling = [seq for group in scheduled.samplers for seq in group]
         constrained = [r for r, seq in enumerate(sampling) if seq.constraint is not None]
@@ -190,12 +193,10 @@ class Engine:
             # An embedding padded past the tokenizer: its extra rows were never trained and no id past
             # the tokenizer's can be decoded, so none is picked.
             logits = logits[:, : self.tokenizer.n_words].contiguous()
-        picked, logprobs = [], []
+        picked, logprobs, verified = [], [], {}
         if logits is not None:
-            if len(sampling) > len(logits):  # a group's first tokens (n > 1): its sequences pick from one row
-                logits = logits[[r for r, group in enumerate(scheduled.samplers) for _ in group]]
             allowed = masks.result() if masks is not None else None
-            picked, logprobs = sample_rows(logits, sampling, allowed, constrained)
+            picked, logprobs, verified = verify_rows(logits, scheduled.rows, scheduled.samplers, allowed, constrained)
             self._advance_constraints(sampling, constrained, picked)
         seconds = time.perf_counter() - started
         if scheduled.prompt_tokens:
@@ -204,7 +205,7 @@ class Engine:
         elif scheduled.rows:
             self.stats.decode_tokens += len(scheduled.rows)
             self.stats.decode_s += seconds
-        return picked, logprobs, scores
+        return picked, logprobs, scores, verified
 
     def _start_masks(self, sampling: list[Sequence]):
         """The grammar masks of the step's constrained rows, computed while the forward runs."""

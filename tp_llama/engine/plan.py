@@ -23,6 +23,14 @@ class Row:
     # from its group's prompt (n > 1) takes its own copy of the prompt's last, partly filled block on
     # its first row.
     copy: tuple[int, int] | None = None
+    # Speculative decoding: the row's last `proposed` tokens are proposals after its sequence's newest
+    # token; logits come back for the newest token and each proposal (proposed + 1 of them).
+    proposed: int = 0
+
+    @property
+    def logits_wanted(self) -> int:
+        """How many of the row's last positions return logits: none, one, or one per proposal and one."""
+        return self.proposed + 1 if self.sample else 0
 
     def targets(self) -> list[int]:
         """The token each scored position predicts."""
@@ -46,10 +54,10 @@ class PlanWire:
     """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
 
     Layout: [end, n_rows, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
-    copy dst), tokens..., block ids...]; a row without a copy has -1 for both.
+    copy dst, proposed), tokens..., block ids...]; a row without a copy has -1 for both.
     """
 
-    FIELDS = 9
+    FIELDS = 10
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
@@ -62,7 +70,7 @@ class PlanWire:
             raise ValueError(f"plan of {len(plan.rows)} rows / {len(tokens)} tokens / {len(blocks)} blocks exceeds "
                              "the wire's capacity")
         rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score,
-                                                 row.scored, row.next_token, *(row.copy or (-1, -1)))]
+                                                 row.scored, row.next_token, *(row.copy or (-1, -1)), row.proposed)]
         wire = torch.zeros(self.size, dtype=torch.long)
         head = [int(plan.end), len(plan.rows)] + rows
         wire[: len(head)] = torch.tensor(head, dtype=torch.long)
@@ -81,8 +89,8 @@ class PlanWire:
         at += self.max_tokens
         blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
         rows, t, b = [], 0, 0
-        for start, length, sample, n_blocks, score, scored, next_token, src, dst in fields:
+        for start, length, sample, n_blocks, score, scored, next_token, src, dst, proposed in fields:
             rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
-                            next_token, (src, dst) if src >= 0 else None))
+                            next_token, (src, dst) if src >= 0 else None, proposed))
             t, b = t + length, b + n_blocks
         return StepPlan(rows, end=bool(end))

@@ -103,7 +103,7 @@ class ModelRunner:
         if config.mode == "tp":
             warm_up(backend.matmul_weights(model), config.max_batch_size, self.dtype)
         self.decode_step = self._capture(config) if compiled else None
-        self.wire = PlanWire(config.max_batch_size, config.prefill_budget + config.max_batch_size,
+        self.wire = PlanWire(config.max_batch_size, 2 * config.prefill_budget + config.max_batch_size,
                              config.max_batch_size * config.blocks_per_sequence)
 
     @property
@@ -199,7 +199,7 @@ class ModelRunner:
             layer.attention.cache.copy_blocks(src, dst)
 
     def _batch(self, rows: list[Row], all_logits: bool = False) -> Batch:
-        spec = [(r.start, r.tokens, r.sample, r.blocks) for r in rows]
+        spec = [(r.start, r.tokens, r.logits_wanted, r.blocks) for r in rows]
         return Batch.build(spec, self.cache.block_size, self.cache.spare, self.info.device, all_logits=all_logits)
 
     def _scoring_step(self, rows: list[Row]) -> tuple[torch.Tensor, tuple | None]:
@@ -207,8 +207,7 @@ class ModelRunner:
         logits from it as in any step, and the scored positions' log-probabilities (scoring.py)."""
         at, sample_at, score_at, targets = 0, [], [], []
         for row in rows:
-            if row.sample:
-                sample_at.append(at + len(row.tokens) - 1)
+            sample_at += range(at + len(row.tokens) - row.logits_wanted, at + len(row.tokens))
             if row.score >= 0:
                 score_at += range(at, at + row.scored)
                 targets += row.targets()

@@ -17,6 +17,12 @@ Memory decides how many run: a sequence is admitted when the blocks its prompt s
 the prefix cache's hits) are free, and grows a block at a time; when the pool runs dry mid-decode
 the newest sequence is preempted (its blocks freed, its tokens recomputed later, as vLLM does).
 
+Speculative decoding (a `Speculator`): a decode row may carry proposed tokens after its newest one,
+within the room its sequence has left (max_new_tokens, max_seq_len), free blocks (never preempting
+for them) and half the budget; `commit` takes the accepted ones with the picked token, and the
+sequence's length goes back past the rejected ones (blocks holding only those return to the pool,
+and only accepted tokens ever reach the prefix cache).
+
 n > 1 (a group: sequences of one prompt, `Sequence.fork_of`): the group's first sequence carries the
 others until its first token, so the prompt is computed once; at that row every member takes its first
 token from the same logits (`Scheduled.samplers`), then each fork shares the prompt's full blocks by
@@ -28,66 +34,17 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.plan import Row
 from tp_llama.engine.sampling import SamplingParams, TokenLogprobs, check_params
+from tp_llama.engine.sequence import Sequence
+from tp_llama.engine.speculate import Speculator
 
-if TYPE_CHECKING:
-    from tp_llama.engine.constraint import Constraint
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request from admission to its last token; the handler and the CLI hold it by id."""
-
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None  # prefixes are shared only between requests of the same salt
-    output: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
-    blocks: list[int] = field(default_factory=list)  # block table: the KV-cache blocks of positions 0, B, 2B, ...
-    keys: list[int] = field(default_factory=list)  # the prefix-cache key of each full block in `blocks`
-    computed: int = 0  # tokens already written to the KV cache
-    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
-    preemptions: int = 0
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    arrived: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    reported: int = 0  # output tokens already handed to the client
-    constraint: Constraint | None = None  # a structured output's grammar state (rank 0; engine/constraint.py)
-    # n > 1: a fork names its group's first sequence (same prompt, params and cache salt), which carries
-    # it (`forks`) until their first token; from then on each sequence of the group is on its own.
-    fork_of: Sequence | None = None
-    forks: list[Sequence] = field(default_factory=list)
-    copy: tuple[int, int] | None = None  # a new fork's block copy (src, dst), sent with its next row
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output
-
-    @property
-    def prefilling(self) -> bool:
-        """More than the newest token still to compute: a prompt, or the tokens of a preempted sequence."""
-        return self.computed < len(self.prompt_ids) + len(self.output) - 1 or not self.output
-
-    def take_new_tokens(self) -> tuple[list[int], list[TokenLogprobs]]:
-        """Output tokens not handed out before (for streaming), and their log-probabilities if asked for."""
-        new, logprobs = self.output[self.reported :], self.logprobs[self.reported :]
-        self.reported = len(self.output)
-        return new, logprobs
+SPECULATE_STEP_TOKENS = 32  # decode tokens (proposals included) a step may reach and still carry proposals
 
 
 @dataclass
@@ -131,14 +88,14 @@ class Scheduler:
     """Admission in arrival order (preempted sequences first), by free blocks, a budget of rows per step."""
 
     def __init__(self, max_running: int, max_seq_len: int, prefill_budget: int, stop_ids: frozenset[int],
-                 pool: BlockPool):
+                 pool: BlockPool, speculator: Speculator | None = None):
         if max_running < 1 or prefill_budget < 1:
             raise ValueError("max_running and prefill_budget must be >= 1")
         if pool.blocks_for(max_seq_len) > pool.n_blocks:
             raise ValueError(f"a KV-cache pool of {pool.n_blocks} blocks of {pool.size} cannot hold one sequence "
                              f"of max_seq_len {max_seq_len}")
         self.max_running, self.max_seq_len, self.prefill_budget = max_running, max_seq_len, prefill_budget
-        self.stop_ids, self.pool = stop_ids, pool
+        self.stop_ids, self.pool, self.speculator = stop_ids, pool, speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission: the last is preempted first
         self.preemptions = 0
@@ -216,14 +173,22 @@ class Scheduler:
         rows: list[Row] = []
         owners: list[Sequence] = []
         samplers: list[list[Sequence]] = []
-        for seq in [s for s in self.running if not s.prefilling]:
-            if seq not in self.running or not self._room_for(seq, seq.computed + 1):
-                continue  # preempted to make room for an older one
-            rows.append(Row(seq.computed, [seq.output[-1]], True, self._table(seq, seq.computed + 1), copy=seq.copy))
+        # Room for every decoding sequence's next token first (preempting where the pool is dry); then
+        # proposals take only the blocks left.
+        decoding = [s for s in self.running if not s.prefilling]
+        decoding = [s for s in decoding if s in self.running and self._room_for(s, s.computed + 1)]  # else preempted
+        spare = min(self.prefill_budget // 2, SPECULATE_STEP_TOKENS - len(decoding))  # tokens for proposals
+        for seq in decoding:
+            proposals = self._proposals(seq, spare)
+            spare -= len(proposals)
+            end = seq.computed + 1 + len(proposals)
+            rows.append(Row(seq.computed, [seq.output[-1], *proposals], True, self._table(seq, end), copy=seq.copy,
+                            proposed=len(proposals)))
             seq.copy = None
             owners.append(seq)
             samplers.append([seq])
-        budget = start = max(self.prefill_budget - len(rows), self.prefill_budget // 2, 1)
+        decode_tokens = sum(len(row.tokens) for row in rows)
+        budget = start = max(self.prefill_budget - decode_tokens, self.prefill_budget // 2, 1)
         for seq in [s for s in self.running if s.prefilling] + list(self.waiting):
             if budget == 0:
                 break
@@ -240,22 +205,43 @@ class Scheduler:
                 samplers.append([seq, *seq.forks])
         return Scheduled(rows, owners, start - budget, samplers)
 
+    def _proposals(self, seq: Sequence, most: int) -> list[int]:
+        """The speculator's proposals for a decode row, as many as its sequence's limits, `most` and the
+        pool's free blocks (taken now; no sequence is preempted for a proposal) allow."""
+        if self.speculator is None or seq.constraint is not None:
+            return []
+        room = min(most, seq.params.max_new_tokens - len(seq.output) - 1, self.max_seq_len - seq.computed - 2)
+        proposals = self.speculator.propose(seq.id, seq.tokens, room)
+        while proposals and len(seq.blocks) < self.pool.blocks_for(seq.computed + 1 + len(proposals)):
+            if self.pool.free:
+                seq.blocks += self.pool.allocate(1)
+            else:
+                proposals.pop()
+        return proposals
+
     def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None,
-               scores: list[list[TokenLogprobs] | None] | None = None) -> list[Sequence]:
+               scores: list[list[TokenLogprobs] | None] | None = None,
+               verified: dict[int, list[TokenLogprobs | None]] | None = None) -> list[Sequence]:
         """Record the step's results (one picked token per sampler, `step.samplers` flattened, and its
         log-probabilities where asked for; per row, the prompt log-probabilities it scored); returns the
-        sequences it touched."""
+        sequences it touched.
+
+        verified: for each row with proposals (by index), the log-probabilities (or None) of the
+        proposals it accepted, in order; the sampler's picked token comes after them."""
         now = time.perf_counter()
         tokens = iter(zip(picked, logprobs or [None] * len(picked)))
         samplers = iter(step.samplers)
         touched = list(step.sequences)
-        for row, seq, scored in zip(step.rows, step.sequences, scores or [None] * len(step.rows)):
+        for r, (row, seq, scored) in enumerate(zip(step.rows, step.sequences, scores or [None] * len(step.rows))):
             group = next(samplers) if row.sample else [seq]
             picks = [next(tokens) for _ in group] if row.sample else []
             touched += group[1:]
             # Cancelled while its step ran: left alone, unless a group's next sequence took its place.
             seq = next((s for s in group if not s.finished), None)
             if seq is None:
+                continue
+            if row.proposed:
+                self._commit_verified(row, seq, (verified or {}).get(r, []), picks[0], now)
                 continue
             seq.computed += len(row.tokens)
             self._remember_full_blocks(seq)
@@ -275,6 +261,23 @@ class Scheduler:
                     self._take(member, token, token_logprobs, now)
         return touched
 
+    def _commit_verified(self, row: Row, seq: Sequence, accepted: list[TokenLogprobs | None],
+                         pick: tuple[int, TokenLogprobs | None], now: float) -> None:
+        """A decode row with proposals: its newest token and the accepted proposals are in the cache, the
+        rest are dropped (the sequence's length goes back past them, and blocks holding only them go
+        back to the pool); the accepted proposals, then the picked token, join its output."""
+        seq.computed += 1 + len(accepted)
+        if self.speculator is not None:
+            self.speculator.record(seq.id, row.proposed, len(accepted))
+        for token, token_logprobs in [*zip(row.tokens[1:], accepted), pick]:
+            self._take(seq, token, token_logprobs, now)
+            if seq.finished:
+                return
+        self._remember_full_blocks(seq)
+        keep = self.pool.blocks_for(len(seq.prompt_ids) + len(seq.output))
+        self.pool.release(seq.blocks[keep:])
+        del seq.blocks[keep:]
+
     def _take(self, seq: Sequence, token: int, token_logprobs: TokenLogprobs | None, now: float) -> None:
         """A sequence's picked token: the next of its output, or its end."""
         if seq.first_token_at is None:
@@ -285,7 +288,7 @@ class Scheduler:
         seq.output.append(token)
         if token_logprobs is not None:
             seq.logprobs.append(token_logprobs)
-        if len(seq.output) >= seq.params.max_new_tokens or seq.computed + 1 >= self.max_seq_len:
+        if len(seq.output) >= seq.params.max_new_tokens or len(seq.prompt_ids) + len(seq.output) >= self.max_seq_len:
             self._finish(seq, "length")
 
     def _fork(self, seq: Sequence, fork: Sequence) -> None:
@@ -368,6 +371,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.finished_at = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.forget(seq.id)
         if seq in self.running:
             self.running.remove(seq)
             self.pool.release(seq.blocks)

@@ -14,9 +14,11 @@ class Batch:
 
     The cache is a pool of blocks of `block_size` positions; row r's block table tables[r] lists
     the blocks of its positions 0, B, 2B, ... (padded with the spare block). The first `n_decode`
-    tokens are decode rows (one token each, rows 0 .. n_decode - 1 of `tables`); `prefill` lists
-    the other rows as (first token index, row of `tables`, start position, length). Logits come
-    back for the tokens at `logits_at` only; token t belongs to row token_rows[t] of `tables`.
+    tokens are decode rows (one token each, rows 0 .. n_decode - 1 of `tables`); the next `n_verify`
+    tokens are rows that want logits at several positions (speculative decoding's proposals, to be
+    attended as decode rows are); `prefill` lists every row after the decode rows as (first token
+    index, row of `tables`, start position, length). Logits come back for the tokens at `logits_at`
+    only; token t belongs to row token_rows[t] of `tables`.
     """
 
     tokens: torch.Tensor
@@ -30,17 +32,19 @@ class Batch:
     prefill: list[tuple[int, int, int, int]]
     block_mask: BlockMask | None = None  # decode_by_index: the blocks each row reads, for every layer
     token_rows: torch.Tensor | None = None  # build: each token's row of `tables`
+    n_verify: int = 0
 
     @classmethod
-    def build(cls, rows: list[tuple[int, list[int], bool, list[int]]], block_size: int, spare: int,
+    def build(cls, rows: list[tuple[int, list[int], int, list[int]]], block_size: int, spare: int,
               device: torch.device, all_logits: bool = False) -> Batch:
-        """rows: (start position, tokens, want the logits of its last token, block table); a row of one
-        token decodes. `spare`: the block padding tables point at.
+        """rows: (start position, tokens, how many of its last tokens want logits (0, 1 or more; a
+        bool for 0 or 1), block table); a row of one token decodes. `spare`: the block padding tables
+        point at.
 
         Everything is computed on the host from Python ints and copied to the device at once: no
         device sync in the forward.
         """
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) > 1)
+        order = sorted(range(len(rows)), key=lambda i: 0 if len(rows[i][1]) == 1 else 1 if rows[i][2] > 1 else 2)
         width = max(len(rows[i][3]) for i in order)
         tokens, positions, locations, tables, prefill, token_rows = [], [], [], [], [], []
         first = [0] * len(rows)
@@ -59,9 +63,10 @@ class Batch:
         for i, (_, ids, want, _) in enumerate(rows):
             if all_logits:
                 logits_at += range(first[i], first[i] + len(ids))
-            elif want:
-                logits_at.append(first[i] + len(ids) - 1)
+            else:
+                logits_at += range(first[i] + len(ids) - want, first[i] + len(ids))
         n_decode = sum(1 for _, ids, _, _ in rows if len(ids) == 1)
+        n_verify = sum(len(ids) for _, ids, want, _ in rows if len(ids) > 1 and want > 1)
         # One host-to-device copy for everything the forward reads.
         parts = (tokens, positions, locations, logits_at, tables, token_rows)
         tokens_t, positions_t, locations_t, logits_t, tables_t, token_rows_t = to_device(
@@ -73,7 +78,7 @@ class Batch:
             decode_mask = (torch.arange(kv_len, device=device) <= positions_t[:n_decode].unsqueeze(1)
                            ).view(n_decode, 1, 1, kv_len)
         return cls(tokens_t, positions_t, locations_t, logits_t, tables_t.view(len(rows), width), block_size,
-                   n_decode, decode_mask, prefill, token_rows=token_rows_t)
+                   n_decode, decode_mask, prefill, token_rows=token_rows_t, n_verify=n_verify)
 
     @classmethod
     def decode_by_index(cls, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor,

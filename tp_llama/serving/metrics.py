@@ -35,10 +35,16 @@ KV_BLOCKS_TOTAL = PREFIX + "kv_cache_blocks_total"
 PREFIX_QUERIES = PREFIX + "prefix_cache_queries_tokens_total"  # prompt tokens looked up in the prefix cache
 PREFIX_HITS = PREFIX + "prefix_cache_hits_tokens_total"  # of those, found there (not prefilled)
 PREEMPTIONS = PREFIX + "preemptions_total"  # sequences whose blocks were taken back, to be recomputed
+# Speculative decoding, as vLLM reports it: proposals made, accepted, and accepted at each position
+# of a row's proposals (1 = the first).
+SPEC_PROPOSED = PREFIX + "spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = PREFIX + "spec_decode_num_accepted_tokens_total"
+SPEC_ACCEPTED_AT = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 OUTCOMES = ("ok", "4xx", "cancelled", "failed")
 
 MODEL = "model_name"
 OUTCOME = "outcome"
+POSITION = "position"
 
 
 class ServingMetrics:
@@ -51,7 +57,7 @@ class ServingMetrics:
     def __init__(self, cache: Any, model_name: str, kv_blocks: int) -> None:
         self.model = model_name
         self.metrics: dict[str, Any] = {}
-        self.totals: Counter[tuple[str, str]] = Counter()  # (name, outcome or "") -> value, for tests
+        self.totals: Counter[tuple[str, str]] = Counter()  # (name, outcome, position or "") -> value, for tests
         self.observations: Counter[str] = Counter()  # histogram name -> observations, for tests
         self.gauges: dict[str, float] = {}
         self._counts: Counter[tuple[str, str]] = Counter()
@@ -67,6 +73,7 @@ class ServingMetrics:
         for name in (PROMPT_TOKENS, GENERATED_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS):
             self._emit(name, 0)
         self._scheduler_totals = (0, 0, 0)
+        self._speculated: tuple[int, int, list[int]] = (0, 0, [])
         self._set(KV_BLOCKS_TOTAL, kv_blocks)
         self.update_gauges(0, 0, 0)
 
@@ -86,6 +93,9 @@ class ServingMetrics:
             (PREFIX_QUERIES, "tokens", MetricTypes.COUNTER, [MODEL]),
             (PREFIX_HITS, "tokens", MetricTypes.COUNTER, [MODEL]),
             (PREEMPTIONS, "sequences", MetricTypes.COUNTER, [MODEL]),
+            (SPEC_PROPOSED, "tokens", MetricTypes.COUNTER, [MODEL]),
+            (SPEC_ACCEPTED, "tokens", MetricTypes.COUNTER, [MODEL]),
+            (SPEC_ACCEPTED_AT, "tokens", MetricTypes.COUNTER, [MODEL, POSITION]),
         ):
             self.metrics[name] = cache.add_metric_to_cache(name, unit, dims, kind)
 
@@ -124,6 +134,15 @@ class ServingMetrics:
             self._counts[(name, "")] += now - before
         self._scheduler_totals = (queries, hits, preemptions)
 
+    def speculation(self, proposed: int, accepted: int, accepted_at: list[int]) -> None:
+        """The speculator's running totals (engine/speculate.py); what grew since the last call is counted."""
+        before_proposed, before_accepted, before_at = self._speculated
+        self._counts[(SPEC_PROPOSED, "")] += proposed - before_proposed
+        self._counts[(SPEC_ACCEPTED, "")] += accepted - before_accepted
+        for i, now in enumerate(accepted_at):
+            self._counts[(SPEC_ACCEPTED_AT, str(i + 1))] += now - (before_at[i] if i < len(before_at) else 0)
+        self._speculated = (proposed, accepted, list(accepted_at))
+
     def _set(self, name: str, value: float) -> None:
         if self.gauges.get(name) != value:
             self.gauges[name] = value
@@ -131,8 +150,8 @@ class ServingMetrics:
 
     def flush(self) -> None:
         """Send the call's counter increments, one line per series that grew."""
-        for (name, outcome), value in self._counts.items():
+        for (name, label), value in self._counts.items():
             if value:
-                self.totals[(name, outcome)] += value
-                self._emit(name, value, *([outcome] if outcome else []))
+                self.totals[(name, label)] += value
+                self._emit(name, value, *([label] if label else []))
         self._counts.clear()

@@ -1,0 +1,238 @@
+"""Speculative decoding (engine/speculate.py, engine/verify.py, the scheduler's rows with proposals):
+replies are the same with it on and off, and the KV cache, the block pool and the prefix cache hold
+only accepted tokens.
+
+On random weights real proposers are almost always rejected at once, so most tests use a proposer
+that replays the reply made without speculation with wrong tokens planted in it: every acceptance
+length is exercised, rejection at the first proposal included.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.plan import PlanWire, Row, StepPlan
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
+from tp_llama.engine.speculate import Speculator, ngram_proposal
+
+PROMPTS = {"a": 13, "b": 29, "c": 7, "d": 40}  # name: prompt length (b and d cross a block of 16)
+NEW = 24
+
+
+@pytest.mark.parametrize(("tokens", "k", "expected"), [
+    ([1, 2, 3, 9, 1, 2, 3], 3, [9, 1, 2]),      # "1 2 3" stood earlier: what followed it
+    ([5, 1, 2, 7, 7, 1, 2], 2, [7, 7]),         # the longest suffix first ("1 2"), not "2" alone
+    ([1, 2, 8, 1, 2, 9, 1, 2], 1, [9]),         # the latest earlier occurrence
+    ([4, 5, 6, 7], 3, []),                      # no suffix of 2 or more stands earlier
+    ([3, 3, 3, 3], 4, [3]),                     # the run: "3 3 3" at 0 is followed by one 3
+    ([1, 2, 1, 2], 5, [1, 2]),                  # fewer than k follow
+])
+def test_ngram_lookup_proposes_what_followed_the_longest_suffix_seen_before(tokens, k, expected):
+    assert ngram_proposal(tokens, k, 2, 3) == expected
+
+
+def test_a_row_whose_proposals_are_rarely_taken_stops_proposing():
+    speculator = Speculator(4, 2, 4)
+    speculator.record("s", 4, 0)
+    assert speculator.propose("s", [1, 2, 1, 2], 4) == [1, 2]  # still warming up
+    speculator.record("s", 4, 0)
+    assert speculator.propose("s", [1, 2, 1, 2], 4) == []
+    speculator.record("t", 4, 2)
+    speculator.record("t", 4, 1)
+    assert speculator.propose("t", [1, 2, 1, 2], 4) == [1, 2]
+    assert (speculator.proposed, speculator.accepted, speculator.accepted_at) == (16, 3, [2, 1, 0, 0])
+    speculator.forget("s")
+    assert speculator.propose("s", [1, 2, 1, 2], 4) == [1, 2]
+
+
+def test_the_plan_wire_carries_a_rows_proposals():
+    wire = PlanWire(4, 32, 16)
+    plan = StepPlan([Row(5, [7, 8, 9], True, [0], proposed=2), Row(0, [1, 2, 3, 4], False, [1])], end=False)
+    assert wire.decode(wire.encode(plan)) == plan
+
+
+class Replay(Speculator):
+    """Proposes each sequence's reference continuation, with the tokens at `wrong` positions of the
+    output replaced, so proposals are accepted up to a planted token and rejected there."""
+
+    def __init__(self, reference: dict[str, list[int]], wrong: set[int], vocab: int):
+        super().__init__(4, 1, 1)
+        self.reference, self.wrong, self.vocab = reference, wrong, vocab
+
+    def worth(self, seq_id: str) -> bool:
+        return True
+
+    def propose(self, seq_id: str, tokens, most: int) -> list[int]:
+        done = len(tokens) - PROMPTS[seq_id]
+        ahead = self.reference[seq_id][done : done + min(most, self.tokens)]
+        return [(t + 1) % self.vocab if done + i in self.wrong else t for i, t in enumerate(ahead)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(synthetic_checkpoint) -> Path:
+    return synthetic_checkpoint("llama3", mp=1)
+
+
+def requests(engine: Engine, seeded: bool) -> list[Sequence]:
+    out = []
+    for i, (name, length) in enumerate(PROMPTS.items()):
+        ids = torch.randint(3, engine.args.vocab_size, (length,), generator=torch.Generator().manual_seed(i)).tolist()
+        params = SamplingParams(NEW, temperature=0.8 if seeded and i % 2 == 0 else 0.0, top_p=0.9, seed=i,
+                                logprobs=2, ignore_eos=True, repetition_penalty=1.1 if i == 1 else 1.0)
+        out.append(Sequence(name, ids, params))
+    return out
+
+
+def run(engine: Engine, seqs: list[Sequence], speculator: Speculator | None) -> list[Sequence]:
+    scheduler = engine.new_scheduler()
+    scheduler.speculator = speculator
+    for seq in seqs:
+        scheduler.add(seq)
+    engine.run(scheduler)
+    assert len(scheduler.pool.free) == scheduler.pool.n_blocks  # every block back, rejected ones included
+    return seqs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_replies_are_the_same_with_proposals_accepted_and_rejected_at_every_length(checkpoint, dtype, seeded):
+    engine = Engine.load(EngineConfig(str(checkpoint), "tp", dtype, max_seq_len=96, max_batch_size=4,
+                                      prefill_budget=32))
+    plain = run(engine, requests(engine, seeded), None)
+    reference = {seq.id: seq.output for seq in plain}
+    wrong = {0, 3, 4, 9, 15, 16, 17, 22}  # rejection at the first proposal, after 1, 2, 3 and 4 accepted
+    replay = Replay(reference, wrong, engine.args.vocab_size)
+    spec = run(engine, requests(engine, seeded), replay)
+    for a, b in zip(plain, spec):
+        assert b.output == a.output, b.id
+        assert b.logprobs == a.logprobs, b.id
+    assert replay.proposed > 0 and 0 < replay.accepted < replay.proposed
+    assert all(replay.accepted_at), replay.accepted_at  # every position accepted somewhere
+
+
+def test_preemption_and_a_small_pool_keep_the_replies(checkpoint):
+    """A pool so small that sequences are preempted while they speculate, proposals cut to the blocks
+    left, rows crossing block boundaries."""
+    roomy = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=96, max_batch_size=4,
+                                     prefill_budget=32))
+    reference = {seq.id: seq.output for seq in run(roomy, requests(roomy, True), None)}
+    cache = roomy.cache
+    block_bytes = 2 * len(roomy.model.layers) * cache.k[:, : cache.block_size].numel() * cache.k.element_size()
+    tight = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=96, max_batch_size=4,
+                                     prefill_budget=32, kv_cache_memory_gb=8 * block_bytes / 2**30))
+    scheduler = tight.new_scheduler()
+    scheduler.speculator = Replay(reference, {2, 7, 11}, tight.args.vocab_size)
+    seqs = requests(tight, True)
+    for seq in seqs:
+        scheduler.add(seq)
+    tight.run(scheduler)
+    assert scheduler.preemptions > 0
+    assert {seq.id: seq.output for seq in seqs} == reference
+
+
+def cached_keys(engine: Engine, seq: Sequence, positions: int) -> torch.Tensor:
+    size = engine.cache.block_size
+    where = [seq.blocks[p // size] * size + p % size for p in range(positions)]
+    return torch.stack([layer.attention.cache.k[:, where] for layer in engine.model.layers])
+
+
+def test_the_cache_holds_the_accepted_sequence_and_the_prefix_cache_no_rejected_token(checkpoint):
+    engine = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=96, max_batch_size=4,
+                                      prefill_budget=32))
+    snapshots = {}
+
+    def after(seq: Sequence, label: str):
+        def on_step(_) -> None:
+            if label not in snapshots and len(seq.output) >= 12:
+                snapshots[label] = cached_keys(engine, seq, seq.computed)
+        return on_step
+
+    def one(speculator: Speculator | None, label: str) -> Sequence:
+        seq = requests(engine, False)[1]
+        scheduler = engine.new_scheduler()
+        scheduler.speculator = speculator
+        scheduler.add(seq)
+        engine.run(scheduler, on_step=after(seq, label))
+        return seq
+
+    plain = one(None, "plain")
+    one(Replay({"b": plain.output}, {1, 5, 6, 10}, engine.args.vocab_size), "spec")
+    shared = min(snapshots["plain"].shape[2], snapshots["spec"].shape[2])
+    assert shared >= PROMPTS["b"] + 11
+    assert torch.equal(snapshots["plain"][..., :shared, :], snapshots["spec"][..., :shared, :])
+    # A new request over the speculating sequence's tokens reads its cached blocks: the continuation
+    # must be what a fresh engine (nothing cached) computes.
+    follow = plain.prompt_ids + plain.output[:20]
+    scheduler = engine.new_scheduler()
+    scheduler.speculator = Replay({"b": plain.output}, {1, 5, 6, 10}, engine.args.vocab_size)
+    spec = Sequence("b", plain.prompt_ids, requests(engine, False)[1].params)
+    scheduler.add(spec)
+    engine.run(scheduler)
+    again = Sequence("again", follow, SamplingParams(6, ignore_eos=True))
+    scheduler.speculator = None
+    scheduler.add(again)
+    engine.run(scheduler)
+    assert again.cached_tokens and again.cached_tokens >= 32
+    fresh = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=96, max_batch_size=4,
+                                     prefill_budget=32, prefix_caching=False))
+    expected = Sequence("again", follow, SamplingParams(6, ignore_eos=True))
+    fresh.generate([expected])
+    assert again.output == expected.output
+
+
+def test_proposals_stop_at_max_tokens_and_the_ngram_proposer_runs_through_the_yaml_setting(checkpoint):
+    engine = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=640, max_batch_size=4,
+                                      prefill_budget=128, speculative="ngram", speculative_tokens=3, ngram_min=1))
+    scheduler = engine.new_scheduler()
+    assert isinstance(scheduler.speculator, Speculator) and scheduler.speculator.tokens == 3
+    # Every id of the vocabulary stands in the prompt, so every token drawn after it has a 1-gram proposal.
+    every = torch.randperm(engine.args.vocab_size, generator=torch.Generator().manual_seed(5)).tolist()
+    seqs = [Sequence("short", every, SamplingParams(5, ignore_eos=True)),
+            Sequence("long", every[1:], SamplingParams(NEW, ignore_eos=True))]
+    plain = [Sequence(s.id, s.prompt_ids, s.params) for s in seqs]
+    for seq in seqs:
+        scheduler.add(seq)
+    engine.run(scheduler)
+    assert scheduler.speculator.proposed > 0
+    run(engine, plain, None)
+    assert [s.output for s in seqs] == [s.output for s in plain] and len(seqs[0].output) == 5
+    with pytest.raises(ValueError, match="ngram_min"):
+        EngineConfig(str(checkpoint), ngram_min=5, ngram_max=3)
+
+
+def served_replies(server) -> dict[str, object]:
+    """Greedy and seeded replies through both APIs, plain and streamed, to a token-id prompt that holds
+    every id of the vocabulary (so with ngram_min 1 every decode row has a proposal)."""
+    prompt = torch.randperm(512, generator=torch.Generator().manual_seed(8)).tolist()[:500]
+    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "logprobs": 2}
+    out = {}
+    for name, extra in (("greedy", {}), ("seeded", {"temperature": 0.9, "seed": 3, "n": 2})):
+        reply = server.request("POST", "/predictions/llama/1.0/v1/completions", json.dumps({**body, **extra}).encode())
+        assert reply.status == 200, reply.body[:500]
+        out[name] = [(c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in reply.json()["choices"]]
+    status, chunks = server.predict_stream({"prompt": "a b a b a b a b", "max_new_tokens": 16, "stream": True,
+                                            "temperature": 0})
+    assert status == 200
+    out["native stream"] = "".join(chunk.get("text", "") for chunk in chunks)
+    return out
+
+
+def test_served_at_tp_2_the_replies_are_the_same_with_speculation_on_and_off(synthetic_checkpoint, serve):
+    checkpoint = synthetic_checkpoint("llama3", mp=2)
+    settings = {"max_seq_len": 640, "max_batch_size": 4, "dtype": "float32"}
+    with serve(checkpoint, tp=2, **settings) as server:
+        off = served_replies(server)
+    with serve(checkpoint, tp=2, speculative="ngram", ngram_min=1, **settings) as server:
+        on = served_replies(server)
+        metrics = server.request("GET", "/metrics", port=server.metrics_port, key=None, timeout=30).body.decode()
+    assert on == off
+    proposed = re.search(r'^llama_spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
+    assert proposed and float(proposed[1]) > 0, metrics[-2000:]

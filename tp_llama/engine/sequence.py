@@ -1,0 +1,64 @@
+"""A request's sequence from admission to its last token: what the scheduler, the sampler and the
+front doors read and write of it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tp_llama.engine.sampling import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from tp_llama.engine.constraint import Constraint
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request from admission to its last token; the handler and the CLI hold it by id."""
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None  # prefixes are shared only between requests of the same salt
+    output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
+    blocks: list[int] = field(default_factory=list)  # block table: the KV-cache blocks of positions 0, B, 2B, ...
+    keys: list[int] = field(default_factory=list)  # the prefix-cache key of each full block in `blocks`
+    computed: int = 0  # tokens already written to the KV cache
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    preemptions: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    reported: int = 0  # output tokens already handed to the client
+    constraint: Constraint | None = None  # a structured output's grammar state (rank 0; engine/constraint.py)
+    # n > 1: a fork names its group's first sequence (same prompt, params and cache salt), which carries
+    # it (`forks`) until their first token; from then on each sequence of the group is on its own.
+    fork_of: Sequence | None = None
+    forks: list[Sequence] = field(default_factory=list)
+    copy: tuple[int, int] | None = None  # a new fork's block copy (src, dst), sent with its next row
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        """More than the newest token still to compute: a prompt, or the tokens of a preempted sequence."""
+        return self.computed < len(self.prompt_ids) + len(self.output) - 1 or not self.output
+
+    def take_new_tokens(self) -> tuple[list[int], list[TokenLogprobs]]:
+        """Output tokens not handed out before (for streaming), and their log-probabilities if asked for."""
+        new, logprobs = self.output[self.reported :], self.logprobs[self.reported :]
+        self.reported = len(self.output)
+        return new, logprobs
