@@ -1,8 +1,11 @@
-"""A prompt chunk's attention: the C kernel (kernels/cpu/prompt_attention.c) against PyTorch's flash kernel.
+"""A prompt chunk's attention: the C kernel against PyTorch's flash kernel.
 
     python -m bench.kernels.attention [--preset llama3.2-1b] [--chunks 0:200 0:512 312:200] [--builds ...]
+                                      [--dtype bfloat16|float32]
 
-One layer of the preset's heads (bfloat16), each chunk given as START:ROWS (rows at positions
+The C kernel: kernels/cpu/prompt_attention.c in bfloat16; in float32, every row of the chunk as a
+decode row (decode_attention's write_first, its keys written first; that write is timed too), the
+path float32 prompts take. One layer of the preset's heads, each chunk given as START:ROWS (rows at positions
 START .., against the keys before them too, read through a block table as a long prompt's later
 chunk or a cached prefix would be). For each build of the C kernels this CPU runs (or those named),
 a fresh process times both kernels taking turns and keeps the best of --repeats; GFLOPS count the
@@ -29,14 +32,19 @@ HEADERS = ["build", "start", "rows", "C ms", "PyTorch flash ms", "C / flash", "C
 BLOCK = 16
 
 
-def time_chunk(heads: int, kv_heads: int, head_dim: int, start: int, rows: int, repeats: int) -> tuple[float, float]:
+def time_chunk(heads: int, kv_heads: int, head_dim: int, start: int, rows: int, repeats: int,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     """Best seconds of the C kernel and of PyTorch's flash kernel on one chunk."""
     gen = torch.Generator().manual_seed(0)
     blocks = (start + rows + BLOCK - 1) // BLOCK
-    cache_k, cache_v = (torch.randn(kv_heads, blocks * BLOCK, head_dim, generator=gen).bfloat16() for _ in range(2))
+    cache_k, cache_v = (torch.randn(kv_heads, blocks * BLOCK, head_dim, generator=gen).to(dtype) for _ in range(2))
     table_ = torch.randperm(blocks, generator=gen)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).bfloat16()
-    out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    out = torch.empty(rows, heads * head_dim, dtype=dtype)
+    # float32's rows: no rotation (cos 1, sin 0), every row's table, its position (kept alive for the struct)
+    held = (torch.stack((torch.ones(rows, head_dim // 2), torch.zeros(rows, head_dim // 2)), dim=-1),
+            table_.expand(rows, blocks).contiguous(), torch.arange(start, start + rows))
+    as_rows = ops.decode_rows(*held)
     positions = torch.arange(start + rows)
     at = table_[positions // BLOCK] * BLOCK + positions % BLOCK
     q = qkv[:, : heads * head_dim].view(rows, heads, head_dim).transpose(0, 1).unsqueeze(0)
@@ -44,7 +52,9 @@ def time_chunk(heads: int, kv_heads: int, head_dim: int, start: int, rows: int, 
     seen = positions <= (start + torch.arange(rows)).unsqueeze(1)
 
     def c_kernel() -> None:
-        if not ops.prompt_attention(qkv, heads, head_dim, cache_k, cache_v, BLOCK, table_, start, out):
+        if dtype == torch.float32:
+            ops.decode_attention(qkv, as_rows, cache_k, cache_v, BLOCK, out, write_first=True)
+        elif not ops.prompt_attention(qkv, heads, head_dim, cache_k, cache_v, BLOCK, table_, start, out):
             raise SystemExit(f"the {library().variant} build does not take this chunk")
 
     def flash() -> None:
@@ -70,13 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--builds", nargs="+", help="builds of the C kernels to compare (default: all this CPU runs; "
                                                     "TP_LLAMA_KERNELS set: that one, in this process)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     a = parser.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
     args = read_params(ensure_checkpoint(PRESETS[a.preset], mp=1))
     chunks = [tuple(int(v) for v in chunk.split(":")) for chunk in a.chunks]
     if os.environ.get("TP_LLAMA_KERNELS"):  # one build, in this process
         rows = []
         for start, length in chunks:
-            c, flash = time_chunk(args.n_heads, args.n_kv_heads, args.head_dim, start, length, a.repeats)
+            c, flash = time_chunk(args.n_heads, args.n_kv_heads, args.head_dim, start, length, a.repeats, dtype)
             flops = 4 * args.n_heads * args.head_dim * length * (start + (length + 1) / 2)
             rows.append([library().variant, start, length, 1e3 * c, 1e3 * flash, c / flash, flops / c / 1e9,
                          flops / flash / 1e9])
@@ -84,13 +96,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for build in a.builds or runnable():
-        stdout = torchrun("bench.kernels.attention", ["--preset", a.preset, "--repeats", str(a.repeats), "--chunks",
-                                                      *a.chunks], 1, timeout=1800, env={"TP_LLAMA_KERNELS": build})
+        stdout = torchrun("bench.kernels.attention", ["--preset", a.preset, "--repeats", str(a.repeats), "--dtype",
+                                                      a.dtype, "--chunks", *a.chunks], 1, timeout=1800,
+                          env={"TP_LLAMA_KERNELS": build})
         rows += [list(row.values()) for row in parse_table(stdout)]
         print(f"{build}: done", flush=True)
     print(table(HEADERS, rows))
     print(f"\n{a.preset}: {args.n_heads} query heads, {args.n_kv_heads} KV heads, head_dim {args.head_dim}, one layer, "
-          f"bfloat16, {torch.get_num_threads()} threads; best of {a.repeats}.")
+          f"{a.dtype}, {torch.get_num_threads()} threads; best of {a.repeats}.")
 
 
 if __name__ == "__main__":
