@@ -214,6 +214,30 @@ def token_bytes(reader) -> list[bytes]:
     return out
 
 
+IM_START, IM_END = 1, 2  # SmolLM2's chat markers (control tokens; the same ids in the converted checkpoint)
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # its chat template's default
+
+
+def chat_ids(messages: list[dict[str, str]]) -> list[int]:
+    """A chat in SmolLM2's own format (its GGUF's template: ChatML, the default system message first),
+    as the ids of SmolLM2's own tokenizer, ready for the assistant's turn: the GGUF's vocabulary and
+    merges in Hugging Face's `tokenizers` (a byte-level BPE, digits split one by one as SmolLM2's
+    tokenizer.json splits them), not tp_llama's tiktoken reading of the vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    reader = gguf_module().GGUFReader(source_gguf())
+    vocab = {token: i for i, token in enumerate(field(reader, "tokenizer.ggml.tokens"))}
+    merges = [tuple(merge.split(" ")) for merge in field(reader, "tokenizer.ggml.merges")]
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    ids = []
+    for message in [{"role": "system", "content": SYSTEM}, *messages]:
+        ids += [IM_START, *bpe.encode(f"{message['role']}\n{message['content']}").ids, IM_END,
+                *bpe.encode("\n").ids]
+    return ids + [IM_START, *bpe.encode("assistant\n").ids]
+
+
 def tiktoken_file(tokens: list[bytes], vocab_rows: int) -> tuple[bytes, list[int]]:
     """The first vocab_rows - 256 tokens as base64 + rank lines (see the module's docstring), and
     the ids whose bytes differ from the vocabulary's.

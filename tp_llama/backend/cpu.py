@@ -117,7 +117,7 @@ class DecodeLayers(Layers):
             return super().forward(h, rotation, batch)
         scratch = ops.decode_scratch(structs[0], len(h))
         h = h.contiguous()
-        if 0 < batch.n_decode == len(h):
+        if 0 < batch.n_decode + batch.n_verify == len(h):  # decode rows, and rows verifying proposals
             return self._decode(structs, h, rotation, batch, scratch)
         delta = torch.empty_like(h)
         for i, (layer, c_layer) in enumerate(zip(self, structs)):
@@ -129,15 +129,20 @@ class DecodeLayers(Layers):
 
     def _decode(self, structs: ctypes.Array, h: torch.Tensor, rotation: torch.Tensor, batch: Batch,
                 scratch: torch.Tensor) -> torch.Tensor:
-        rows = ops.decode_rows(rotation, batch.tables, batch.positions)
+        """Every token as a decode row: a row's proposals (n_verify) each a row of its own at its position,
+        all keys written before any row attends."""
+        own = batch.n_verify > 0
+        tables = batch.tables.index_select(0, batch.token_rows) if own else batch.tables  # alive for the calls
+        rows = ops.decode_rows(rotation, tables, batch.positions)
         first = self[0].attention
         if first.wo.comm == NONE:
-            ops.decode_stack(structs, rows, h, scratch, first.cache.k)
+            ops.decode_stack(structs, rows, h, scratch, first.cache.k, write_first=own)
             return h
         delta = torch.empty_like(h)
         for i, (layer, c_layer) in enumerate(zip(self, structs)):
             attention, ffn = layer.attention, layer.feed_forward
-            ops.attention_block(c_layer, rows, h, delta if i else None, delta, scratch, attention.cache.k)
+            ops.attention_block(c_layer, rows, h, delta if i else None, delta, scratch, attention.cache.k,
+                                write_first=own)
             attention.wo.communicate(delta)
             ops.ffn_block(c_layer, h, delta, delta, scratch)
             ffn.w2.communicate(delta)

@@ -178,8 +178,9 @@ class Scheduler:
         decoding = [s for s in self.running if not s.prefilling]
         decoding = [s for s in decoding if s in self.running and self._room_for(s, s.computed + 1)]  # else preempted
         spare = min(self.prefill_budget // 2, SPECULATE_STEP_TOKENS - len(decoding))  # tokens for proposals
+        per_row = self.speculator.per_row(len(decoding)) if self.speculator is not None and spare > 0 else 0
         for seq in decoding:
-            proposals = self._proposals(seq, spare)
+            proposals = self._proposals(seq, min(spare, per_row))
             spare -= len(proposals)
             end = seq.computed + 1 + len(proposals)
             rows.append(Row(seq.computed, [seq.output[-1], *proposals], True, self._table(seq, end), copy=seq.copy,

@@ -8,8 +8,14 @@ copies from its prompt (edits, quotes, forms), and proposes nothing elsewhere.
 
 A proposal is a point mass, so verifying it is drawing each position's token from the model as
 without speculation and accepting while the draw equals the proposal (engine/verify.py): replies do
-not change. A row stops proposing when its proposals are rarely taken (`Speculator.worth`), where a
-longer row would cost more than its accepted tokens save.
+not change. Speculation must not cost more than it saves, so two rules cut it back:
+- a row stops proposing when its proposals are rarely taken (`Speculator.worth`);
+- each step proposes only as many tokens a row as the measured cost of decode steps says pay
+  (`Speculator.per_row`): a step's seconds are fitted as a + b x its tokens over the decode steps seen,
+  and k proposals a row are worth it where the tokens they are expected to yield at the acceptance
+  seen, (1 - p^(k+1)) / (1 - p) a row, come faster than one a row without them. A step of few rows
+  over a large model costs about the same with more tokens (memory-bound); many rows, or a small
+  model, make every token cost compute (bench/engine/speculative.py at 4 and 16 clients).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass, field
 
 WARM_UP = 8  # proposals a row makes before its acceptance can switch it off
 LEAST_ACCEPTANCE = 0.1  # below this share of its proposals taken, a row stops proposing
+FORGET = 0.98  # each decode step's weight in the cost fit, against the one before
+RETRY_STEPS = 64  # steps without proposals after which a few are tried again (the cost or acceptance may have moved)
 
 
 def ngram_proposal(tokens: Tokens[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -40,6 +48,27 @@ class RowStats:
 
 
 @dataclass
+class StepCost:
+    """A decode step's seconds as a + b * its tokens, least squares over the steps seen, the recent ones
+    weighing more (FORGET)."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weights, x, y, x^2, x*y
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.sums = [FORGET * total + term for total, term in
+                     zip(self.sums, (1.0, tokens, seconds, tokens * tokens, tokens * seconds))]
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None until steps of different sizes were seen."""
+        n, x, y, xx, xy = self.sums
+        spread = n * xx - x * x
+        if n < 2 or spread <= 1e-9 * max(n * xx, 1.0):
+            return None
+        b = (n * xy - x * y) / spread
+        return (y - b * x) / n, max(b, 0.0)
+
+
+@dataclass
 class Speculator:
     """Proposals for decode rows, and what became of them (per sequence and per position, for metrics)."""
 
@@ -50,6 +79,8 @@ class Speculator:
     proposed: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: proposals accepted at position i + 1
+    cost: StepCost = field(default_factory=StepCost)
+    idle: int = 0  # decode steps since the last that carried proposals
 
     def __post_init__(self) -> None:
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -60,6 +91,27 @@ class Speculator:
         """Whether a row still proposes: always until WARM_UP proposals, then while enough are taken."""
         stats = self.rows.get(seq_id)
         return stats is None or stats.proposed < WARM_UP or stats.accepted >= LEAST_ACCEPTANCE * stats.proposed
+
+    def per_row(self, rows: int) -> int:
+        """Proposals a row for a step of `rows` decode rows: the count whose expected tokens per second,
+        by the fitted step cost and the acceptance seen, beat none (all of them until the fit has two
+        sizes of step; a few again after RETRY_STEPS steps without)."""
+        line = self.cost.line()
+        if line is None or self.idle >= RETRY_STEPS:
+            return self.tokens
+        a, b = line
+        p = (self.accepted + 1) / (self.proposed + 2)  # the acceptance seen, a proposal's chance of being taken
+        best, best_rate = 0, rows / (a + b * rows)
+        for k in range(1, self.tokens + 1):
+            rate = rows * (1 - p ** (k + 1)) / (1 - p) / (a + b * rows * (1 + k))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, tokens: int, proposals: int, seconds: float) -> None:
+        """A decode-only step of `tokens` tokens (its rows and their proposals) took `seconds`."""
+        self.cost.observe(tokens, seconds)
+        self.idle = 0 if proposals else self.idle + 1
 
     def propose(self, seq_id: str, tokens: Tokens[int], most: int) -> list[int]:
         """At most min(most, self.tokens) proposals after `tokens` (a sequence's prompt and output)."""

@@ -177,13 +177,13 @@ int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64
 /* A decode step's layers (decode.c). */
 int64_t decode_scratch_bytes(const struct DecodeLayer *layer, int64_t rows);
 int attention_block(const struct DecodeLayer *layer, const struct DecodeRows *rows, void *h, const void *delta_in,
-                    void *delta_out, void *scratch);
+                    void *delta_out, void *scratch, int write_first);
 void ffn_block(const struct DecodeLayer *layer, int64_t rows, void *h, const void *delta_in, void *delta_out,
                void *scratch);
 void residual_norm(void *h, const void *delta, const void *weight, void *y, int64_t rows, int64_t dim, float eps,
                    int bf16);
 int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *rows, void *h,
-                 void *delta, void *scratch);
+                 void *delta, void *scratch, int write_first);
 
 /* The next token of each row (sample.c): logits [rows][vocab] float32. TPL_OK or TPL_NO_MEMORY. */
 int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n);

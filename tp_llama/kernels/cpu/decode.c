@@ -115,7 +115,7 @@ int64_t decode_scratch_bytes(const struct DecodeLayer *L, int64_t rows) {
 
 /* TPL_OK, or a status of decode_attention (layer.c) with nothing written then. */
 int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, void *h, const void *delta_in,
-                    void *delta_out, void *scratch) {
+                    void *delta_out, void *scratch, int write_first) {
     int64_t per_thread, rows = R->rows, attn = L->n_heads * L->head_dim;
     int status = check_rows(R, L->n_blocks, L->block_size, L->n_heads, L->n_kv_heads, L->head_dim, &per_thread);
     if (status) return status;
@@ -128,7 +128,7 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
         add_and_norm(h, delta_in, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
         layer_matmul(L, s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, s.wide);
         attention_rows(s.first, R, L->n_heads, L->n_kv_heads, L->head_dim, L->cache_k, L->cache_v, L->n_blocks,
-                       L->block_size, s.second, L->bf16, scores, per_thread, 0);
+                       L->block_size, s.second, L->bf16, scores, per_thread, write_first);
         layer_matmul(L, s.second, rows, attn, L->wo, L->dim, delta_out, 0, s.wide);
     }
     free(scores);
@@ -164,10 +164,10 @@ void residual_norm(void *h, const void *delta, const void *weight, void *y, int6
 /* Without tensor parallelism nothing happens between the halves: every layer in one call, and
  * h ends as the residual stream after the last layer. delta [rows][dim] is scratch. */
 int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *R, void *h, void *delta,
-                 void *scratch) {
+                 void *scratch, int write_first) {
     if (n_layers == 0) return TPL_OK;
     for (int64_t i = 0; i < n_layers; i++) {
-        int status = attention_block(&layers[i], R, h, i ? delta : NULL, delta, scratch);
+        int status = attention_block(&layers[i], R, h, i ? delta : NULL, delta, scratch, write_first);
         if (status) return status; /* only the first layer can refuse: every layer sees the same rows */
         ffn_block(&layers[i], R->rows, h, delta, delta, scratch);
     }

@@ -263,10 +263,12 @@ def decode_scratch(layer: ctypes.Structure, rows: int) -> torch.Tensor:
 
 
 def attention_block(layer: ctypes.Structure, rows: ctypes.Structure, h: torch.Tensor, delta: torch.Tensor | None,
-                    out: torch.Tensor, scratch: torch.Tensor, cache_k: torch.Tensor) -> None:
-    """h += delta, then out = wo(attention(attention_norm(h))), one C call. h, delta, out [rows, dim]."""
+                    out: torch.Tensor, scratch: torch.Tensor, cache_k: torch.Tensor, write_first: bool = False) -> None:
+    """h += delta, then out = wo(attention(attention_norm(h))), one C call. h, delta, out [rows, dim].
+    write_first: rows that see each other's keys (decode_attention's)."""
     status = library().attention_block(ctypes.byref(layer), ctypes.byref(rows), h.data_ptr(),
-                                       None if delta is None else delta.data_ptr(), out.data_ptr(), scratch.data_ptr())
+                                       None if delta is None else delta.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                                       write_first)
     _raise_for(status, cache_k)
 
 
@@ -278,9 +280,10 @@ def ffn_block(layer: ctypes.Structure, h: torch.Tensor, delta: torch.Tensor, out
 
 
 def decode_stack(layers: ctypes.Array, rows: ctypes.Structure, h: torch.Tensor, scratch: torch.Tensor,
-                 cache_k: torch.Tensor) -> None:
-    """Every layer (decode_layers' array; no tensor parallelism) on h [rows, dim], in place, one C call."""
+                 cache_k: torch.Tensor, write_first: bool = False) -> None:
+    """Every layer (decode_layers' array; no tensor parallelism) on h [rows, dim], in place, one C call.
+    write_first: rows that see each other's keys (decode_attention's)."""
     delta = torch.empty_like(h)
     status = library().decode_stack(layers, len(layers), ctypes.byref(rows), h.data_ptr(), delta.data_ptr(),
-                                    scratch.data_ptr())
+                                    scratch.data_ptr(), write_first)
     _raise_for(status, cache_k)

@@ -1,0 +1,104 @@
+"""Speculative decoding on real weights: ours with n-gram proposals against ours without, taking turns.
+
+    python -m bench.engine.speculative [--ckpt DIR] [--clients 1 4 16] [--rounds 5] [--new-tokens 128]
+                                       [--dtype bfloat16] [--speculative-tokens 4] [--ngram 2 4]
+
+The offline engine, TP 1, every core; SmolLM2-135M-Instruct converted to Meta's layout by default
+(`python -m bench.lib.smollm2 convert`). The prompt set, bench/engine/speculative_prompts.json
+(written before measuring): replies that copy from their prompt (an edit of this repository's code,
+a passage of the test corpus quoted and summarised, a form filled in, a typo fixed) and free chat, in
+SmolLM2's chat format with its own tokenizer (bench.lib.smollm2.chat_ids), greedy, ending at
+<|im_end|>. For each kind and client count, that many requests at once (the kind's prompts in
+turn) run with proposals and without, the two taking turns for --rounds rounds. The table: output
+tokens/s of each (median of the rounds), their ratio, the share of proposals accepted, and the
+replies' distinct-4-gram ratio, one reply a prompt (a looping reply shows). One speculator serves
+the whole run, as a server's scheduler keeps one: its fit of the step cost carries over.
+Replies with and without proposals are checked to be the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.lib.common import OUT, table
+from bench.lib.smollm2 import IM_END, chat_ids
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
+from tp_llama.engine.speculate import Speculator
+
+PROMPTS = Path(__file__).with_name("speculative_prompts.json")
+
+
+def distinct_4grams(replies: list[list[int]]) -> float:
+    """Distinct 4-grams over all 4-grams of the replies (1.0: none repeats)."""
+    grams = [tuple(r[i : i + 4]) for r in replies for i in range(len(r) - 3)]
+    return len(set(grams)) / max(len(grams), 1)
+
+
+def run(engine: Engine, prompts: list[list[int]], clients: int, new: int,
+        speculator: Speculator | None) -> tuple[float, list[list[int]]]:
+    """(output tokens/s, replies) of `clients` requests at once, the prompts in turn."""
+    scheduler = engine.new_scheduler()
+    scheduler.stop_ids, scheduler.speculator = frozenset({IM_END}), speculator
+    seqs = [Sequence(str(i), prompts[i % len(prompts)], SamplingParams(new)) for i in range(clients)]
+    for seq in seqs:
+        scheduler.add(seq)
+    started = time.perf_counter()
+    engine.run(scheduler)
+    seconds = time.perf_counter() - started
+    return sum(len(s.output) for s in seqs) / seconds, [s.output for s in seqs]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", default=str(OUT / "smollm2" / "plain"))
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument("--ngram", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
+    a = parser.parse_args(argv)
+    sets = json.loads(PROMPTS.read_text())
+    kinds = {kind: [chat_ids([{"role": "user", "content": text}]) for text in sets[kind]] for kind in ("copy", "chat")}
+    longest = max(len(ids) for prompts in kinds.values() for ids in prompts) + a.new_tokens
+    engine = Engine.load(EngineConfig(a.ckpt, "tp", a.dtype, max_seq_len=longest + 8, max_batch_size=max(a.clients),
+                                      prefill_budget=1024))
+    run(engine, kinds["chat"][:1], 1, 8, None)  # warm-up
+    speculator = Speculator(a.speculative_tokens, *a.ngram)  # one for the whole run, as a server keeps one
+    rows = []
+    for kind, prompts in kinds.items():
+        for clients in a.clients:
+            rates = {"off": [], "ngram": []}
+            before = (speculator.proposed, speculator.accepted)
+            for _ in range(a.rounds):
+                plain_rate, plain = run(engine, prompts, clients, a.new_tokens, None)
+                rate, replies = run(engine, prompts, clients, a.new_tokens, speculator)
+                if replies != plain:
+                    raise SystemExit(f"{kind} at {clients} clients: replies differ with speculation")
+                rates["off"].append(plain_rate)
+                rates["ngram"].append(rate)
+            off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+            proposed, accepted = speculator.proposed - before[0], speculator.accepted - before[1]
+            rows.append([kind, clients, off, on, on / off, accepted / max(proposed, 1), proposed,
+                         distinct_4grams(plain[: len(prompts)]), " ".join(f"{r:.0f}" for r in rates["off"]),
+                         " ".join(f"{r:.0f}" for r in rates["ngram"])])
+            print(f"{kind} x{clients}: off {off:.0f} tok/s, ngram {on:.0f} tok/s ({on / off:.2f}x), "
+                  f"accepted {accepted / max(proposed, 1):.0%}", flush=True)
+    print(table(["prompts", "clients", "off tok/s", "ngram tok/s", "ngram / off", "accepted", "proposed (all rounds)",
+                 "distinct 4-grams", "off rounds", "ngram rounds"], rows))
+    print(f"\n{a.ckpt}, {a.dtype}, TP 1, {torch.get_num_threads()} threads; greedy, up to {a.new_tokens} new tokens, "
+          f"{a.speculative_tokens} proposals a row, n-grams {a.ngram[0]}..{a.ngram[1]}; medians of {a.rounds} rounds "
+          "taking turns; replies equal with and without proposals in every round.")
+
+
+if __name__ == "__main__":
+    main()
