@@ -53,6 +53,23 @@ def test_a_row_whose_proposals_are_rarely_taken_stops_proposing():
     assert speculator.propose("s", [1, 2, 1, 2], 4) == [1, 2]
 
 
+@pytest.mark.parametrize(("per_token", "expected"), [(0.0, 4), (0.001, 0)], ids=["memory-bound", "compute-bound"])
+def test_a_step_proposes_as_many_tokens_as_the_measured_step_cost_says_pay(per_token, expected):
+    """Steps of 1 and 5 tokens costing 10 ms whatever their size (a large model's few rows) make 4
+    proposals a row pay at an acceptance of 1/2 (1.94 tokens a step for the same time); costing 1 ms
+    a token (a small model's, compute-bound) they never do (1.5 tokens for twice the time)."""
+    speculator = Speculator(4, 2, 4)
+    assert speculator.per_row(1) == 1  # nothing measured yet: try one
+    speculator.record("s", 4, 2)
+    speculator.record("s", 4, 2)  # 4 of 8 taken: (4 + 1) / (8 + 2) = 1/2
+    for tokens in (1, 5, 1, 5):
+        speculator.observe(tokens, tokens - 1, 0.010 if per_token == 0 else per_token * tokens)
+    assert speculator.per_row(1) == expected
+    for _ in range(256):
+        speculator.observe(1, 0, 0.010 if per_token == 0 else per_token)
+    assert speculator.per_row(1) == 1  # long without proposals: one a row tried again
+
+
 def test_the_plan_wire_carries_a_rows_proposals():
     wire = PlanWire(4, 32, 16)
     plan = StepPlan([Row(5, [7, 8, 9], True, [0], proposed=2), Row(0, [1, 2, 3, 4], False, [1])], end=False)
@@ -69,6 +86,9 @@ class Replay(Speculator):
 
     def worth(self, seq_id: str) -> bool:
         return True
+
+    def per_row(self, rows: int) -> int:
+        return self.tokens  # every acceptance length, whatever the steps cost
 
     def propose(self, seq_id: str, tokens, most: int) -> list[int]:
         done = len(tokens) - PROMPTS[seq_id]

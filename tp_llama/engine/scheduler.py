@@ -177,8 +177,11 @@ class Scheduler:
         # proposals take only the blocks left.
         decoding = [s for s in self.running if not s.prefilling]
         decoding = [s for s in decoding if s in self.running and self._room_for(s, s.computed + 1)]  # else preempted
+        # Proposals go in steps of decode rows only: beside a prompt chunk the step is compute-bound, every
+        # proposal costs what a prompt token does, and the cost fit (decode steps) does not hold.
         spare = min(self.prefill_budget // 2, SPECULATE_STEP_TOKENS - len(decoding))  # tokens for proposals
-        per_row = self.speculator.per_row(len(decoding)) if self.speculator is not None and spare > 0 else 0
+        prompts = self.waiting or any(s.prefilling for s in self.running)
+        per_row = self.speculator.per_row(len(decoding)) if self.speculator and spare > 0 and not prompts else 0
         for seq in decoding:
             proposals = self._proposals(seq, min(spare, per_row))
             spare -= len(proposals)

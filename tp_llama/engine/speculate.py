@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 WARM_UP = 8  # proposals a row makes before its acceptance can switch it off
 LEAST_ACCEPTANCE = 0.1  # below this share of its proposals taken, a row stops proposing
 FORGET = 0.98  # each decode step's weight in the cost fit, against the one before
-RETRY_STEPS = 64  # steps without proposals after which a few are tried again (the cost or acceptance may have moved)
+RETRY_STEPS = 256  # steps without proposals after which one is tried again (the cost or acceptance may have moved)
 
 
 def ngram_proposal(tokens: Tokens[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -94,11 +94,12 @@ class Speculator:
 
     def per_row(self, rows: int) -> int:
         """Proposals a row for a step of `rows` decode rows: the count whose expected tokens per second,
-        by the fitted step cost and the acceptance seen, beat none (all of them until the fit has two
-        sizes of step; a few again after RETRY_STEPS steps without)."""
+        by the fitted step cost and the acceptance seen, beat none. One a row while the fit lacks a second
+        size of step, and again after RETRY_STEPS steps without (the cheapest step that measures the
+        slope: trying more at many rows had cost a step of several times the tokens)."""
         line = self.cost.line()
         if line is None or self.idle >= RETRY_STEPS:
-            return self.tokens
+            return 1
         a, b = line
         p = (self.accepted + 1) / (self.proposed + 2)  # the acceptance seen, a proposal's chance of being taken
         best, best_rate = 0, rows / (a + b * rows)
