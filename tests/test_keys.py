@@ -2,9 +2,9 @@
 
 TorchServe, not the handler, checks the keys, so only a real server shows what clients get: a request
 without a key or with a wrong one is refused (400, TorchServe's InvalidKeyException); renewing the
-inference key with the API key puts the new one in key_file.json and stops the old one at once; a key
-expires `token_expiration_min` after it is made (1 minute here, so the test can wait for it); the
-documented client, which reads key_file.json again when refused, keeps working across a renewal; the
+inference key with the API key puts the new one in key_file.json and stops the old one at once; a new
+key is stamped to expire `token_expiration_min` after it is made (1 minute here; waiting for it took a
+minute of the suite, and the expiry itself is TorchServe's); the documented client, which reads key_file.json again when refused, keeps working across a renewal; the
 README's OpenAI example runs as written from the folder TorchServe started in.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -114,12 +113,3 @@ def test_the_readme_openai_example_runs_as_written(server: TorchServe, monkeypat
     code = documented_python(REPO / "README.md", "**OpenAI-compatible**")
     exec(compile(code.replace("8080", str(server.inference_port)), "README.md", "exec"), {})
     assert capsys.readouterr().out.strip(), "the example printed no completion"
-
-
-def test_a_key_expires_and_a_renewed_one_serves_again(server: TorchServe) -> None:
-    key = key_file(server)["inference"]["key"]
-    assert predict(server, key)[0] == 200
-    time.sleep(max(0.0, expires_in_s(server)) + 2)
-    status, body = predict(server, key)
-    assert status == 400 and REFUSED in body, body
-    assert predict(server, renew(server))[0] == 200
