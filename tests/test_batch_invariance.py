@@ -4,8 +4,9 @@ prompt and reply log-probabilities of a request alone equal those of the same re
 
 Run for the build this CPU loads, and again for every lesser build it can execute and with
 ATen held to AVX2 (tests/test_kernels.py reruns this module with TP_LLAMA_KERNELS and
-ATEN_CPU_CAPABILITY); test_kernels also builds the kernels with remainder rows summed in another
-order (TPL_TEST_REMAINDER_ORDER) and checks that this module then fails.
+ATEN_CPU_CAPABILITY). That they can fail: a build whose short chunks of rows sum k backwards fails
+them (`TP_LLAMA_KERNELS_TEST_DEFINES=-DTPL_TEST_REMAINDER_ORDER pytest tests/test_batch_invariance.py`:
+9 failed, 7 passed when it was written).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -69,9 +70,12 @@ def cli_reference(checkpoint: Path, setup: tuple[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, setup: tuple[str, str], serve):
+    # tp mode serves with speculative decoding (n-gram lookup from 1-grams, so rows propose often): its
+    # replies must still be the offline CLI's, which runs without it.
+    speculation = {"speculative": "ngram", "ngram_min": 1} if setup[1] == "tp" else {}
     with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_new_tokens_limit=NEW_TOKENS_LIMIT,
                default_max_new_tokens=MAX_NEW, max_request_bytes=MAX_BODY, mode=setup[1], dtype=DTYPE,
-               batchSize=6) as ts:
+               batchSize=6, **speculation) as ts:
         yield ts
 
 
@@ -90,6 +94,17 @@ def test_greedy_rest_matches_offline_cli(server: TorchServe, cli_reference: dict
     for key in ("token_ids", "text", "finish_reason", "usage"):
         assert without_cache(body)[key] == without_cache(cli_reference)[key], key
     print(f"startup {server.startup_s:.1f} s, greedy {MAX_NEW}-token request {latency:.2f} s")
+
+
+def test_speculation_proposed_where_it_is_on(server: TorchServe, setup: tuple[str, str]) -> None:
+    """The greedy replies above equal the CLI's with speculative decoding on (tp) and off (fsdp); its
+    proposals counter on /metrics shows it ran."""
+    for prompt in (PROMPT, "a b c a b c a b c", "one two three four one two three four"):
+        assert server.predict(greedy(prompt)).status == 200
+    metrics = server.request("GET", "/metrics", port=server.metrics_port, key=None, timeout=30).body.decode()
+    found = re.search(r"^llama_spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$", metrics, re.M)
+    proposed = float(found[1]) if found else 0.0
+    assert (proposed > 0) == (setup[1] == "tp"), metrics[-2000:]
 
 
 def test_stream_chunks_add_up_to_the_full_reply(server: TorchServe) -> None:

@@ -4,13 +4,12 @@ only accepted tokens.
 
 On random weights real proposers are almost always rejected at once, so most tests use a proposer
 that replays the reply made without speculation with wrong tokens planted in it: every acceptance
-length is exercised, rejection at the first proposal included.
+length is exercised, rejection at the first proposal included. Served at TP 2 through TorchServe,
+speculation is on in tests/test_serving_e2e.py's tp server, whose replies must equal the offline CLI's.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import pytest
@@ -226,33 +225,3 @@ def test_proposals_stop_at_max_tokens_and_the_ngram_proposer_runs_through_the_ya
     assert [s.output for s in seqs] == [s.output for s in plain] and len(seqs[0].output) == 5
     with pytest.raises(ValueError, match="ngram_min"):
         EngineConfig(str(checkpoint), ngram_min=5, ngram_max=3)
-
-
-def served_replies(server) -> dict[str, object]:
-    """Greedy and seeded replies through both APIs, plain and streamed, to a token-id prompt that holds
-    every id of the vocabulary (so with ngram_min 1 every decode row has a proposal)."""
-    prompt = torch.randperm(512, generator=torch.Generator().manual_seed(8)).tolist()[:500]
-    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "logprobs": 2}
-    out = {}
-    for name, extra in (("greedy", {}), ("seeded", {"temperature": 0.9, "seed": 3, "n": 2})):
-        reply = server.request("POST", "/predictions/llama/1.0/v1/completions", json.dumps({**body, **extra}).encode())
-        assert reply.status == 200, reply.body[:500]
-        out[name] = [(c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in reply.json()["choices"]]
-    status, chunks = server.predict_stream({"prompt": "a b a b a b a b", "max_new_tokens": 16, "stream": True,
-                                            "temperature": 0})
-    assert status == 200
-    out["native stream"] = "".join(chunk.get("text", "") for chunk in chunks)
-    return out
-
-
-def test_served_at_tp_2_the_replies_are_the_same_with_speculation_on_and_off(synthetic_checkpoint, serve):
-    checkpoint = synthetic_checkpoint("llama3", mp=2)
-    settings = {"max_seq_len": 640, "max_batch_size": 4, "dtype": "float32"}
-    with serve(checkpoint, tp=2, **settings) as server:
-        off = served_replies(server)
-    with serve(checkpoint, tp=2, speculative="ngram", ngram_min=1, **settings) as server:
-        on = served_replies(server)
-        metrics = server.request("GET", "/metrics", port=server.metrics_port, key=None, timeout=30).body.decode()
-    assert on == off
-    proposed = re.search(r'^llama_spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
-    assert proposed and float(proposed[1]) > 0, metrics[-2000:]

@@ -258,21 +258,19 @@ static void attend_item(const struct Attention *a, const void *qkv, const struct
     const int64_t *table = R->tables + r * R->width;
     void *out_row = (char *)out + r * a->n_heads * head_dim * size;
 #define ATTEND(HD, BF16, W) attend(a, row, rot, table, R->positions[r], g, cache_k, cache_v, out_row, scores, HD, BF16, W)
+#define BY_HEAD_DIM(W)                                         \
+    if (head_dim == 128)                                       \
+        bf16 ? ATTEND(128, 1, W) : ATTEND(128, 0, W);          \
+    else if (head_dim == 64)                                   \
+        bf16 ? ATTEND(64, 1, W) : ATTEND(64, 0, W);            \
+    else                                                       \
+        ATTEND(head_dim, bf16, W);
     if (write) {
-        if (head_dim == 128)
-            bf16 ? ATTEND(128, 1, 1) : ATTEND(128, 0, 1);
-        else if (head_dim == 64)
-            bf16 ? ATTEND(64, 1, 1) : ATTEND(64, 0, 1);
-        else
-            ATTEND(head_dim, bf16, 1);
+        BY_HEAD_DIM(1)
     } else {
-        if (head_dim == 128)
-            bf16 ? ATTEND(128, 1, 0) : ATTEND(128, 0, 0);
-        else if (head_dim == 64)
-            bf16 ? ATTEND(64, 1, 0) : ATTEND(64, 0, 0);
-        else
-            ATTEND(head_dim, bf16, 0);
+        BY_HEAD_DIM(0)
     }
+#undef BY_HEAD_DIM
 #undef ATTEND
 }
 
