@@ -76,10 +76,10 @@ class CAttention(FusedAttention):
         out = qkv.new_empty((qkv.shape[0], self.widths[0]))
         cache = self.cache
         if done:
-            own = done > batch.n_decode  # rows that see each other's keys: all written first
-            tables = batch.tables.index_select(0, batch.token_rows[:done]) if own else batch.tables[:done]
-            rows = ops.decode_rows(rotation[:done], tables, batch.positions[:done])  # tables alive for the call
-            ops.decode_attention(qkv[:done], rows, cache.k, cache.v, cache.block_size, out[:done], write_first=own)
+            tables = batch.tables_of(done)  # alive for the call
+            rows = ops.decode_rows(rotation[:done], tables, batch.positions[:done])
+            ops.decode_attention(qkv[:done], rows, cache.k, cache.v, cache.block_size, out[:done],
+                                 write_first=done > batch.n_decode)  # rows that see each other's keys
         if done < qkv.shape[0]:
             self._attend_prompts(qkv[done:], rotation[done:], batch, done, out[done:])
         return self.wo(out)
@@ -132,7 +132,7 @@ class DecodeLayers(Layers):
         """Every token as a decode row: a row's proposals (n_verify) each a row of its own at its position,
         all keys written before any row attends."""
         own = batch.n_verify > 0
-        tables = batch.tables.index_select(0, batch.token_rows) if own else batch.tables  # alive for the calls
+        tables = batch.tables_of(len(h))  # alive for the calls
         rows = ops.decode_rows(rotation, tables, batch.positions)
         first = self[0].attention
         if first.wo.comm == NONE:

@@ -80,6 +80,13 @@ class Batch:
         return cls(tokens_t, positions_t, locations_t, logits_t, tables_t.view(len(rows), width), block_size,
                    n_decode, decode_mask, prefill, token_rows=token_rows_t, n_verify=n_verify)
 
+    def tables_of(self, tokens: int) -> torch.Tensor:
+        """The block table of each of the first `tokens` tokens (each a row of its own when they
+        attend as decode rows): the decode rows' own, else picked by token_rows."""
+        if tokens <= self.n_decode:
+            return self.tables[:tokens]
+        return self.tables.index_select(0, self.token_rows[:tokens])
+
     @classmethod
     def decode_by_index(cls, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor,
                         tables: torch.Tensor, block_size: int, pool_blocks: int) -> Batch:
