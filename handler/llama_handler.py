@@ -79,8 +79,11 @@ class LlamaHandler(BaseHandler):
         yaml_config = context.model_yaml_config or {}
         settings = check_model_config(yaml_config)
         self.response_timeout_s = float(yaml_config.get("responseTimeout", float("inf")))
-        ckpt_dir = resolve_ckpt_dir(settings.engine.ckpt_dir, context.system_properties["model_dir"])
-        engine = replace(settings.engine, ckpt_dir=ckpt_dir, device=device_of(yaml_config.get("deviceType")))
+        model_dir = context.system_properties["model_dir"]
+        draft = settings.engine.draft_ckpt_dir
+        engine = replace(settings.engine, ckpt_dir=resolve_ckpt_dir(settings.engine.ckpt_dir, model_dir),
+                         draft_ckpt_dir=resolve_ckpt_dir(draft, model_dir, "draft_ckpt_dir") if draft else None,
+                         device=device_of(yaml_config.get("deviceType")))
         self.settings = settings = replace(settings, engine=engine)
         if engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available()):
             # TorchServe's OMP_NUM_THREADS is 1 unless the yaml says: unset, the ranks share the usable cores.
@@ -106,7 +109,7 @@ class LlamaHandler(BaseHandler):
             self.grammars = GrammarCompiler(grammar_tokenizer(self.engine.tokenizer))
         logger.info(
             "rank %d/%d ready on %s (%d threads): %s (%s tokenizer, mode=%s, %s, up to %d sequences) loaded in %.2f s",
-            self.engine.rank, self.engine.world_size, self.engine.device, torch.get_num_threads(), ckpt_dir,
+            self.engine.rank, self.engine.world_size, self.engine.device, torch.get_num_threads(), engine.ckpt_dir,
             self.engine.tokenizer.family, settings.engine.mode, self.engine.dtype, settings.engine.max_batch_size,
             time.perf_counter() - started,
         )

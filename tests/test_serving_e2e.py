@@ -70,9 +70,9 @@ def cli_reference(checkpoint: Path, setup: tuple[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, setup: tuple[str, str], serve):
-    # tp mode serves with speculative decoding (n-gram lookup from 1-grams, so rows propose often): its
-    # replies must still be the offline CLI's, which runs without it.
-    speculation = {"speculative": "ngram", "ngram_min": 1} if setup[1] == "tp" else {}
+    # tp mode serves with speculative decoding, the int4 self-draft (a draft model at TP 2, its plans
+    # broadcast beside the served model's): its replies must still be the offline CLI's, which runs without it.
+    speculation = {"speculative": "draft"} if setup[1] == "tp" else {}
     with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_new_tokens_limit=NEW_TOKENS_LIMIT,
                default_max_new_tokens=MAX_NEW, max_request_bytes=MAX_BODY, mode=setup[1], dtype=DTYPE,
                batchSize=6, **speculation) as ts:

@@ -15,7 +15,7 @@ from tp_llama.kernels.quant import QUANTIZE
 MODES = ("tp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where this process sees a GPU
 COMPILE = ("auto", "on", "off")  # auto: on for CUDA
-SPECULATIVE = ("off", "ngram")  # off, or n-gram prompt lookup (engine/speculate.py)
+SPECULATIVE = ("off", "ngram", "draft")  # off, n-gram prompt lookup (engine/speculate.py), a draft model (engine/draft.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -72,6 +72,7 @@ class EngineConfig:
     speculative_tokens: int = bounded(4, 1)  # proposals per decode row at most
     ngram_min: int = bounded(2, 1)  # the shortest suffix n-gram that proposes
     ngram_max: int = bounded(4, 1)  # the longest suffix n-gram looked up first
+    draft_ckpt_dir: str | None = None  # speculative "draft": its checkpoint; None: this one quantized int4
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -79,6 +80,13 @@ class EngineConfig:
             raise ValueError(f"kv_block_size must be a multiple of 16, got {self.kv_block_size}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.draft_ckpt_dir is not None and not isinstance(self.draft_ckpt_dir, str):
+            raise ValueError(f"draft_ckpt_dir must be a folder's path, got {self.draft_ckpt_dir!r}")
+        if self.speculative == "draft" and self.mode != "tp":
+            raise ValueError("speculative 'draft' needs mode 'tp' (the draft is read by the tp loader)")
+        if self.speculative == "draft" and not self.draft_ckpt_dir and self.quantize == "int4":
+            raise ValueError("speculative 'draft' without draft_ckpt_dir drafts with this checkpoint at int4, "
+                             "which quantize 'int4' already serves: name a smaller draft_ckpt_dir")
         if self.quantize != "none" and self.mode != "tp":
             raise ValueError(f"quantize {self.quantize!r} needs mode 'tp' (fsdp mode loads the seed converter's "
                              "unquantized shards)")

@@ -63,8 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-budget", type=int, default=SERVER.prefill_budget,
                         help="rows per step, decode rows included (longer prompts are prefilled in chunks)")
     parser.add_argument("--speculative", choices=SPECULATIVE, default=SERVER.speculative,
-                        help="ngram: decode rows carry tokens proposed by n-gram prompt lookup, verified several "
-                             "a step (replies do not change)")
+                        help="decode rows carry proposed tokens, verified several a step (replies do not change): "
+                             "ngram proposes by prompt lookup, draft by a draft model's greedy tokens")
+    parser.add_argument("--draft-ckpt-dir", default=None,
+                        help="--speculative draft: a smaller checkpoint of the same tokenizer (default: this one "
+                             "quantized int4 at load)")
     parser.add_argument("--speculative-tokens", type=int, default=SERVER.speculative_tokens,
                         help="proposals per decode row at most")
     parser.add_argument("--ngram-min", type=int, default=SERVER.ngram_min, help="the shortest suffix n-gram that proposes")
@@ -101,7 +104,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     slots = a.slots if a.slots is not None else min(len(a.prompt), SERVER.max_batch_size)
     return EngineConfig(a.ckpt_dir, a.mode, a.dtype, max_seq_len, slots, a.prefill_budget, a.device, a.compile,
                         a.kv_cache_memory_gb, a.kv_block_size, not a.no_prefix_caching, a.quantize, a.speculative,
-                        a.speculative_tokens, a.ngram_min, a.ngram_max)
+                        a.speculative_tokens, a.ngram_min, a.ngram_max, a.draft_ckpt_dir)
 
 
 def run(a: argparse.Namespace) -> None:

@@ -24,8 +24,9 @@ from tp_llama.checkpoint.params import check_tokenizer_fits, read_params
 from tp_llama.config import EngineConfig, resolve_dtype
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.decode_step import DecodeStep
-from tp_llama.engine.plan import StepPlan
-from tp_llama.engine.runner import ModelRunner, plan_backend
+from tp_llama.engine.draft import SELF_DRAFT_QUANTIZE, Drafter, load_draft
+from tp_llama.engine.plan import Row, StepPlan
+from tp_llama.engine.runner import ModelRunner, PoolShare, block_bytes_of, plan_backend
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.engine.speculate import Speculator
 from tp_llama.engine.verify import verify_rows
@@ -64,6 +65,7 @@ class Engine:
     args: ModelArgs
     info: DistInfo
     load_s: float
+    draft: ModelRunner | None = None  # a draft model's, proposing for speculative decoding (engine/draft.py)
     stats: StepStats = field(default_factory=StepStats)
 
     def __post_init__(self) -> None:
@@ -78,18 +80,34 @@ class Engine:
         log(f"loading {config.ckpt_dir} (mode={config.mode}, world_size={info.world_size}, device={info.device})",
             info.rank)
         model, tokenizer, args, prepared = load_model(config, info)
-        return cls.around(config, model, tokenizer, args, info, started, prepared)
+        draft = None
+        if config.speculative == "draft":
+            log(f"loading the draft: {config.draft_ckpt_dir or f'{config.ckpt_dir} at {SELF_DRAFT_QUANTIZE}'}",
+                info.rank)
+            draft = load_draft(config, tokenizer, lambda settings: load_model(settings, info))
+        return cls.around(config, model, tokenizer, args, info, started, prepared, draft)
 
     @classmethod
     def around(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs, info: DistInfo,
-               started: float, prepared: Preparation | None = None) -> Engine:
-        """The engine of a built model, made ready to serve now (ModelRunner; `prepared`: the loader
-        already applied it)."""
-        runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared)
+               started: float, prepared: Preparation | None = None,
+               draft: tuple[EngineConfig, nn.Module, ModelArgs, Preparation | None] | None = None) -> Engine:
+        """The engine of a built model (and its draft's), made ready to serve now (ModelRunner; `prepared`:
+        the loader already applied it)."""
+        share = PoolShare()
+        if draft is not None:  # the draft's KV blocks mirror the served model's: one pool's memory holds both
+            _, draft_model, draft_args, _ = draft
+            kv_heads = draft_args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
+            share = PoolShare(block_bytes_of(draft_args, config, kv_heads, next(draft_model.parameters()).dtype))
+        runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared, share)
+        draft_runner = None
+        if draft is not None:
+            settings, draft_model, draft_args, draft_prepared = draft
+            draft_runner = ModelRunner(draft_model, settings, info, draft_args, tokenizer.n_words, draft_prepared,
+                                       PoolShare(n_blocks=runner.cache.n_blocks))
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({runner.dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)
-        return cls(config, runner, tokenizer, args, info, load_s)
+        return cls(config, runner, tokenizer, args, info, load_s, draft_runner)
 
     @property
     def model(self) -> nn.Module:
@@ -122,7 +140,13 @@ class Engine:
     def new_scheduler(self) -> Scheduler:
         c = self.config
         pool = BlockPool(self.cache.n_blocks, c.kv_block_size, c.prefix_caching)
-        speculator = Speculator(c.speculative_tokens, c.ngram_min, c.ngram_max) if c.speculative == "ngram" else None
+        speculator = None
+        if c.speculative != "off":
+            drafter = None
+            if self.draft is not None:
+                drafter = Drafter(self._draft_forward, self.tokenizer.n_words, self.tokenizer.stop_ids,
+                                  c.prefill_budget, c.kv_block_size)
+            speculator = Speculator(c.speculative_tokens, c.ngram_min, c.ngram_max, draft=drafter)
         return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool, speculator)
 
     def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
@@ -160,12 +184,21 @@ class Engine:
 
     def release(self) -> None:
         """Rank 0: hand the other ranks back to their callers (a step of no rows, with `end`)."""
-        self.runner.run(StepPlan([], end=True))
+        self._forward(StepPlan([], end=True))
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's plans until one hands control back."""
-        while not self.runner.run()[0].end:
+        while not self._forward(None)[0].end:
             pass
+
+    def _forward(self, plan: StepPlan | None) -> tuple[StepPlan, torch.Tensor | None, list]:
+        """A plan sent from rank 0 to every rank (the others pass None) and run by the model it names."""
+        plan = self.runner.exchange(plan)
+        return (self.draft if plan.draft else self.runner).execute(plan)
+
+    def _draft_forward(self, rows: list[Row]) -> torch.Tensor:
+        """Rank 0: draft rows run on every rank; their sampling rows' logits."""
+        return self._forward(StepPlan(rows, end=False, draft=True))[1]
 
     def generate(self, sequences: list[Sequence],
                  on_step: Callable[[list[Sequence]], None] | None = None) -> list[Sequence]:
@@ -191,7 +224,7 @@ class Engine:
         sampling = [seq for group in scheduled.samplers for seq in group]
         constrained = [r for r, seq in enumerate(sampling) if seq.constraint is not None]
         masks = self._start_masks(sampling) if constrained else None
-        _, logits, scores = self.runner.run(StepPlan(scheduled.rows, end))
+        _, logits, scores = self._forward(StepPlan(scheduled.rows, end))
         if logits is not None and logits.shape[-1] > self.tokenizer.n_words:
             # An embedding padded past the tokenizer: its extra rows were never trained and no id past
             # the tokenizer's can be decoded, so none is picked.

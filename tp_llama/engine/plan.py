@@ -39,10 +39,12 @@ class Row:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The rows of one step; `end` hands control back to rank 0's caller after it."""
+    """The rows of one step; `end` hands control back to rank 0's caller after it; `draft`: the rows run
+    through the draft model (engine/draft.py), into its own KV cache, instead of the served one."""
 
     rows: list[Row]
     end: bool = True
+    draft: bool = False
 
     @property
     def copies(self) -> list[tuple[int, int]]:
@@ -53,7 +55,7 @@ class StepPlan:
 class PlanWire:
     """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
 
-    Layout: [end, n_rows, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
+    Layout: [end, n_rows, draft, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
     copy dst, proposed), tokens..., block ids...]; a row without a copy has -1 for both.
     """
 
@@ -61,7 +63,7 @@ class PlanWire:
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
-        self.size = 2 + self.FIELDS * max_rows + max_tokens + max_blocks
+        self.size = 3 + self.FIELDS * max_rows + max_tokens + max_blocks
 
     def encode(self, plan: StepPlan) -> torch.Tensor:
         tokens = [t for row in plan.rows for t in row.tokens]
@@ -72,9 +74,9 @@ class PlanWire:
         rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score,
                                                  row.scored, row.next_token, *(row.copy or (-1, -1)), row.proposed)]
         wire = torch.zeros(self.size, dtype=torch.long)
-        head = [int(plan.end), len(plan.rows)] + rows
+        head = [int(plan.end), len(plan.rows), int(plan.draft)] + rows
         wire[: len(head)] = torch.tensor(head, dtype=torch.long)
-        at = 2 + self.FIELDS * self.max_rows
+        at = 3 + self.FIELDS * self.max_rows
         wire[at : at + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         at += self.max_tokens
         wire[at : at + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
@@ -82,9 +84,9 @@ class PlanWire:
 
     def decode(self, wire: torch.Tensor) -> StepPlan:
         """The plan back, reading only the parts of the wire it fills (the block region is large)."""
-        end, n_rows = wire[:2].tolist()
-        fields = wire[2 : 2 + self.FIELDS * n_rows].view(n_rows, self.FIELDS).tolist()
-        at = 2 + self.FIELDS * self.max_rows
+        end, n_rows, draft = wire[:3].tolist()
+        fields = wire[3 : 3 + self.FIELDS * n_rows].view(n_rows, self.FIELDS).tolist()
+        at = 3 + self.FIELDS * self.max_rows
         tokens = wire[at : at + sum(f[1] for f in fields)].tolist()
         at += self.max_tokens
         blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
@@ -93,4 +95,4 @@ class PlanWire:
             rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
                             next_token, (src, dst) if src >= 0 else None, proposed))
             t, b = t + length, b + n_blocks
-        return StepPlan(rows, end=bool(end))
+        return StepPlan(rows, end=bool(end), draft=bool(draft))

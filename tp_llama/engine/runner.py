@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -87,18 +88,35 @@ def pool_blocks(config: EngineConfig, info: DistInfo, kv_width: int, block_bytes
     return blocks
 
 
+def block_bytes_of(args: ModelArgs, config: EngineConfig, kv_heads: int, dtype: torch.dtype) -> int:
+    """The bytes of one KV-cache block of a rank's model (keys and values, every layer)."""
+    return 2 * args.n_layers * kv_heads * config.kv_block_size * args.head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PoolShare:
+    """How a rank's KV-cache pool is sized beside a draft model's, whose blocks mirror the served model's
+    (the same block tables address both): the served model counts `beside_bytes` more a block, so both
+    caches fit the memory set for one; the draft takes `n_blocks`, the served model's count."""
+
+    beside_bytes: int = 0
+    n_blocks: int = 0
+
+
 class ModelRunner:
     """A rank's model ready to serve (built by `__init__`, see the module's docstring) and its steps."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs,
-                 n_words: int | None = None, prepared: Preparation | None = None):
+                 n_words: int | None = None, prepared: Preparation | None = None, pool: PoolShare | None = None):
+        """pool: where a draft model serves beside this one (engine/draft.py), the share of each KV-cache
+        block its own cache takes, or, for the draft itself, the served model's block count to match."""
         self.model, self.info = model, info
         self.mode = config.mode
         self.n_words = args.vocab_size if n_words is None else n_words  # the ids prompt log-probabilities range over
         kind = self._ready(config, prepared) if config.mode == "tp" else None
         compiled, why = compiles_decode(config, info.device, kind)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
-        self.cache = self._allocate_pool(config, args)
+        self.cache = self._allocate_pool(config, args, pool or PoolShare())
         model.eval()
         if config.mode == "tp":
             warm_up(backend.matmul_weights(model), config.max_batch_size, self.dtype)
@@ -128,16 +146,16 @@ class ModelRunner:
             self.model.to(info.device)
         return prepared.kind
 
-    def _allocate_pool(self, config: EngineConfig, args: ModelArgs) -> KVCache:
+    def _allocate_pool(self, config: EngineConfig, args: ModelArgs, share: PoolShare) -> KVCache:
         """The KV-cache pool, every rank the same number of blocks (the fewest any rank has room for)."""
         info, dtype = self.info, self.dtype
         kv_heads = args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
-        block_bytes = 2 * args.n_layers * kv_heads * config.kv_block_size * args.head_dim * dtype.itemsize
+        block_bytes = block_bytes_of(args, config, kv_heads, dtype)
         n_blocks = 0
         with every_rank_agrees():
             try:
-                n_blocks = smallest_across_ranks(pool_blocks(config, info, kv_heads * args.head_dim, block_bytes),
-                                                 info.device)
+                n_blocks = share.n_blocks or smallest_across_ranks(
+                    pool_blocks(config, info, kv_heads * args.head_dim, block_bytes + share.beside_bytes), info.device)
                 needed = config.blocks_per_sequence
                 if n_blocks < needed:
                     raise MemoryError(f"a KV-cache pool of {n_blocks} blocks of {config.kv_block_size} positions "
@@ -167,19 +185,27 @@ class ModelRunner:
             self.info.rank)
         return step
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan | None = None) -> tuple[StepPlan, torch.Tensor | None, list[list[TokenLogprobs] | None]]:
-        """One step on this rank: rank 0 passes its plan, the others receive it.
+        """One step on this rank: rank 0 passes its plan, the others receive it (`exchange`), then `execute`."""
+        return self.execute(self.exchange(plan))
 
-        Returns the plan, the logits of its sampling rows (None for a plan without rows) and, on rank 0,
-        each row's prompt log-probabilities (None for rows that score nothing, and on other ranks).
-        """
+    def exchange(self, plan: StepPlan | None = None) -> StepPlan:
+        """Rank 0's plan, sent to every rank in one broadcast; the other ranks pass None and get it."""
         if self.info.world_size > 1:
             if self.info.rank == 0:
                 broadcast_from_rank0(self.wire.encode(plan), self.info.device)
             else:
                 plan = self.wire.decode(broadcast_from_rank0(torch.zeros(self.wire.size, dtype=torch.long),
                                                              self.info.device))
+        return plan
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor | None, list[list[TokenLogprobs] | None]]:
+        """The plan's forward on this rank.
+
+        Returns the plan, the logits of its sampling rows (None for a plan without rows) and, on rank 0,
+        each row's prompt log-probabilities (None for rows that score nothing, and on other ranks).
+        """
         if plan.copies:
             self._copy_blocks(plan.copies)
         unscored: list[list[TokenLogprobs] | None] = [None] * len(plan.rows)

@@ -18,10 +18,9 @@ the prefix cache's hits) are free, and grows a block at a time; when the pool ru
 the newest sequence is preempted (its blocks freed, its tokens recomputed later, as vLLM does).
 
 Speculative decoding (a `Speculator`): a decode row may carry proposed tokens after its newest one,
-within the room its sequence has left (max_new_tokens, max_seq_len), free blocks (never preempting
-for them) and half the budget; `commit` takes the accepted ones with the picked token, and the
-sequence's length goes back past the rejected ones (blocks holding only those return to the pool,
-and only accepted tokens ever reach the prefix cache).
+within its sequence's room (max_new_tokens, max_seq_len), free blocks (never preempting for them) and
+half the budget; `commit` takes the accepted ones with the picked token and drops the rest (their
+blocks go back; only accepted tokens reach the prefix cache).
 
 n > 1 (a group: sequences of one prompt, `Sequence.fork_of`): the group's first sequence carries the
 others until its first token, so the prompt is computed once; at that row every member takes its first
@@ -182,9 +181,7 @@ class Scheduler:
         spare = min(self.prefill_budget // 2, SPECULATE_STEP_TOKENS - len(decoding))  # tokens for proposals
         prompts = self.waiting or any(s.prefilling for s in self.running)
         per_row = self.speculator.per_row(len(decoding)) if self.speculator and spare > 0 and not prompts else 0
-        for seq in decoding:
-            proposals = self._proposals(seq, min(spare, per_row))
-            spare -= len(proposals)
+        for seq, proposals in zip(decoding, self._proposals(decoding, per_row, spare)):
             end = seq.computed + 1 + len(proposals)
             rows.append(Row(seq.computed, [seq.output[-1], *proposals], True, self._table(seq, end), copy=seq.copy,
                             proposed=len(proposals)))
@@ -209,18 +206,38 @@ class Scheduler:
                 samplers.append([seq, *seq.forks])
         return Scheduled(rows, owners, start - budget, samplers)
 
-    def _proposals(self, seq: Sequence, most: int) -> list[int]:
-        """The speculator's proposals for a decode row, as many as its sequence's limits, `most` and the
-        pool's free blocks (taken now; no sequence is preempted for a proposal) allow."""
-        if self.speculator is None or seq.constraint is not None:
-            return []
-        room = min(most, seq.params.max_new_tokens - len(seq.output) - 1, self.max_seq_len - seq.computed - 2)
-        proposals = self.speculator.propose(seq.id, seq.tokens, room)
-        while proposals and len(seq.blocks) < self.pool.blocks_for(seq.computed + 1 + len(proposals)):
+    def _proposals(self, seqs: list[Sequence], most: int, spare: int) -> list[list[int]]:
+        """The speculator's proposals for each decode row, at most `most` a row and `spare` in all, within
+        its sequence's limits and the pool's free blocks (taken now; no sequence is preempted for a
+        proposal). A draft model writes its KV cache as it proposes, so its rows get their blocks first."""
+        if most <= 0:
+            return [[] for _ in seqs]
+        rooms, left, drafts = [], spare, self.speculator.drafts
+        for seq in seqs:
+            room = 0 if seq.constraint is not None else max(0, min(
+                most, left, seq.params.max_new_tokens - len(seq.output) - 1, self.max_seq_len - seq.computed - 2))
+            rooms.append(self._reserve(seq, room) if drafts else room)
+            left -= rooms[-1] if drafts else 0  # n-gram rows often propose nothing: cut below instead
+        if not any(rooms):
+            return [[] for _ in seqs]
+        proposals = self.speculator.propose_rows(seqs, rooms)
+        for seq, row in zip(seqs, proposals):
+            del row[spare:]
+            del row[self._reserve(seq, len(row)) :]
+            spare -= len(row)
+            keep = self.pool.blocks_for(seq.computed + 1 + len(row))
+            self.pool.release(seq.blocks[keep:])  # a draft's room its proposals did not fill
+            del seq.blocks[keep:]
+        return proposals
+
+    def _reserve(self, seq: Sequence, proposals: int) -> int:
+        """Blocks for a decode row's newest token and up to `proposals` more from the free ones; how many
+        of those got them."""
+        while proposals and len(seq.blocks) < self.pool.blocks_for(seq.computed + 1 + proposals):
             if self.pool.free:
                 seq.blocks += self.pool.allocate(1)
             else:
-                proposals.pop()
+                proposals -= 1
         return proposals
 
     def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None,

@@ -1,6 +1,7 @@
 """Speculative decoding's proposals, on rank 0: tokens a decode row carries after its newest one, so that
 one forward scores several positions of it (a step reads the weights once for all of them).
 
+Two proposers: a draft model's greedy tokens (engine/draft.py, `Speculator.draft`), or
 n-gram prompt lookup (vLLM's "ngram", llama.cpp's "ngram-simple"): the longest of the sequence's
 last n tokens (ngram_max down to ngram_min) that also stands earlier in its prompt or output proposes
 the tokens that followed its latest earlier occurrence. No second model; it pays where a reply
@@ -22,6 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tp_llama.engine.draft import Drafter
+    from tp_llama.engine.sequence import Sequence
 
 WARM_UP = 8  # proposals a row makes before its acceptance can switch it off
 LEAST_ACCEPTANCE = 0.1  # below this share of its proposals taken, a row stops proposing
@@ -81,6 +87,7 @@ class Speculator:
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: proposals accepted at position i + 1
     cost: StepCost = field(default_factory=StepCost)
     idle: int = 0  # decode steps since the last that carried proposals
+    draft: Drafter | None = None  # a draft model proposes (engine/draft.py), not n-gram lookup
 
     def __post_init__(self) -> None:
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -114,8 +121,21 @@ class Speculator:
         self.cost.observe(tokens, seconds)
         self.idle = 0 if proposals else self.idle + 1
 
+    @property
+    def drafts(self) -> bool:
+        """Proposals come from a draft model, which writes its KV cache into the rows' blocks as it proposes."""
+        return self.draft is not None
+
+    def propose_rows(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        """At most min(rooms[i], self.tokens) proposals after each sequence's tokens, none for a row that
+        is not `worth` it; a draft model's for all rows in one batch of draft steps."""
+        rooms = [min(room, self.tokens) if room > 0 and self.worth(seq.id) else 0 for seq, room in zip(seqs, rooms)]
+        if self.draft is not None:
+            return self.draft.propose(seqs, rooms)
+        return [self.propose(seq.id, seq.tokens, room) if room else [] for seq, room in zip(seqs, rooms)]
+
     def propose(self, seq_id: str, tokens: Tokens[int], most: int) -> list[int]:
-        """At most min(most, self.tokens) proposals after `tokens` (a sequence's prompt and output)."""
+        """At most min(most, self.tokens) n-gram proposals after `tokens` (a sequence's prompt and output)."""
         if most <= 0 or not self.worth(seq_id):
             return []
         return ngram_proposal(tokens, min(most, self.tokens), self.ngram_min, self.ngram_max)
@@ -132,3 +152,5 @@ class Speculator:
 
     def forget(self, seq_id: str) -> None:
         self.rows.pop(seq_id, None)
+        if self.draft is not None:
+            self.draft.forget(seq_id)

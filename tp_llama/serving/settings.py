@@ -129,7 +129,7 @@ def device_of(device_type: str | None) -> str:
     return DEVICE_TYPES[device_type]
 
 
-def resolve_ckpt_dir(ckpt_dir: str, model_dir: str) -> str:
+def resolve_ckpt_dir(ckpt_dir: str, model_dir: str, key: str = "ckpt_dir") -> str:
     """An absolute path as is; a relative one from the real model folder.
 
     TorchServe hands the worker a symlink under its temp folder, so relative paths are
@@ -141,8 +141,8 @@ def resolve_ckpt_dir(ckpt_dir: str, model_dir: str) -> str:
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(
-            f"checkpoint folder {path} (handler.ckpt_dir={ckpt_dir!r}) does not exist; "
-            "point handler.ckpt_dir in model-config.yaml at a folder with params.json, "
+            f"checkpoint folder {path} (handler.{key}={ckpt_dir!r}) does not exist; "
+            f"point handler.{key} in model-config.yaml at a folder with params.json, "
             "tokenizer.model and consolidated.*.pth"
         )
     return path
