@@ -134,7 +134,7 @@ class LlamaHandler(BaseHandler):
             # A grammar still compiling is answered in this call (a refusal must be a 400): the running
             # sequences go on stepping meanwhile, and the call ends once every grammar is settled.
             self.engine.run(self.scheduler, COMPILE_LIMIT_S if self.compiling else self._call_budget_s(),
-                            until_finished=not self.compiling, on_step=lambda _: self._after_step())
+                            until_finished=not self.compiling, on_step=self._after_step)
         except Exception as exc:
             _stop_worker(self.engine.rank, exc)
         self._settle_grammars(answers, wait=True)
@@ -150,16 +150,17 @@ class LlamaHandler(BaseHandler):
         Each call costs a round trip through TorchServe (a few ms on CPU); several decode steps per
         call spread it, and a call still ends as soon as a sequence finishes.
         """
-        scheduler = self.scheduler
-        if scheduler.waiting or any(seq.prefilling for seq in scheduler.running):
+        snapshot = self.scheduler.snapshot()
+        if snapshot.waiting or snapshot.prefilling:
             return 0.0
         return self.settings.decode_call_ms / 1000
 
-    def _after_step(self) -> bool:
-        """Per live request: its first-token time, and the newly shown text of this step. A stop string
-        ends its sequence here, between steps, through the scheduler. True: end the call now (the
-        grammars this call waits for are settled)."""
-        for live in self.live.values():
+    def _after_step(self, touched: list[Sequence]) -> bool:
+        """Per request whose sequences the step touched: its first-token time, and the newly shown text of
+        this step. A stop string ends its sequence here, between steps, through the scheduler. True: end
+        the call now (the grammars this call waits for are settled)."""
+        rids = dict.fromkeys(seq.id if seq.id in self.live else seq.id.rpartition("#")[0] for seq in touched)
+        for live in (self.live[rid] for rid in rids if rid in self.live):
             if not live.first_token_seen:
                 first = next((seq for seq in live.seqs if seq.first_token_at is not None), None)
                 if first is not None:
@@ -195,13 +196,10 @@ class LlamaHandler(BaseHandler):
     def _update_metrics(self) -> None:
         if self.metrics is None:
             return
-        scheduler = self.scheduler
-        decoding = sum(1 for seq in scheduler.running if not seq.prefilling)
-        self.metrics.update_gauges(decoding, len(scheduler.waiting), scheduler.pool.used)
-        self.metrics.cache_counts(scheduler.prefix_queries, scheduler.prefix_hits, scheduler.preemptions)
-        speculator = scheduler.speculator
-        if speculator is not None:
-            self.metrics.speculation(speculator.proposed, speculator.accepted, speculator.accepted_at)
+        snapshot = self.scheduler.snapshot()
+        self.metrics.update_gauges(snapshot.decoding, snapshot.waiting, snapshot.blocks_used)
+        self.metrics.cache_counts(snapshot.prefix_queries, snapshot.prefix_hits, snapshot.preemptions)
+        self.metrics.speculation(snapshot.proposed, snapshot.accepted, list(snapshot.accepted_at))
         self.metrics.flush()
 
     def _count(self, outcome: str, seqs: list[Sequence] = ()) -> None:

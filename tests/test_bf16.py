@@ -17,7 +17,8 @@ from tp_llama.config import EngineConfig, resolve_dtype
 from tp_llama.engine.core import Engine
 from tp_llama.kernels.cpu import ffi
 from tests.support.run_model import dense_logits
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
 from tp_llama.testing.synthetic import write_checkpoint
 
 # bfloat16 rounds each matmul's inputs to ~3 significant digits: logits stay within this share

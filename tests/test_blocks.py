@@ -21,7 +21,8 @@ import torch
 from tp_llama.engine import blocks
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.plan import StepPlan
-from tp_llama.engine.scheduler import Scheduled, SamplingParams, Scheduler, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 
 SIZE = 4
 KV: weakref.WeakKeyDictionary[Scheduler, dict[int, int]] = weakref.WeakKeyDictionary()  # each pool's cache slots

@@ -72,6 +72,8 @@ def test_a_draft_that_is_the_served_checkpoint_has_every_proposal_taken(checkpoi
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_the_int4_self_draft_keeps_the_replies(checkpoint, seeded):
+    """The self-draft reads and writes the served model's own KV cache: a wrong entry left there would change
+    the replies."""
     plain, _ = replies(Engine.load(settings(checkpoint, dtype="bfloat16")), seeded)
     drafted, scheduler = replies(Engine.load(settings(checkpoint, dtype="bfloat16", speculative="draft")), seeded)
     assert drafted == plain

@@ -422,7 +422,8 @@ AVX2_ONLY_ONEDNN = """
 import sys, torch
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
 from tp_llama.kernels import choose
 from tp_llama.testing.synthetic import write_checkpoint
 

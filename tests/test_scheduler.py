@@ -15,7 +15,8 @@ import torch
 from tests.support.run_model import dense_logits, setup_slots, slot_batch
 from tp_llama import backend
 from tp_llama.engine.blocks import BlockPool
-from tp_llama.engine.scheduler import SamplingParams, Scheduler, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Scheduler, Sequence
 from tp_llama.model import ModelArgs, Transformer
 
 EOS = 2

@@ -27,7 +27,8 @@ from bench.lib.llamacpp import cpu_flags
 from tp_llama.config import EngineConfig
 from tp_llama.engine.constraint import grammar_tokenizer
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.grammars import GrammarCompiler
 from tp_llama.serving.request import GrammarSpec
 

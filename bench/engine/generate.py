@@ -34,7 +34,8 @@ from bench.lib.hf_convert import hf_config, meta_to_hf
 from tp_llama.checkpoint.shards import find_shards, load_shard
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
 from tp_llama.parallel.layout import full_shapes
 from tp_llama.checkpoint.params import read_params
 from tp_llama.model import ModelArgs

@@ -28,7 +28,8 @@ from bench.lib.checkpoint import PRESETS, ensure_checkpoint
 from bench.lib.common import REPO, before_root, table
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
 
 
 def shape(step: str) -> tuple[int, int]:

@@ -24,7 +24,8 @@ from bench.lib.common import table
 from bench.lib.generation import prompts
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Scheduled, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Scheduled, Sequence
 
 KINDS = ("prompt-only", "mixed", "decode")
 

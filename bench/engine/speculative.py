@@ -1,7 +1,8 @@
-"""Speculative decoding on real weights: ours with n-gram proposals against ours without, taking turns.
+"""Speculative decoding on real weights: ours with proposals against ours without, taking turns.
 
     python -m bench.engine.speculative [--ckpt DIR] [--clients 1 4 16] [--rounds 5] [--new-tokens 128]
                                        [--dtype bfloat16] [--speculative-tokens 4] [--ngram 2 4]
+                                       [--proposer ngram|draft] [--draft DIR]
 
 The offline engine, TP 1, every core; SmolLM2-135M-Instruct converted to Meta's layout by default
 (`python -m bench.lib.smollm2 convert`). The prompt set, bench/engine/speculative_prompts.json
@@ -14,6 +15,11 @@ tokens/s of each (median of the rounds), their ratio, the share of proposals acc
 replies' distinct-4-gram ratio, one reply a prompt (a looping reply shows). One speculator serves
 the whole run, as a server's scheduler keeps one: its fit of the step cost carries over.
 Replies with and without proposals are checked to be the same.
+
+--proposer draft: a draft model proposes, --draft DIR or by default the checkpoint itself at int4
+(its rotated conversion, `convert --rotate 1`: the plain one sits on a 4-bit grid). At one client the
+table then adds the speedup predicted from the acceptance measured and the step costs measured
+(bench/engine/draft_costs.py) beside the measured one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine.draft_costs import predicted_speedup, step_costs
 from bench.lib.common import OUT, table
 from bench.lib.smollm2 import IM_END, chat_ids
 from tp_llama.config import EngineConfig
@@ -66,37 +73,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--speculative-tokens", type=int, default=4)
     parser.add_argument("--ngram", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
+    parser.add_argument("--proposer", choices=["ngram", "draft"], default="ngram")
+    parser.add_argument("--draft", default=None, help="the draft's checkpoint (default: --ckpt at int4)")
     a = parser.parse_args(argv)
     sets = json.loads(PROMPTS.read_text())
     kinds = {kind: [chat_ids([{"role": "user", "content": text}]) for text in sets[kind]] for kind in ("copy", "chat")}
     longest = max(len(ids) for prompts in kinds.values() for ids in prompts) + a.new_tokens
     engine = Engine.load(EngineConfig(a.ckpt, "tp", a.dtype, max_seq_len=longest + 8, max_batch_size=max(a.clients),
-                                      prefill_budget=1024))
+                                      prefill_budget=1024, speculative=a.proposer, speculative_tokens=a.speculative_tokens,
+                                      ngram_min=a.ngram[0], ngram_max=a.ngram[1], draft_ckpt_dir=a.draft))
     run(engine, kinds["chat"][:1], 1, 8, None)  # warm-up
-    speculator = Speculator(a.speculative_tokens, *a.ngram)  # one for the whole run, as a server keeps one
+    speculator = engine.new_scheduler().speculator  # one for the whole run, as a server keeps one
     rows = []
     for kind, prompts in kinds.items():
         for clients in a.clients:
-            rates = {"off": [], "ngram": []}
-            before = (speculator.proposed, speculator.accepted)
+            rates = {"off": [], "on": []}
+            before = (speculator.proposed, speculator.accepted, speculator.verified)
             for _ in range(a.rounds):
                 plain_rate, plain = run(engine, prompts, clients, a.new_tokens, None)
                 rate, replies = run(engine, prompts, clients, a.new_tokens, speculator)
                 if replies != plain:
                     raise SystemExit(f"{kind} at {clients} clients: replies differ with speculation")
                 rates["off"].append(plain_rate)
-                rates["ngram"].append(rate)
-            off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+                rates["on"].append(rate)
+            off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
             proposed, accepted = speculator.proposed - before[0], speculator.accepted - before[1]
-            rows.append([kind, clients, off, on, on / off, accepted / max(proposed, 1), proposed,
+            verified = max(speculator.verified - before[2], 1)
+            predicted = "-"
+            if a.proposer == "draft" and clients == 1:  # tokens and proposals a verify step, as measured
+                costs = step_costs(engine, max(round(proposed / verified), 1))
+                predicted = predicted_speedup((accepted + verified) / verified, proposed / verified, 1 / off, costs)
+            rows.append([kind, clients, off, on, on / off, predicted, accepted / max(proposed, 1), proposed,
                          distinct_4grams(plain[: len(prompts)]), " ".join(f"{r:.0f}" for r in rates["off"]),
-                         " ".join(f"{r:.0f}" for r in rates["ngram"])])
-            print(f"{kind} x{clients}: off {off:.0f} tok/s, ngram {on:.0f} tok/s ({on / off:.2f}x), "
+                         " ".join(f"{r:.0f}" for r in rates["on"])])
+            print(f"{kind} x{clients}: off {off:.0f} tok/s, on {on:.0f} tok/s ({on / off:.2f}x), "
                   f"accepted {accepted / max(proposed, 1):.0%}", flush=True)
-    print(table(["prompts", "clients", "off tok/s", "ngram tok/s", "ngram / off", "accepted", "proposed (all rounds)",
-                 "distinct 4-grams", "off rounds", "ngram rounds"], rows))
+    print(table(["prompts", "clients", "off tok/s", "on tok/s", "on / off", "predicted", "accepted", "proposed (all rounds)",
+                 "distinct 4-grams", "off rounds", "on rounds"], rows))
+    proposer = f"n-grams {a.ngram[0]}..{a.ngram[1]}" if a.proposer == "ngram" else f"draft {a.draft or 'int4 self'}"
     print(f"\n{a.ckpt}, {a.dtype}, TP 1, {torch.get_num_threads()} threads; greedy, up to {a.new_tokens} new tokens, "
-          f"{a.speculative_tokens} proposals a row, n-grams {a.ngram[0]}..{a.ngram[1]}; medians of {a.rounds} rounds "
+          f"{a.speculative_tokens} proposals a row, {proposer}; medians of {a.rounds} rounds "
           "taking turns; replies equal with and without proposals in every round.")
 
 

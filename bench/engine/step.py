@@ -32,7 +32,8 @@ from bench.lib.generation import prompts
 from tp_llama.backend import cpu, fused
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
 from tp_llama.kernels.cpu import ops
 from tp_llama.model import llama
 from tp_llama.parallel import modules

@@ -48,6 +48,12 @@ PRESETS = {
     "llama3.2-1b": Shape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, meta_tokenizer=True),
     "llama3.2-3b": Shape(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.0,
                          meta_tokenizer=True),
+    # Llama 3.1 8B's width (ffn 14,336) with 2 and 4 of its 32 layers: step costs fitted per layer and
+    # extended to 32 (bench/engine/draft_costs.py), where the whole model would not fit 24 GiB beside its draft.
+    "8b-2layers": Shape(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+                        ffn_dim_multiplier=1.3, meta_tokenizer=True),
+    "8b-4layers": Shape(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+                        ffn_dim_multiplier=1.3, meta_tokenizer=True),
     "llama2-7b": Shape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=4096, ffn_dim_multiplier=None,
                        model_vocab=32000),
 }

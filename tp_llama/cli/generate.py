@@ -20,7 +20,7 @@ from tp_llama.engine.core import Engine
 from tp_llama.engine.runner import CPU_DEFAULT_SEQUENCES
 from tp_llama.kernels.quant import QUANTIZE
 from tp_llama.engine.sampling import SamplingParams
-from tp_llama.engine.scheduler import Sequence, check_sequence
+from tp_llama.engine.sequence import Sequence, check_sequence
 from tp_llama.errors import CheckpointError
 from tp_llama.parallel.distributed import every_rank_agrees, leave_group, log
 

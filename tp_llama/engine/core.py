@@ -94,7 +94,7 @@ class Engine:
         """The engine of a built model (and its draft's), made ready to serve now (ModelRunner; `prepared`:
         the loader already applied it)."""
         share = PoolShare()
-        if draft is not None:  # the draft's KV blocks mirror the served model's: one pool's memory holds both
+        if draft is not None and config.draft_ckpt_dir:  # its KV blocks mirror ours: one pool's memory holds both
             _, draft_model, draft_args, _ = draft
             kv_heads = draft_args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
             share = PoolShare(block_bytes_of(draft_args, config, kv_heads, next(draft_model.parameters()).dtype))
@@ -102,8 +102,9 @@ class Engine:
         draft_runner = None
         if draft is not None:
             settings, draft_model, draft_args, draft_prepared = draft
+            shared = PoolShare(caches_of=model) if not config.draft_ckpt_dir else PoolShare(n_blocks=runner.cache.n_blocks)
             draft_runner = ModelRunner(draft_model, settings, info, draft_args, tokenizer.n_words, draft_prepared,
-                                       PoolShare(n_blocks=runner.cache.n_blocks))
+                                       shared)
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({runner.dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)
@@ -145,7 +146,7 @@ class Engine:
             drafter = None
             if self.draft is not None:
                 drafter = Drafter(self._draft_forward, self.tokenizer.n_words, self.tokenizer.stop_ids,
-                                  c.prefill_budget, c.kv_block_size)
+                                  c.prefill_budget, c.kv_block_size, shares_cache=not c.draft_ckpt_dir)
             speculator = Speculator(c.speculative_tokens, c.ngram_min, c.ngram_max, draft=drafter)
         return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool, speculator)
 

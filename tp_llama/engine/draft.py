@@ -11,6 +11,11 @@ A sequence's draft KV is valid up to the first position whose token the draft di
 step, the proposals the served model rejected (and everything after them) are written again by the
 next draft step, which first feeds the draft every token it has not seen (a new sequence's whole
 prompt; after a step, the picked token and the accepted proposals the draft wrote no entry for).
+
+The int4 self-draft has the served model's shapes, so it reads and writes the served model's own KV
+cache instead: every computed position is there already (no prompt to feed it again, no memory of
+its own, and the served model's entries are better than its own would be), and what it writes past
+a sequence's newest token, the verify step writes again before anything reads it.
 A draft never changes a reply, only how many proposals are taken: a draft that is wrong, stale or
 slow costs time, not tokens.
 """
@@ -86,6 +91,7 @@ class Drafter:
     stop_ids: frozenset[int]
     budget: int  # tokens a draft step holds at most (the served model's prefill_budget)
     block_size: int
+    shares_cache: bool = False  # the self-draft: it reads the served model's KV cache, which holds every sequence
     seen: dict[str, Seen] = field(default_factory=dict)
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
@@ -119,11 +125,13 @@ class Drafter:
                 else:
                     active.remove(i)
         for i, seq in enumerate(seqs):
-            if rooms[i] > 0:  # written: up to the newest token, then every draft token but the last
+            if rooms[i] > 0 and not self.shares_cache:  # written: up to the newest token, then the drafts but the last
                 self.seen[seq.id] = Seen(seq.computed + 1, drafts[i][:-1], seq.preemptions)
         return drafts
 
     def _known(self, seq: Sequence) -> int:
+        if self.shares_cache:
+            return seq.computed
         seen = self.seen.get(seq.id)
         return seen.valid(seq) if seen is not None else 0
 

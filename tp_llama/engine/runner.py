@@ -97,10 +97,12 @@ def block_bytes_of(args: ModelArgs, config: EngineConfig, kv_heads: int, dtype: 
 class PoolShare:
     """How a rank's KV-cache pool is sized beside a draft model's, whose blocks mirror the served model's
     (the same block tables address both): the served model counts `beside_bytes` more a block, so both
-    caches fit the memory set for one; the draft takes `n_blocks`, the served model's count."""
+    caches fit the memory set for one; the draft takes `n_blocks`, the served model's count, or, where
+    it is the served checkpoint itself, `caches_of` the served model (engine/draft.py)."""
 
     beside_bytes: int = 0
     n_blocks: int = 0
+    caches_of: nn.Module | None = None
 
 
 class ModelRunner:
@@ -148,6 +150,10 @@ class ModelRunner:
 
     def _allocate_pool(self, config: EngineConfig, args: ModelArgs, share: PoolShare) -> KVCache:
         """The KV-cache pool, every rank the same number of blocks (the fewest any rank has room for)."""
+        if share.caches_of is not None:
+            self.model.share_caches(share.caches_of)
+            log("KV cache: the served model's", self.info.rank)
+            return self.model.layers[0].attention.cache
         info, dtype = self.info, self.dtype
         kv_heads = args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
         block_bytes = block_bytes_of(args, config, kv_heads, dtype)

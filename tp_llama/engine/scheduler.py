@@ -1,17 +1,14 @@
 """Rank 0's scheduler: which sequences run in the next step, on which tokens, in which KV-cache blocks.
 
-Only rank 0 holds sequences. Each step it turns them into rows of start position, tokens and
-block table (`Scheduled`, whose rows go out as the step's `StepPlan`) that every rank runs as it
-is, so ranks never have to agree on anything else: arrivals, cancellations, preemptions and
-finishes all happen here, between steps.
+Only rank 0 holds sequences. Each step it turns them into rows of start position, tokens and block
+table (`Scheduled`, sent as the step's `StepPlan`) that every rank runs as it is: arrivals,
+cancellations, preemptions and finishes all happen here, between steps.
 
-A step holds every sequence that is decoding (one token each) plus prompt chunks of waiting
-or half-prefilled sequences, up to `prefill_budget` rows in all (decode rows included, as vLLM's
-max_num_batched_tokens), so a long prompt is prefilled over several steps while the others keep
-decoding, and a step that cuts a prompt is exactly the budget's size: on CPU a matmul's cost goes
-by 32-row blocks, and 512 prompt rows beside three decode rows had cost a 17th block
-(bench/engine/rounds.py's mixed steps). Prompts get at least half the budget however many
-sequences decode.
+A step holds every decoding sequence (one token each) plus prompt chunks, up to `prefill_budget`
+rows in all (as vLLM's max_num_batched_tokens), so a long prompt is prefilled over several steps
+while the others keep decoding; a step that cuts a prompt is exactly the budget's size (a CPU
+matmul's cost goes by 32-row blocks: bench/engine/rounds.py's mixed steps). Prompts get at least
+half the budget however many sequences decode.
 
 Memory decides how many run: a sequence is admitted when the blocks its prompt still needs (after
 the prefix cache's hits) are free, and grows a block at a time; when the pool runs dry mid-decode
@@ -22,10 +19,10 @@ within its sequence's room (max_new_tokens, max_seq_len), free blocks (never pre
 half the budget; `commit` takes the accepted ones with the picked token and drops the rest (their
 blocks go back; only accepted tokens reach the prefix cache).
 
-n > 1 (a group: sequences of one prompt, `Sequence.fork_of`): the group's first sequence carries the
-others until its first token, so the prompt is computed once; at that row every member takes its first
-token from the same logits (`Scheduled.samplers`), then each fork shares the prompt's full blocks by
-reference count and takes its own copy of the last, partly filled one (`Row.copy`), as vLLM v0 did.
+n > 1 (a group of one prompt, `Sequence.fork_of`): the first sequence carries the others until its
+first token, so the prompt is computed once; every member takes its first token from the same logits
+(`Scheduled.samplers`), then each fork shares the prompt's full blocks and copies the last, partly
+filled one (`Row.copy`), as vLLM v0 did.
 """
 
 from __future__ import annotations
@@ -39,8 +36,9 @@ import torch
 
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.plan import Row
-from tp_llama.engine.sampling import SamplingParams, TokenLogprobs, check_params
-from tp_llama.engine.sequence import Sequence
+from tp_llama.engine.sampling import TokenLogprobs
+from tp_llama.engine.scoring import prompt_scores
+from tp_llama.engine.sequence import Sequence, check_sequence
 from tp_llama.engine.speculate import Speculator
 
 SPECULATE_STEP_TOKENS = 32  # decode tokens (proposals included) a step may reach and still carry proposals
@@ -59,28 +57,20 @@ class Scheduled:
     samplers: list[list[Sequence]]
 
 
-def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: int) -> None:
-    """The engine's own limits (the handler's request rules come first and say more)."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if params.max_new_tokens < (0 if params.prompt_logprobs is not None else 1):
-        raise ValueError(f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), got {params.max_new_tokens}")
-    if len(prompt_ids) + params.max_new_tokens > max_seq_len:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-            f"exceeds max_seq_len {max_seq_len}"
-        )
-    check_params(params)
+@dataclass(frozen=True)
+class Snapshot:
+    """The scheduler's counts between steps, read at once (the handler's metrics)."""
 
-
-def _prompt_scores(seq: Sequence, start: int, end: int) -> tuple[int, int, int]:
-    """Row.score, scored and next_token for positions start .. end - 1 of a sequence: the positions whose
-    next token is a prompt token not scored yet (all of them again after a preemption that lost some)."""
-    top, last = seq.params.prompt_logprobs, len(seq.prompt_ids) - 1
-    stop = min(end, last)
-    if top is None or stop <= start or stop <= len(seq.prompt_logprobs):
-        return -1, 0, -1
-    return top, stop - start, seq.prompt_ids[end] if end <= last else -1
+    decoding: int
+    waiting: int
+    prefilling: int  # running sequences with prompt tokens still to compute
+    blocks_used: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    proposed: int  # speculative decoding's totals: proposals made, taken, taken at each position
+    accepted: int
+    accepted_at: tuple[int, ...]
 
 
 class Scheduler:
@@ -103,6 +93,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def snapshot(self) -> Snapshot:
+        prefilling, spec = sum(1 for s in self.running if s.prefilling), self.speculator
+        return Snapshot(len(self.running) - prefilling, len(self.waiting), prefilling, self.pool.used,
+                        self.prefix_queries, self.prefix_hits, self.preemptions, spec.proposed if spec else 0,
+                        spec.accepted if spec else 0, tuple(spec.accepted_at) if spec else ())
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; one that can never run is refused here (ValueError), before it takes a block.
@@ -200,7 +196,7 @@ class Scheduler:
             budget -= len(chunk)
             end = seq.computed + len(chunk)
             sample = end == len(tokens) and seq.params.max_new_tokens > 0
-            rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *_prompt_scores(seq, seq.computed, end)))
+            rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *prompt_scores(seq, seq.computed, end)))
             owners.append(seq)
             if sample:
                 samplers.append([seq, *seq.forks])

@@ -19,6 +19,7 @@ from torch import nn
 
 from tp_llama.engine.plan import Row
 from tp_llama.engine.sampling import TokenLogprobs, top_logits
+from tp_llama.engine.sequence import Sequence
 from tp_llama.kernels import linear
 from tp_llama.parallel.layout import GATHER
 from tp_llama.parallel.modules import LocalLinear, gather_last_dim_to_rank0
@@ -118,3 +119,13 @@ def row_entries(rows: list[Row], scores: tuple[torch.Tensor, torch.Tensor, torch
                   for j, target in enumerate(row.targets())]
         at += row.scored
     return out
+
+
+def prompt_scores(seq: Sequence, start: int, end: int) -> tuple[int, int, int]:
+    """Row.score, scored and next_token for positions start .. end - 1 of a sequence: the positions whose
+    next token is a prompt token not scored yet (all of them again after a preemption that lost some)."""
+    top, last = seq.params.prompt_logprobs, len(seq.prompt_ids) - 1
+    stop = min(end, last)
+    if top is None or stop <= start or stop <= len(seq.prompt_logprobs):
+        return -1, 0, -1
+    return top, stop - start, seq.prompt_ids[end] if end <= last else -1

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tp_llama.engine.sampling import SamplingParams, TokenLogprobs
+from tp_llama.engine.sampling import SamplingParams, TokenLogprobs, check_params
 
 if TYPE_CHECKING:
     from tp_llama.engine.constraint import Constraint
@@ -62,3 +62,17 @@ class Sequence:
         new, logprobs = self.output[self.reported :], self.logprobs[self.reported :]
         self.reported = len(self.output)
         return new, logprobs
+
+
+def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: int) -> None:
+    """The engine's own limits (the handler's request rules come first and say more)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if params.max_new_tokens < (0 if params.prompt_logprobs is not None else 1):
+        raise ValueError(f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), got {params.max_new_tokens}")
+    if len(prompt_ids) + params.max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+            f"exceeds max_seq_len {max_seq_len}"
+        )
+    check_params(params)

@@ -51,6 +51,7 @@ def ngram_proposal(tokens: Tokens[int], k: int, n_min: int, n_max: int) -> list[
 class RowStats:
     proposed: int = 0
     accepted: int = 0
+    verified: int = 0  # rows that carried proposals
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Speculator:
     rows: dict[str, RowStats] = field(default_factory=dict)
     proposed: int = 0
     accepted: int = 0
+    verified: int = 0  # rows that carried proposals
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: proposals accepted at position i + 1
     cost: StepCost = field(default_factory=StepCost)
     idle: int = 0  # decode steps since the last that carried proposals
@@ -147,6 +149,7 @@ class Speculator:
         stats.accepted += accepted
         self.proposed += proposed
         self.accepted += accepted
+        self.verified += 1
         for i in range(accepted):
             self.accepted_at[i] += 1
 

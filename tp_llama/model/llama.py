@@ -144,6 +144,13 @@ class Transformer(nn.Module):
         for layer in self.layers:  # FSDP1's wrapper passes attribute reads through to the block
             layer.attention.cache = KVCache(n_blocks, block_size, heads, self.args.head_dim, dtype, device)
 
+    def share_caches(self, other: Transformer) -> None:
+        """Read and write `other`'s KV caches and RoPE table: a model of the same shapes run on the same
+        sequences (the int4 self-draft, engine/draft.py)."""
+        self.rope = other.rope
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.attention.cache = theirs.attention.cache
+
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch.logits_at), V] (float32) of the tokens the batch asks for."""
         return self.output(self.hidden(batch)).float()
