@@ -18,6 +18,7 @@ import torch
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.plan import PlanWire, Row, StepPlan
+from tp_llama.engine.proposal_counts import ProposalCounts
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.engine.speculate import Speculator, ngram_proposal
@@ -52,21 +53,34 @@ def test_a_row_whose_proposals_are_rarely_taken_stops_proposing():
     assert speculator.propose("s", [1, 2, 1, 2], 4) == [1, 2]
 
 
-@pytest.mark.parametrize(("per_token", "expected"), [(0.0, 4), (0.001, 0)], ids=["memory-bound", "compute-bound"])
-def test_a_step_proposes_as_many_tokens_as_the_measured_step_cost_says_pay(per_token, expected):
-    """Steps of 1 and 5 tokens costing 10 ms whatever their size (a large model's few rows) make 4
-    proposals a row pay at an acceptance of 1/2 (1.94 tokens a step for the same time); costing 1 ms
-    a token (a small model's, compute-bound) they never do (1.5 tokens for twice the time)."""
-    speculator = Speculator(4, 2, 4)
-    assert speculator.per_row(1) == 1  # nothing measured yet: try one
-    speculator.record("s", 4, 2)
-    speculator.record("s", 4, 2)  # 4 of 8 taken: (4 + 1) / (8 + 2) = 1/2
-    for tokens in (1, 5, 1, 5):
-        speculator.observe(tokens, tokens - 1, 0.010 if per_token == 0 else per_token * tokens)
-    assert speculator.per_row(1) == expected
-    for _ in range(256):
-        speculator.observe(1, 0, 0.010 if per_token == 0 else per_token)
-    assert speculator.per_row(1) == 1  # long without proposals: one a row tried again
+def simulated_steps(counts: ProposalCounts, rows: int, seconds, p: float, steps: int) -> list[int]:
+    """The counts chosen over `steps` steps of `rows` rows where a step carrying k proposals a row takes
+    seconds(rows, k) and each row yields its expected (1 - p^(k+1)) / (1 - p) tokens."""
+    chosen = []
+    for _ in range(steps):
+        k = counts.choose(rows)
+        counts.observe(rows * (1 - p ** (k + 1)) / (1 - p), seconds(rows, k))
+        chosen.append(k)
+    return chosen
+
+
+def test_each_size_of_step_proposes_the_count_its_measured_steps_say_pays():
+    """A large model's few rows cost the same whatever they carry (memory-bound): the count climbs to
+    the most. Many rows of a small model cost by the token (compute-bound), and a draft's steps on
+    top: the count stays at none, tried again only a few steps in every REVISIT."""
+    counts = ProposalCounts(4)
+    few = simulated_steps(counts, 1, lambda rows, k: 0.010, 0.6, 200)
+    many = simulated_steps(counts, 16, lambda rows, k: 0.001 * rows * (1 + k) + 0.002 * k, 0.6, 200)
+    assert few[-100:].count(4) >= 90 and few.index(4) < 30
+    assert many[-150:].count(0) >= 135
+    assert simulated_steps(counts, 1, lambda rows, k: 0.010, 0.6, 10)[-5:] == [4] * 5  # sizes kept apart
+
+
+def test_the_count_follows_a_step_cost_that_moves():
+    counts = ProposalCounts(4)
+    simulated_steps(counts, 2, lambda rows, k: 0.010, 0.7, 100)
+    later = simulated_steps(counts, 2, lambda rows, k: 0.010 * (1 + k), 0.7, 400)  # now every token costs
+    assert later[-100:].count(0) >= 85
 
 
 def test_the_plan_wire_carries_a_rows_proposals():

@@ -168,8 +168,7 @@ class Engine:
             picked, logprobs, scores, verified = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
             if scheduler.speculator is not None and scheduled.rows and not scheduled.prompt_tokens:
-                scheduler.speculator.observe(sum(len(row.tokens) for row in scheduled.rows),
-                                             sum(row.proposed for row in scheduled.rows), self._last_step_s)
+                scheduler.speculator.observe(len(scheduled.rows) + sum(map(len, verified.values())), self._last_step_s)
             touched = scheduler.commit(scheduled, picked, logprobs, scores, verified)
             for seq in touched:
                 if seq.constraint is not None and seq.constraint.failed:

@@ -11,12 +11,9 @@ A proposal is a point mass, so verifying it is drawing each position's token fro
 without speculation and accepting while the draw equals the proposal (engine/verify.py): replies do
 not change. Speculation must not cost more than it saves, so two rules cut it back:
 - a row stops proposing when its proposals are rarely taken (`Speculator.worth`);
-- each step proposes only as many tokens a row as the measured cost of decode steps says pay
-  (`Speculator.per_row`): a step's seconds are fitted as a + b x its tokens over the decode steps seen,
-  and k proposals a row are worth it where the tokens they are expected to yield at the acceptance
-  seen, (1 - p^(k+1)) / (1 - p) a row, come faster than one a row without them. A step of few rows
-  over a large model costs about the same with more tokens (memory-bound); many rows, or a small
-  model, make every token cost compute (bench/engine/speculative.py at 4 and 16 clients).
+- each step proposes only as many tokens a row as measured steps of its size say pay
+  (`Speculator.per_row`, engine/proposal_counts.py): few rows over a large model cost about the same
+  with more tokens (memory-bound); many rows, or a small model, make every token cost compute.
 """
 
 from __future__ import annotations
@@ -25,14 +22,14 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tp_llama.engine.proposal_counts import ProposalCounts
+
 if TYPE_CHECKING:
     from tp_llama.engine.draft import Drafter
     from tp_llama.engine.sequence import Sequence
 
 WARM_UP = 8  # proposals a row makes before its acceptance can switch it off
 LEAST_ACCEPTANCE = 0.1  # below this share of its proposals taken, a row stops proposing
-FORGET = 0.98  # each decode step's weight in the cost fit, against the one before
-RETRY_STEPS = 256  # steps without proposals after which one is tried again (the cost or acceptance may have moved)
 
 
 def ngram_proposal(tokens: Tokens[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -55,27 +52,6 @@ class RowStats:
 
 
 @dataclass
-class StepCost:
-    """A decode step's seconds as a + b * its tokens, least squares over the steps seen, the recent ones
-    weighing more (FORGET)."""
-
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weights, x, y, x^2, x*y
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.sums = [FORGET * total + term for total, term in
-                     zip(self.sums, (1.0, tokens, seconds, tokens * tokens, tokens * seconds))]
-
-    def line(self) -> tuple[float, float] | None:
-        """(a, b), or None until steps of different sizes were seen."""
-        n, x, y, xx, xy = self.sums
-        spread = n * xx - x * x
-        if n < 2 or spread <= 1e-9 * max(n * xx, 1.0):
-            return None
-        b = (n * xy - x * y) / spread
-        return (y - b * x) / n, max(b, 0.0)
-
-
-@dataclass
 class Speculator:
     """Proposals for decode rows, and what became of them (per sequence and per position, for metrics)."""
 
@@ -87,14 +63,14 @@ class Speculator:
     accepted: int = 0
     verified: int = 0  # rows that carried proposals
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: proposals accepted at position i + 1
-    cost: StepCost = field(default_factory=StepCost)
-    idle: int = 0  # decode steps since the last that carried proposals
+    counts: ProposalCounts = field(init=False)
     draft: Drafter | None = None  # a draft model proposes (engine/draft.py), not n-gram lookup
 
     def __post_init__(self) -> None:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be >= 1 and <= ngram_max ({self.ngram_max})")
         self.accepted_at = [0] * self.tokens
+        self.counts = ProposalCounts(self.tokens)
 
     def worth(self, seq_id: str) -> bool:
         """Whether a row still proposes: always until WARM_UP proposals, then while enough are taken."""
@@ -102,26 +78,12 @@ class Speculator:
         return stats is None or stats.proposed < WARM_UP or stats.accepted >= LEAST_ACCEPTANCE * stats.proposed
 
     def per_row(self, rows: int) -> int:
-        """Proposals a row for a step of `rows` decode rows: the count whose expected tokens per second,
-        by the fitted step cost and the acceptance seen, beat none. One a row while the fit lacks a second
-        size of step, and again after RETRY_STEPS steps without (the cheapest step that measures the
-        slope: trying more at many rows had cost a step of several times the tokens)."""
-        line = self.cost.line()
-        if line is None or self.idle >= RETRY_STEPS:
-            return 1
-        a, b = line
-        p = (self.accepted + 1) / (self.proposed + 2)  # the acceptance seen, a proposal's chance of being taken
-        best, best_rate = 0, rows / (a + b * rows)
-        for k in range(1, self.tokens + 1):
-            rate = rows * (1 - p ** (k + 1)) / (1 - p) / (a + b * rows * (1 + k))
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+        """Proposals a row for a step of `rows` decode rows (engine/proposal_counts.py)."""
+        return self.counts.choose(rows)
 
-    def observe(self, tokens: int, proposals: int, seconds: float) -> None:
-        """A decode-only step of `tokens` tokens (its rows and their proposals) took `seconds`."""
-        self.cost.observe(tokens, seconds)
-        self.idle = 0 if proposals else self.idle + 1
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A decode-only step gave `tokens` tokens (picked and accepted) in `seconds`, drafting included."""
+        self.counts.observe(tokens, seconds)
 
     @property
     def drafts(self) -> bool:
