@@ -8,6 +8,8 @@ table of:
 1. parity on the GPU against the float64 CPU reference (tests/support/reference.py): float32
    logits within 1e-3 and greedy tokens identical, bfloat16 logits within 5% of the logit scale;
    prefill and a decode step, with eager steps and with compiled (CUDA-graph) decode steps;
+   and steps whose rows carry speculative decoding's proposals (the reference's own tokens: every one
+   must be taken);
 2. TP 2: two ranks over gloo sharing the one GPU (NCCL wants a GPU per rank), greedy tokens;
 3. NCCL at world size 1: the model's collectives on CUDA tensors, then greedy tokens;
 4. decode speed on a Llama 3 8B-shaped model in bfloat16: ms per step at 1/8/32 rows, eager and
@@ -48,7 +50,9 @@ from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import Row
-from tp_llama.engine.scheduler import SamplingParams, Sequence
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
+from tp_llama.engine.speculate import Speculator
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.model.batch import Batch
 from tp_llama.parallel.distributed import DistInfo, init_distributed
@@ -194,6 +198,43 @@ def parity(device: str, expected: Expected) -> None:
                 share = error / scale
                 record("parity: logits", setting, f"max abs diff {share:.1%} of the logit scale {scale:.1f} (limit 5%)",
                        share < 0.05)
+
+
+class ReferenceProposals(Speculator):
+    """Proposes the float64 reference's own greedy continuation, 4 tokens a row at every step: a verify
+    step whose positions score as decode steps do takes every one."""
+
+    def __init__(self, tokens: list[list[int]]):
+        super().__init__(4, 1, 1)
+        self.want = tokens
+
+    def worth(self, seq_id: str) -> bool:
+        return True
+
+    def per_row(self, rows: int) -> int:
+        return self.tokens
+
+    def propose(self, seq_id: str, tokens: list[int], most: int) -> list[int]:
+        done = len(tokens) - len(PROMPTS[int(seq_id)])
+        return self.want[int(seq_id)][done : done + min(most, self.tokens)]
+
+
+def speculative_parity(device: str, expected: Expected) -> None:
+    """Rows carrying proposals (speculative decoding's verify steps) on the device: greedy tokens as the
+    reference's, every proposal taken; compiled decode steps serve the steps without proposals."""
+    info = DistInfo(0, 1, 0, torch.device(device), "none")
+    for compile_ in ("off", "on") if device == "cuda" else ("off",):
+        engine = served_engine(SMALL, expected.state, info, "float32", compile_)
+        scheduler, proposer = engine.new_scheduler(), ReferenceProposals(expected.tokens)
+        scheduler.speculator = proposer
+        sequences = [Sequence(str(i), ids, SamplingParams(NEW_TOKENS, ignore_eos=True)) for i, ids in enumerate(PROMPTS)]
+        for seq in sequences:
+            scheduler.add(seq)
+        engine.run(scheduler)
+        setting = f"{device} float32 decode {'compiled' if compile_ == 'on' else 'eager'}, the reference's proposals"
+        record_tokens("speculative: greedy tokens", setting, [seq.output for seq in sequences], expected.tokens)
+        record("speculative: proposals taken", setting, f"{proposer.accepted} of {proposer.proposed}",
+               proposer.proposed > 0 and proposer.accepted == proposer.proposed)
 
 
 def _tp_rank(rank: int, port: int, device: str, out: str) -> None:
@@ -357,6 +398,7 @@ def main() -> int:
     started = time.perf_counter()
     expected = Expected.small()
     parity(a.device, expected)
+    speculative_parity(a.device, expected)
     if a.quantized:
         quantized_parity(a.device, expected)
         meta_matmuls.rows(a.device, record)

@@ -154,6 +154,8 @@ def test_the_gpu_pool_stops_at_four_full_batches_and_where_32_bit_offsets_end(mo
     assert pool_blocks(roomy, cuda, 2 * 64, block_bytes) == 4 * 256 * 8192 // 16
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
     assert pool_blocks(roomy, cuda, 2 * 64, block_bytes) == int(2**30 * 0.85) // block_bytes
+    # A draft model's weights, moved to the GPU after the pool is sized, are left out of the free memory.
+    assert pool_blocks(roomy, cuda, 2 * 64, block_bytes, 2**29) == int(2**29 * 0.85) // block_bytes
     asked = EngineConfig("-", kv_cache_memory_gb=1000.0)  # more than 2^31 elements of one layer's keys
     blocks = pool_blocks(asked, cuda, 2 * 64, block_bytes)
     assert (blocks + 1) * 16 * 2 * 64 <= 2**31 < (blocks + 2) * 16 * 2 * 64

@@ -18,8 +18,9 @@ Replies with and without proposals are checked to be the same.
 
 --proposer draft: a draft model proposes, --draft DIR or by default the checkpoint itself at int4
 (its rotated conversion, `convert --rotate 1`: the plain one sits on a 4-bit grid). At one client the
-table then adds the speedup predicted from the acceptance measured and the step costs measured
-(bench/engine/draft_costs.py) beside the measured one.
+table then adds the speedup predicted from the acceptance, the prompts' share of the plain runs'
+seconds (not sped up) and the step costs (bench/engine/draft_costs.py), all measured, beside the
+measured one.
 """
 
 from __future__ import annotations
@@ -87,10 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for kind, prompts in kinds.items():
         for clients in a.clients:
-            rates = {"off": [], "on": []}
+            rates, prefill = {"off": [], "on": []}, []  # prefill: its share of each plain run's seconds
             before = (speculator.proposed, speculator.accepted, speculator.verified)
             for _ in range(a.rounds):
+                prefill_s = engine.stats.prefill_s
                 plain_rate, plain = run(engine, prompts, clients, a.new_tokens, None)
+                prefill.append((engine.stats.prefill_s - prefill_s) * plain_rate / sum(map(len, plain)))
                 rate, replies = run(engine, prompts, clients, a.new_tokens, speculator)
                 if replies != plain:
                     raise SystemExit(f"{kind} at {clients} clients: replies differ with speculation")
@@ -101,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
             verified = max(speculator.verified - before[2], 1)
             predicted = "-"
             if a.proposer == "draft" and clients == 1:  # tokens and proposals a verify step, as measured
-                costs = step_costs(engine, max(round(proposed / verified), 1))
-                predicted = predicted_speedup((accepted + verified) / verified, proposed / verified, 1 / off, costs)
+                costs, share = step_costs(engine, a.speculative_tokens), statistics.median(prefill)
+                decode = predicted_speedup((accepted + verified) / verified, proposed / verified, (1 - share) / off, costs)
+                predicted = 1 / (share + (1 - share) / decode)  # prefill is not sped up
             rows.append([kind, clients, off, on, on / off, predicted, accepted / max(proposed, 1), proposed,
                          distinct_4grams(plain[: len(prompts)]), " ".join(f"{r:.0f}" for r in rates["off"]),
                          " ".join(f"{r:.0f}" for r in rates["on"])])

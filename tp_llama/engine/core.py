@@ -94,10 +94,12 @@ class Engine:
         """The engine of a built model (and its draft's), made ready to serve now (ModelRunner; `prepared`:
         the loader already applied it)."""
         share = PoolShare()
-        if draft is not None and config.draft_ckpt_dir:  # its KV blocks mirror ours: one pool's memory holds both
+        if draft is not None:  # its weights, and its KV blocks (which mirror ours) where not ours, in one pool's memory
             _, draft_model, draft_args, _ = draft
             kv_heads = draft_args.n_kv_heads // (info.world_size if config.mode == "tp" else 1)
-            share = PoolShare(block_bytes_of(draft_args, config, kv_heads, next(draft_model.parameters()).dtype))
+            dtype = next(draft_model.parameters()).dtype
+            share = PoolShare(block_bytes_of(draft_args, config, kv_heads, dtype) if config.draft_ckpt_dir else 0,
+                              sum(t.numel() * t.element_size() for t in [*draft_model.parameters(), *draft_model.buffers()]))
         runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared, share)
         draft_runner = None
         if draft is not None:

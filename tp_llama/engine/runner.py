@@ -59,12 +59,13 @@ def plan_backend(config: EngineConfig, info: DistInfo, dtype: torch.dtype) -> Pr
     return backend.plan(info.device, dtype, traced=wants_compile(config, info.device), quantized=config.quantize)
 
 
-def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int) -> int:
+def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int, held_apart: int = 0) -> int:
     """This rank's KV-cache pool: handler.kv_cache_memory_gb, or by default most of the GPU's free
     memory, or on CPU (where the pool is touched at load) the memory of CPU_DEFAULT_SEQUENCES full
     sequences, at most a quarter of RAM across the node's ranks.
 
-    The GPU default stops at GPU_MOST_BATCHES full batches: past that, blocks only keep old prefixes,
+    held_apart: bytes of the GPU's free memory spoken for already (a draft model's weights, moved to the
+    GPU after this pool is sized). The GPU default stops at GPU_MOST_BATCHES full batches: past that, blocks only keep old prefixes,
     and every decode step's block mask grows with the pool (a small model would otherwise take a
     pool of 10^8 positions).
     """
@@ -72,17 +73,17 @@ def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int) -> int
         return int(config.kv_cache_memory_gb * 2**30)
     if info.device.type == "cuda":
         most = GPU_MOST_BATCHES * config.max_batch_size * config.max_seq_len * token_bytes
-        return min(int(torch.cuda.mem_get_info(info.device)[0] * GPU_FREE_FRACTION), most)
+        return min(int((torch.cuda.mem_get_info(info.device)[0] - held_apart) * GPU_FREE_FRACTION), most)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return min(CPU_DEFAULT_SEQUENCES * config.max_seq_len * token_bytes, ram // (4 * ranks_here))
 
 
-def pool_blocks(config: EngineConfig, info: DistInfo, kv_width: int, block_bytes: int) -> int:
+def pool_blocks(config: EngineConfig, info: DistInfo, kv_width: int, block_bytes: int, held_apart: int = 0) -> int:
     """Blocks in this rank's pool: kv_pool_bytes' worth; on CUDA no more than 32-bit offsets reach with
     the spare block (kv_width: this rank's kv_heads * head_dim). Not on CPU: a pool too big for RAM
     must fail its allocation with a message, not be cut to a size Linux's OOM killer then ends."""
-    blocks = kv_pool_bytes(config, info, block_bytes // config.kv_block_size) // block_bytes
+    blocks = kv_pool_bytes(config, info, block_bytes // config.kv_block_size, held_apart) // block_bytes
     if info.device.type == "cuda":
         blocks = min(blocks, INDEX_LIMIT // (kv_width * config.kv_block_size) - 1)
     return blocks
@@ -97,10 +98,12 @@ def block_bytes_of(args: ModelArgs, config: EngineConfig, kv_heads: int, dtype: 
 class PoolShare:
     """How a rank's KV-cache pool is sized beside a draft model's, whose blocks mirror the served model's
     (the same block tables address both): the served model counts `beside_bytes` more a block, so both
-    caches fit the memory set for one; the draft takes `n_blocks`, the served model's count, or, where
-    it is the served checkpoint itself, `caches_of` the served model (engine/draft.py)."""
+    caches fit the memory set for one, and leaves `weights_bytes` (the draft's weights, not on the GPU
+    yet) out of a GPU's free memory; the draft takes `n_blocks`, the served model's count, or, where it
+    is the served checkpoint itself, `caches_of` the served model (engine/draft.py)."""
 
     beside_bytes: int = 0
+    weights_bytes: int = 0
     n_blocks: int = 0
     caches_of: nn.Module | None = None
 
@@ -161,7 +164,8 @@ class ModelRunner:
         with every_rank_agrees():
             try:
                 n_blocks = share.n_blocks or smallest_across_ranks(
-                    pool_blocks(config, info, kv_heads * args.head_dim, block_bytes + share.beside_bytes), info.device)
+                    pool_blocks(config, info, kv_heads * args.head_dim, block_bytes + share.beside_bytes,
+                                share.weights_bytes), info.device)
                 needed = config.blocks_per_sequence
                 if n_blocks < needed:
                     raise MemoryError(f"a KV-cache pool of {n_blocks} blocks of {config.kv_block_size} positions "
