@@ -70,9 +70,11 @@ def cli_reference(checkpoint: Path, setup: tuple[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, setup: tuple[str, str], serve):
-    # tp mode serves with speculative decoding, the int4 self-draft (a draft model at TP 2, its plans
-    # broadcast beside the served model's): its replies must still be the offline CLI's, which runs without it.
-    speculation = {"speculative": "draft"} if setup[1] == "tp" else {}
+    # tp mode serves with speculative decoding, the checkpoint drafting for itself as a second checkpoint
+    # would (a draft model at TP 2, its plans broadcast beside the served model's, its own KV cache fed
+    # by catching up; the int4 self-draft needs groups of 32 that this shape's TP 2 slices split): its
+    # replies must still be the offline CLI's, which runs without it.
+    speculation = {"speculative": "draft", "draft_ckpt_dir": str(checkpoint)} if setup[1] == "tp" else {}
     with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_new_tokens_limit=NEW_TOKENS_LIMIT,
                default_max_new_tokens=MAX_NEW, max_request_bytes=MAX_BODY, mode=setup[1], dtype=DTYPE,
                batchSize=6, **speculation) as ts:

@@ -2,11 +2,11 @@
 
 For each size of step (its decode rows, by powers of two) the tokens a second of the steps that
 carried k proposals a row are kept for k = 0 .. most, and steps use the best count so far; its
-neighbours are tried now and then, a few steps each (hill climbing), so the choice follows the
-acceptance, the batch and the context as they move. Measured rather than modelled: what proposals
+neighbours are tried now and then, a few steps each (hill climbing; less often while trials lose),
+so the choice follows the acceptance, the batch and the context as they move. Measured rather than modelled: what proposals
 cost depends on who makes them (a draft model's steps, n-gram lookup's nothing), on the model, the
 CPU and the batch, and what they yield on these very rows' acceptance. A line fitted to step seconds
-against tokens had kept an int4 self-draft on at 16 clients at 0.75x (bench/engine/speculative.py).
+against tokens had kept an int4 self-draft on at 16 clients where it lost (bench/engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TRIAL_STEPS = 4  # steps a count is tried for before it is compared with the best
-REVISIT = 64  # steps of one size after which a neighbour of its best count is tried again
+REVISIT = 64  # steps of one size after which a neighbour of its best count is tried again, at first
+LONGEST_REVISIT = 1024  # each trial that loses doubles the wait up to this: a settled best costs little
 DECAY = 0.9  # each count's earlier steps weigh this much less at each new one
 
 
@@ -45,6 +46,7 @@ class Size:
     since: int = 0  # steps since the last trial ended
     up: bool = True  # the side of `best` tried next on a revisit
     climb: int = 0  # +1 or -1 after a trial that moved the best that way: the next count that way is tried at once
+    revisit: int = REVISIT  # steps between trials of a neighbour
 
 
 @dataclass
@@ -73,7 +75,7 @@ class ProposalCounts:
         untried = [k for k in sides if size.arms[k].steps == 0]
         if untried:
             return untried[0]
-        if size.since < REVISIT or not sides:
+        if size.since < size.revisit or not sides:
             return None
         size.up = not size.up
         return sides[0] if size.up or len(sides) == 1 else sides[1]
@@ -93,4 +95,5 @@ class ProposalCounts:
             better = size.arms[count].rate() > size.arms[size.best].rate()
             size.climb = count - size.best if better else 0
             size.best = count if better else size.best
+            size.revisit = REVISIT if better else min(2 * size.revisit, LONGEST_REVISIT)
             size.trial, size.since = None, 0

@@ -195,10 +195,6 @@ class ModelRunner:
             self.info.rank)
         return step
 
-    def run(self, plan: StepPlan | None = None) -> tuple[StepPlan, torch.Tensor | None, list[list[TokenLogprobs] | None]]:
-        """One step on this rank: rank 0 passes its plan, the others receive it (`exchange`), then `execute`."""
-        return self.execute(self.exchange(plan))
-
     def exchange(self, plan: StepPlan | None = None) -> StepPlan:
         """Rank 0's plan, sent to every rank in one broadcast; the other ranks pass None and get it."""
         if self.info.world_size > 1:

@@ -93,4 +93,4 @@ def install() -> None:
 
     core.read_params = _at("load", core.read_params)
     converter._unshard_param = _at("convert", converter._unshard_param)
-    runner.ModelRunner.run = _at("decode", runner.ModelRunner.run)
+    runner.ModelRunner.execute = _at("decode", runner.ModelRunner.execute)
