@@ -4,12 +4,14 @@ a draft of another vocabulary is refused at load.
 
 A draft that is the served checkpoint itself computes exactly the served model's greedy tokens where
 its KV cache holds what the sequence holds, so every proposal must be taken: a stale or misplaced
-draft entry shows as a rejection. Served at TP 2 through TorchServe, the int4 self-draft is on in
-tests/test_serving_e2e.py's tp server, whose replies must equal the offline CLI's.
+draft entry shows as a rejection. Served at TP 2 through TorchServe, tests/test_serving_e2e.py's tp
+server drafts with its own checkpoint as a second one, and its replies must equal the offline CLI's;
+the int4 self-draft runs at TP 2 through the CLI here.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.errors import CheckpointError
+
+from tests.support.cli_util import launch_cli
 
 LENGTHS = (5, 17, 33, 14)  # prompts; 17 and 33 cross a block of 16
 NEW = 40
@@ -104,3 +108,20 @@ def test_a_draft_of_another_vocabulary_is_refused_at_load(checkpoint, synthetic_
 def test_draft_settings_that_cannot_work_are_refused(checkpoint, extra, message):
     with pytest.raises(ValueError, match=message):
         settings(checkpoint, speculative="draft", **extra)
+
+
+def test_the_int4_self_draft_at_tp_2_through_the_cli_keeps_the_replies(synthetic_checkpoint):
+    """Two ranks, each drafting with its int4 slices into its own slice of the served KV cache, the draft's
+    plans broadcast beside the served model's."""
+    ckpt = synthetic_checkpoint("llama3", mp=2, multiple_of=64)  # ffn 384: TP 2 slices keep whole int4 groups
+    args = ["--ckpt-dir", str(ckpt), "--dtype", "bfloat16", "--max-new-tokens", "24", "--ignore-eos",
+            "--prompt", "the lamp", "--prompt", "a keeper wrote the reading in the log at dusk"]
+    outputs = []
+    for extra in ([], ["--speculative", "draft"]):
+        run = launch_cli([*args, *extra], 2, timeout=180)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outputs.append([json.loads(line)["token_ids"] for line in run.stdout.splitlines() if line.strip()])
+    assert "KV cache: the served model's" in run.stderr
+    assert len(outputs[0]) == 2 and outputs[1] == outputs[0]
+    timings = json.loads(run.stdout.splitlines()[0])["timings"]
+    assert 0 < timings["accepted_tokens"] <= timings["proposed_tokens"], timings

@@ -122,6 +122,8 @@ def run(a: argparse.Namespace) -> None:
         "prefill_tokens_per_s": round(stats.prefill_tokens / max(stats.prefill_s, 1e-9), 1),
         "decode_tokens_per_s": round(stats.decode_tokens / max(stats.decode_s, 1e-9), 1),
     }
+    if a.speculative != "off":
+        timings.update(proposed_tokens=stats.proposed, accepted_tokens=stats.accepted)
     rss = round(largest_over_ranks(peak_rss_mb()), 1)
     if engine.rank != 0:
         return

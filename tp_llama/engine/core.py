@@ -41,6 +41,8 @@ class StepStats:
     prefill_s: float = 0.0  # steps that held prompt tokens
     decode_tokens: int = 0
     decode_s: float = 0.0  # steps of decode rows only
+    proposed: int = 0  # speculative decoding's proposals, and those taken
+    accepted: int = 0
 
 
 def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs, Preparation | None]:
@@ -169,6 +171,8 @@ class Engine:
             end = step_started - started + 2 * self._last_step_s > budget_s
             picked, logprobs, scores, verified = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
+            self.stats.proposed += sum(row.proposed for row in scheduled.rows)
+            self.stats.accepted += sum(map(len, verified.values()))
             if scheduler.speculator is not None and scheduled.rows and not scheduled.prompt_tokens:
                 scheduler.speculator.observe(len(scheduled.rows) + sum(map(len, verified.values())), self._last_step_s)
             touched = scheduler.commit(scheduled, picked, logprobs, scores, verified)
