@@ -100,6 +100,14 @@ def test_a_draft_of_another_vocabulary_is_refused_at_load(checkpoint, synthetic_
     assert str(other / "tokenizer.model") in str(error.value) and str(checkpoint / "tokenizer.model") in str(error.value)
 
 
+def test_a_self_draft_whose_tp_slices_split_int4_groups_fails_the_load_naming_the_draft(synthetic_checkpoint):
+    """The llama2 shape's ffn (352) splits into TP 2 slices of 176, which groups of 32 do not divide."""
+    run = launch_cli(["--ckpt-dir", str(synthetic_checkpoint("llama2", mp=2)), "--speculative", "draft", "--prompt", "a"],
+                     2, timeout=120)
+    assert run.returncode != 0
+    assert "the draft (this checkpoint at int4, speculative: draft)" in run.stderr and "groups of 32" in run.stderr
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     ({"quantize": "int4"}, "already serves"),
     ({"mode": "fsdp"}, "needs mode 'tp'"),

@@ -148,6 +148,11 @@ def load_draft(config: EngineConfig, tokenizer: Tokenizer,
     """The draft's settings and model on this rank, read by `load` (the served model's loader); a draft
     of another vocabulary is refused (CheckpointError naming both)."""
     settings = draft_config(config)
-    model, draft_tokenizer, args, prepared = load(settings)
+    try:
+        model, draft_tokenizer, args, prepared = load(settings)
+    except Exception as exc:  # the same type and attributes (every rank's failure), named as the draft's
+        what = settings.ckpt_dir if config.draft_ckpt_dir else f"this checkpoint at {SELF_DRAFT_QUANTIZE}"
+        exc.args = (f"the draft ({what}, speculative: draft): {exc.args[0] if exc.args else exc}", *exc.args[1:])
+        raise
     check_same_vocabulary(tokenizer, draft_tokenizer, config.ckpt_dir, settings.ckpt_dir)
     return settings, model, args, prepared
