@@ -87,6 +87,7 @@ def test_set_writes_the_value_with_its_yaml_type(tmp_path: Path, assignment: str
     ("batchSize.x=1", "batchSize is not a block of keys"),
     ("handler.max_seq_len", "KEY=VALUE"),
     ("handler.dtype=[", "not YAML"),
+    ("handler.speculative=off", "unquoted off, on, yes or no as a boolean: quote it"),
 ])
 def test_set_refuses_what_the_worker_would(tmp_path: Path, assignment: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -47,7 +47,8 @@ def check_fields(settings: object) -> None:
         elif kind is bool and not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
         elif kind is str and (not isinstance(value, str) or not value):
-            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            hint = " (YAML reads an unquoted off, on, yes or no as a boolean: quote it)" if isinstance(value, bool) else ""
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}{hint}")
         elif "choices" in spec.metadata and value not in spec.metadata["choices"]:
             if value is None and kind == (str | None):
                 continue
