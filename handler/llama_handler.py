@@ -35,7 +35,7 @@ from tp_llama.serving.grammars import COMPILE_LIMIT_S, GrammarCompiler, Pending
 from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.native import NativeRequest, parse_request
 from tp_llama.serving.openai_api import MODELS, PATHS, error_body, models_list, parse_openai
-from tp_llama.serving.request import Live, RequestError, json_line
+from tp_llama.serving.request import Live, RequestError, json_line, request_of
 from tp_llama.serving.settings import HandlerSettings, check_model_config, device_of, resolve_ckpt_dir
 from tp_llama.serving.threads import choose_threads
 from tp_llama.serving.tool_use import resolve_tool_format
@@ -159,7 +159,7 @@ class LlamaHandler(BaseHandler):
         """Per request whose sequences the step touched: its first-token time, and the newly shown text of
         this step. A stop string ends its sequence here, between steps, through the scheduler. True: end
         the call now (the grammars this call waits for are settled)."""
-        rids = dict.fromkeys(seq.id if seq.id in self.live else seq.id.rpartition("#")[0] for seq in touched)
+        rids = dict.fromkeys(request_of(seq.id, self.live) for seq in touched)
         for live in (self.live[rid] for rid in rids if rid in self.live):
             if not live.first_token_seen:
                 first = next((seq for seq in live.seqs if seq.first_token_at is not None), None)

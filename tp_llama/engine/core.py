@@ -171,10 +171,11 @@ class Engine:
             end = step_started - started + 2 * self._last_step_s > budget_s
             picked, logprobs, scores, verified = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
+            accepted = sum(map(len, verified.values()))
             self.stats.proposed += sum(row.proposed for row in scheduled.rows)
-            self.stats.accepted += sum(map(len, verified.values()))
+            self.stats.accepted += accepted
             if scheduler.speculator is not None and scheduled.rows and not scheduled.prompt_tokens:
-                scheduler.speculator.observe(len(scheduled.rows) + sum(map(len, verified.values())), self._last_step_s)
+                scheduler.speculator.observe(len(scheduled.rows) + accepted, self._last_step_s)
             touched = scheduler.commit(scheduled, picked, logprobs, scores, verified)
             for seq in touched:
                 if seq.constraint is not None and seq.constraint.failed:

@@ -3,8 +3,8 @@
 For each size of step (its decode rows, by powers of two) the tokens a second of the steps that
 carried k proposals a row are kept for k = 0 .. most, and steps use the best count so far; its
 neighbours are tried now and then, a few steps each (hill climbing; less often while trials lose),
-so the choice follows the acceptance, the batch and the context as they move. Measured rather than modelled: what proposals
-cost depends on who makes them (a draft model's steps, n-gram lookup's nothing), on the model, the
+so the choice follows the acceptance, the batch and the context as they move. Measured rather than
+modelled: what proposals cost depends on who makes them (a draft model's steps, n-gram lookup's nothing), on the model, the
 CPU and the batch, and what they yield on these very rows' acceptance. A line fitted to step seconds
 against tokens had kept an int4 self-draft on at 16 clients where it lost (bench/engine/speculative.py).
 """

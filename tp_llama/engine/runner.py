@@ -65,9 +65,9 @@ def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int, held_a
     sequences, at most a quarter of RAM across the node's ranks.
 
     held_apart: bytes of the GPU's free memory spoken for already (a draft model's weights, moved to the
-    GPU after this pool is sized). The GPU default stops at GPU_MOST_BATCHES full batches: past that, blocks only keep old prefixes,
-    and every decode step's block mask grows with the pool (a small model would otherwise take a
-    pool of 10^8 positions).
+    GPU after this pool is sized). The GPU default stops at GPU_MOST_BATCHES full batches: past that,
+    blocks only keep old prefixes, and every decode step's block mask grows with the pool (a small
+    model would otherwise take a pool of 10^8 positions).
     """
     if config.kv_cache_memory_gb:
         return int(config.kv_cache_memory_gb * 2**30)
@@ -113,8 +113,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs,
                  n_words: int | None = None, prepared: Preparation | None = None, pool: PoolShare | None = None):
-        """pool: where a draft model serves beside this one (engine/draft.py), the share of each KV-cache
-        block its own cache takes, or, for the draft itself, the served model's block count to match."""
+        """pool: how the KV-cache pool is sized beside a draft model (PoolShare, engine/draft.py)."""
         self.model, self.info = model, info
         self.mode = config.mode
         self.n_words = args.vocab_size if n_words is None else n_words  # the ids prompt log-probabilities range over

@@ -48,7 +48,6 @@ def ngram_proposal(tokens: Tokens[int], k: int, n_min: int, n_max: int) -> list[
 class RowStats:
     proposed: int = 0
     accepted: int = 0
-    verified: int = 0  # rows that carried proposals
 
 
 @dataclass

@@ -30,6 +30,7 @@ from tp_llama.serving.request import (
     native_logprobs,
     request_body,
     sampling_params,
+    sequence_id,
     text_prompt_ids,
 )
 from tp_llama.serving.settings import HandlerSettings
@@ -91,7 +92,7 @@ class NativeRequest:
         job = self.job
         for i in range(job.n):
             first = self.seqs[0] if self.seqs else None
-            self.seqs.append(Sequence(rid if i == 0 else f"{rid}#{i}", job.prompt_ids, job.params, job.cache_salt,
+            self.seqs.append(Sequence(sequence_id(rid, i), job.prompt_ids, job.params, job.cache_salt,
                                       fork_of=first))
         return self.seqs
 

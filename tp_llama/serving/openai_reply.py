@@ -17,7 +17,7 @@ from typing import Any
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.openai_logprobs import LegacyLogprobs, chat_logprobs, joined
-from tp_llama.serving.request import Job, json_line
+from tp_llama.serving.request import Job, json_line, sequence_id
 from tp_llama.serving.stream import StopWatcher, StreamDecoder
 from tp_llama.serving.tool_use import ToolReply
 
@@ -103,7 +103,7 @@ class OpenAIRequest:
         for i in range(len(self.prompts) * job.n):
             prompt, text = self.prompts[i // job.n], self.prompt_texts[i // job.n]
             first = None if i % job.n == 0 else self.choices[i - i % job.n].seq
-            seq = Sequence(rid if i == 0 else f"{rid}#{i}", prompt, job.params, job.cache_salt, fork_of=first)
+            seq = Sequence(sequence_id(rid, i), prompt, job.params, job.cache_salt, fork_of=first)
             echo = (text if text is not None else self.decode(prompt)) if self.echo else None
             choice = Choice(i, seq, echo, None if self.chat else LegacyLogprobs(self.decode))
             if follow:  # text followed step by step when streamed or when stop strings must be watched for

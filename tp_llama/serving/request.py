@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from collections.abc import Container
 from typing import Any, Protocol
 
 from tp_llama.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
@@ -35,6 +36,16 @@ class ChatTokenizer(Protocol):
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
 
     def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+
+def sequence_id(rid: str, i: int) -> str:
+    """The id of a request's i-th engine sequence (n > 1, or several prompts): the request's own for the first."""
+    return rid if i == 0 else f"{rid}#{i}"
+
+
+def request_of(seq_id: str, requests: Container[str]) -> str:
+    """The request among `requests` that a sequence_id belongs to."""
+    return seq_id if seq_id in requests else seq_id.rpartition("#")[0]
 
 
 @dataclass(frozen=True)
