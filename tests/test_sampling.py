@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tp_llama.engine import sampling
 from tp_llama.engine.sampling import (
     SamplingParams,
     _penalize_in_c,
     _top_in_c,
+    apply_masks,
     draw_by_bisection,
     sample_rows,
 )
@@ -289,3 +291,117 @@ def test_a_seeded_request_generates_the_same_text_alone_and_batched(tmp_path, dt
               enumerate(["Once upon a time", "A ship", "Numbers: 1 2 3"])]
     batched = engine.generate([others[0], Sequence("b", prompt, seeded), *others[1:]])[1].output
     assert len(alone) == 24 and batched == alone
+
+
+# Grammar masks (llguidance's layout: int32 [rows, words], bit j of word w allows token 32 w + j).
+MASKED_SETTINGS = [SamplingParams(1), SamplingParams(1, temperature=1.0), SamplingParams(1, temperature=1.0, top_k=50),
+                   SamplingParams(1, temperature=0.6, top_p=0.9), SamplingParams(1, temperature=0.8, min_p=0.05),
+                   SamplingParams(1, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02),
+                   SamplingParams(1, temperature=0.8, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.5,
+                                  presence_penalty=0.3, logit_bias=((5, 4.0),)),
+                   SamplingParams(1, repetition_penalty=1.5, logit_bias=((5, 30.0),))]
+MASK_KINDS = ["free", "one", "all-but-best", "sparse", "half", "run", "tail"]
+
+
+def mask_words(allowed: list[torch.Tensor], vocab: int, spare: int = 1) -> torch.Tensor:
+    """Bool rows [V] as a bitmask, each row `spare` words wider than it needs and its bits past the
+    vocabulary set: neither may be read as tokens."""
+    words = (vocab + 31) // 32 + spare
+    padded = torch.ones(len(allowed), words * 32, dtype=torch.bool)
+    padded[:, :vocab] = torch.stack(allowed)
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    return (padded.view(len(allowed), words, 32).long() * weights).sum(-1).to(torch.int64).to(torch.int32)
+
+
+def allowed_tokens(kind: str, logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    vocab = len(logits)
+    if kind == "one":
+        return torch.arange(vocab) == int(torch.randint(vocab, (), generator=gen))
+    if kind == "all-but-best":
+        return torch.arange(vocab) != int(logits.argmax())
+    if kind in ("sparse", "half"):
+        return torch.rand(vocab, generator=gen) < (0.005 if kind == "sparse" else 0.5)
+    if kind == "run":  # as a grammar's digits: a run of ids on no boundary of 16 or 32
+        return (torch.arange(vocab) >= 1003) & (torch.arange(vocab) < 1040)
+    return torch.arange(vocab) >= vocab - 3  # "tail": only tokens of the last word, partly past the vocabulary
+
+
+def seeded(params: list[SamplingParams], history: dict) -> list[Row]:
+    return [Row(p, torch.Generator().manual_seed(1000 + r), **history) for r, p in enumerate(params)]
+
+
+@pytest.mark.skipif(not HAS_C, reason="needs tp_llama's C kernels")
+@pytest.mark.parametrize("vocab", [VOCAB, 4099])
+def test_masked_rows_in_c_draw_what_their_masked_logits_draw(vocab: int):
+    """Every setting (greedy, temperature, top_k, top_p, min_p, all of them, penalties) under every kind
+    of mask (none, one token, all but the best, sparse, half, a run, only the last partial word), in
+    one batch of free and constrained rows: the C kernels reading the masks pick exactly what
+    apply_masks' -inf logits give the same kernels (the old way) and give PyTorch's argmax and bisection."""
+    gen = torch.Generator().manual_seed(11)
+    n = len(MASKED_SETTINGS) * len(MASK_KINDS)
+    logits = torch.randn(n, vocab, generator=gen)
+    logits[[r for r in range(n) if (r + r // len(MASKED_SETTINGS)) % 2]] *= 2.5  # each setting peaked and flat
+    params = [MASKED_SETTINGS[r % len(MASKED_SETTINGS)] for r in range(n)]
+    kinds = [MASK_KINDS[r // len(MASKED_SETTINGS)] for r in range(n)]
+    history = {"prompt_ids": [5, 9, 9, 17, vocab - 1], "output": [5, 17, 17, 3]}
+    bits = mask_words([allowed_tokens(kind, logits[r], gen) for r, kind in enumerate(kinds)], vocab)
+    constrained = [r for r, kind in enumerate(kinds) if kind != "free"]
+
+    got = sample_rows(logits, seeded(params, history), bits, constrained)[0]
+    old = sample_rows(apply_masks(logits, bits, constrained), seeded(params, history))[0]
+    masked = apply_masks(torch_penalize(logits, seeded(params, history)), bits, constrained)
+    sampled = [r for r, p in enumerate(params) if p.temperature > 0]
+    uniforms = [float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(1000 + r)))
+                for r in sampled]
+    want = masked.argmax(-1)
+    want[sampled] = draw_by_bisection(masked, sampled, [params[r] for r in sampled], uniforms)
+    assert got == old == want.tolist()
+    assert all(bool(masked[r, got[r]] > float("-inf")) for r in constrained)  # only allowed tokens
+    best_refused = MASK_KINDS.index("all-but-best") * len(MASKED_SETTINGS)  # a greedy row
+    assert got[best_refused] != int(logits[best_refused].argmax())
+
+
+@pytest.mark.skipif(not HAS_C, reason="needs tp_llama's C kernels")
+def test_masked_rows_in_c_treat_refused_tokens_as_minus_infinity():
+    """The edges, against the old way (apply_masks, then the same kernels) and torch.argmax: a NaN the
+    mask refuses is passed over and one it allows is taken, a row whose allowed logits are all -inf or
+    that allows nothing takes 0 as a row of -inf does, an allowed +inf wins."""
+    inf, nan, vocab = math.inf, math.nan, 37
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(8, vocab, generator=gen)
+    allowed = [torch.rand(vocab, generator=gen) < 0.4 for _ in range(8)]
+    allowed[3][:] = False
+    for r in (0, 5):  # a NaN and the row's largest logit refused
+        logits[r, 4], logits[r, 30], allowed[r][4], allowed[r][30] = nan, 9.0, False, False
+    logits[1, 20], allowed[1][20] = nan, True  # an allowed NaN
+    logits[2, allowed[2]] = -inf
+    logits[6, 33], allowed[6][33] = inf, True
+    logits[7, allowed[7]], allowed[7][0] = -inf, False
+    bits, constrained = mask_words(allowed, vocab), list(range(8))
+    for temperature in (0.0, 0.7):
+        params = [SamplingParams(1, temperature=temperature, top_k=5 if r % 2 else 0) for r in range(8)]
+        got = sample_rows(logits, seeded(params, {}), bits, constrained)[0]
+        old = sample_rows(apply_masks(logits, bits, constrained), seeded(params, {}))[0]
+        assert got == old, temperature
+        if temperature == 0:
+            assert got == apply_masks(logits, bits, constrained).argmax(-1).tolist()
+            assert got[1] == 20 and got[2] == got[3] == got[7] == 0 and got[6] == 33
+
+
+def test_constrained_rows_keep_raw_logprobs_and_mask_without_a_copy_in_c(monkeypatch):
+    """Where the C kernels run, no row is masked by apply_masks (the kernels read the bitmask); elsewhere
+    it is. Either way the log-probabilities are those of the raw logits."""
+    logits = big_logits(2, seed=9)
+    allowed = [torch.arange(VOCAB) % 7 == 3, torch.ones(VOCAB, dtype=torch.bool)]
+    bits = mask_words(allowed, VOCAB, spare=0)
+    params = [SamplingParams(1, temperature=0.7, logprobs=2), SamplingParams(1, logprobs=2)]
+    calls = []
+    real = sampling.apply_masks
+    monkeypatch.setattr(sampling, "apply_masks", lambda *a: calls.append(1) or real(*a))
+    tokens, logprobs = sample_rows(logits, seeded(params, {}), bits, [0, 1])
+    assert len(calls) == (0 if HAS_C else 1) and tokens[0] % 7 == 3
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    for r in (0, 1):
+        assert math.isclose(logprobs[r].logprob, float(exact[r, tokens[r]]), abs_tol=1e-4)
+    monkeypatch.setattr(sampling, "in_c", lambda _: False)
+    assert sample_rows(logits, seeded(params, {}), bits, [0, 1])[0] == tokens and len(calls) == (1 if HAS_C else 2)

@@ -10,14 +10,16 @@ inverse CDF in token order with one uniform from the row's own generator: a seed
 consumes one number of its stream per step, whatever runs beside it. Every filter is a threshold
 on the logit, found without sorting the vocabulary: by tp_llama's C kernel on CPUs that have it
 (kernels/cpu/sample.c), elsewhere by bisection over the logits' sortable bits, which needs no
-host sync. A row under a structured output's grammar first has every token its grammar refuses set
-to -inf (engine/constraint.py). Log-probabilities are those of the model's own distribution
-(log_softmax of the raw logits, before penalties, grammar masks and temperature), as vLLM returns by
-default.
+host sync. A row under a structured output's grammar (engine/constraint.py) takes only the tokens
+its bitmask allows, as if every other were -inf: the C kernels read the bitmask and skip what it
+refuses; elsewhere the refused logits are set to -inf first (apply_masks). Log-probabilities are
+those of the model's own distribution (log_softmax of the raw logits, before penalties, grammar
+masks and temperature), as vLLM returns by default.
 """
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections import Counter
 from dataclasses import dataclass
@@ -88,23 +90,29 @@ def sample_rows(logits: torch.Tensor, rows: list[History], allowed: torch.Tensor
     [R, ceil(V / 32)] int32) permit."""
     if not rows:
         return [], []
-    raw = logits
+    raw, c = logits, in_c(logits)
     if any(row.params.penalized for row in rows):
-        logits = (_penalize_in_c if in_c(logits) else penalize)(logits, rows)
-    if constrained:
+        logits = (_penalize_in_c if c else penalize)(logits, rows)
+    words, masks = None, [None] * len(rows)  # words: what `masks` point into, held until the kernels return
+    if constrained and c:
+        words, masks = mask_addresses(allowed, list(constrained), len(rows), logits.shape[1])
+    elif constrained:
         logits = apply_masks(logits, allowed, list(constrained))
     picked = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
     greedy = [r for r, row in enumerate(rows) if row.params.temperature == 0]
     sampled = [r for r, row in enumerate(rows) if row.params.temperature > 0]
     if greedy:
         chosen = logits[greedy] if sampled else logits
-        picked[greedy] = _argmax_in_c(chosen) if in_c(logits) else chosen.argmax(dim=-1)
+        picked[greedy] = _argmax_in_c(chosen, [masks[r] for r in greedy]) if c else chosen.argmax(dim=-1)
     if sampled:
         uniforms = [float(torch.rand((), dtype=torch.float64, generator=rows[r].generator)) for r in sampled]
         params = [rows[r].params for r in sampled]
-        draw = _draw_in_c if in_c(logits) else draw_by_bisection
-        picked[sampled] = draw(logits, sampled, params, uniforms)
+        if c:
+            picked[sampled] = _draw_in_c(logits, sampled, params, uniforms, [masks[r] for r in sampled])
+        else:
+            picked[sampled] = draw_by_bisection(logits, sampled, params, uniforms)
     tokens = picked.tolist()
+    del words
     return tokens, _logprobs(raw, rows, tokens)
 
 
@@ -116,6 +124,21 @@ def apply_masks(logits: torch.Tensor, bits: torch.Tensor, rows: list[int]) -> to
     at = torch.tensor(rows, device=logits.device)
     masked[at] = torch.where(allowed.to(logits.device), logits[at], float("-inf"))
     return masked
+
+
+def mask_addresses(bits: torch.Tensor, rows: list[int], n_rows: int,
+                   vocab: int) -> tuple[torch.Tensor, list[int | None]]:
+    """The bitmask [R, ceil(V / 32)] as the C kernels read it (int32 on the CPU, each row's words in
+    a run), and each of the n_rows logits rows' mask address in it: its row of it where listed in
+    `rows`, else None. The kernels read those addresses while the returned words are alive."""
+    if bits.dim() != 2 or bits.shape[1] * 32 < vocab or not all(0 <= r < bits.shape[0] for r in rows):
+        raise ValueError(f"a token bitmask [{list(bits.shape)}] for rows {rows} of a vocabulary of {vocab}")
+    bits = bits.to("cpu", torch.int32).contiguous()
+    stride = bits.stride(0) * bits.element_size()
+    masks: list[int | None] = [None] * n_rows
+    for r in rows:
+        masks[r] = bits.data_ptr() + r * stride
+    return bits, masks
 
 
 def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
@@ -183,20 +206,25 @@ def in_c(logits: torch.Tensor) -> bool:
     return logits.device.type == "cpu" and ffi.load()[0] is not None
 
 
-def _argmax_in_c(logits: torch.Tensor) -> torch.Tensor:
+def _argmax_in_c(logits: torch.Tensor, masks: list[int | None] | None = None) -> torch.Tensor:
     """torch.argmax of each row, in one pass over the logits and a second over L2, where PyTorch's is slow
-    at Llama 3's vocabulary (bench/kernels/sampling.py's greedy)."""
+    at Llama 3's vocabulary (bench/kernels/sampling.py's greedy); a row with a mask address (mask_addresses)
+    as if the tokens it refuses were -inf, its refused chunks skipped."""
     logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.long)
-    ffi.library().argmax_rows(logits.data_ptr(), logits.shape[1], logits.shape[0], out.data_ptr())
+    pointers = (ctypes.c_void_p * len(masks))(*masks) if masks and any(masks) else None
+    ffi.library().argmax_rows(logits.data_ptr(), logits.shape[1], logits.shape[0], pointers, out.data_ptr())
     return out
 
 
-def _draw_in_c(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
+def _draw_in_c(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], uniforms: list[float],
+               masks: list[int | None] | None = None) -> torch.Tensor:
     lib = ffi.library()
     logits = logits.contiguous()
+    masks = masks or [None] * len(rows)
     specs = (lib.structs["SampleRow"] * len(rows))(*(
-        (r, p.top_k, p.temperature, p.top_p, p.min_p, u, 0) for r, p, u in zip(rows, params, uniforms)))
+        (r, p.top_k, p.temperature, p.top_p, p.min_p, u, mask, 0)
+        for r, p, u, mask in zip(rows, params, uniforms, masks)))
     if lib.sample_rows(logits.data_ptr(), logits.shape[1], specs, len(rows)):
         raise MemoryError("no memory to sample")
     return torch.tensor([spec.token for spec in specs], device=logits.device)

@@ -3,9 +3,9 @@
  * Python never restates any of it. ffi.py reads this file for the structs' fields and the
  * functions' signatures (so it is kept to a small subset of C: one struct or prototype per
  * statement, types among void, int, int32_t, int64_t, uint32_t, float, double, char and struct NAME, each maybe
- * const and a pointer), reads every constant's value from the built library (tpl_constant), and
- * checks each struct's size and field offsets against the library (tpl_struct_size,
- * tpl_field_offset) before any kernel runs.
+ * const and a pointer; a pointer to pointers is passed as an address too), reads every constant's
+ * value from the built library (tpl_constant), and checks each struct's size and field offsets
+ * against the library (tpl_struct_size, tpl_field_offset) before any kernel runs.
  *
  * The in-region kernels run inside an OpenMP parallel region: every thread of the region calls
  * them, the threads split the work, and each ends in a barrier, so a caller can chain several in
@@ -61,7 +61,7 @@ struct MetaInt4 {
     int32_t hadamard;
 };
 
-/* One row to sample (sample.c): its filters and its uniform draw in, its token out. */
+/* One row to sample (sample.c): its filters, its uniform draw and its grammar's mask in, its token out. */
 struct SampleRow {
     int64_t row;       /* which row of the logits */
     int64_t top_k;     /* 0: no limit */
@@ -69,6 +69,7 @@ struct SampleRow {
     float top_p;       /* (0, 1] */
     float min_p;       /* [0, 1] */
     double uniform;    /* [0, 1) */
+    const uint32_t *allowed; /* ceil(vocab / 32) words, bit j of word w allowing token 32 w + j; NULL: all */
     int64_t token;
 };
 
@@ -185,13 +186,15 @@ void residual_norm(void *h, const void *delta, const void *weight, void *y, int6
 int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *rows, void *h,
                  void *delta, void *scratch, int write_first);
 
-/* The next token of each row (sample.c): logits [rows][vocab] float32. TPL_OK or TPL_NO_MEMORY. */
+/* The next token of each row (sample.c): logits [rows][vocab] float32. A row with a mask draws as
+ * it would with -inf at every token the mask refuses. TPL_OK or TPL_NO_MEMORY. */
 int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int64_t n);
 /* Each row's penalties on logits [rows][vocab] float32, in place. TPL_OK, TPL_NO_MEMORY or TPL_BAD_TOKEN. */
 int penalize_rows(float *logits, int64_t vocab, const struct PenaltyRow *rows, int64_t n);
 /* Each row's first index of its largest logit, as torch.argmax (a NaN counts as the largest):
- * logits [n][vocab] float32, out [n]. */
-void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out);
+ * logits [n][vocab] float32, out [n]. allowed: NULL, or n masks as SampleRow's (NULL for a free
+ * row), each row taken as if every token its mask refuses were -inf. */
+void argmax_rows(const float *logits, int64_t vocab, int64_t n, const uint32_t *const *allowed, int64_t *out);
 /* For row rows[j] of logits [.][vocab] float32: lse[j], the log of its sum of exp, and its `top`
  * largest logits (NaN aside), best first, in values [n][top] with their ids [n][top]; top <= vocab. */
 void top_logits(const float *logits, int64_t vocab, const int64_t *rows, int64_t n, int64_t top, double *lse,

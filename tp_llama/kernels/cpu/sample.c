@@ -9,6 +9,10 @@
  * scanning the bins from the top, and only that bin's tokens are sorted to place the threshold
  * exactly. The draw is the inverse CDF in token order with the row's one uniform, so a seeded
  * request consumes one number of its own stream a step, whatever else is in the batch.
+ *
+ * A row under a grammar brings its bitmask of allowed tokens. Every pass reads a row 16 tokens at a
+ * time through its allowed lanes, so 16 tokens the grammar refuses cost one test of their bits, and
+ * the refused tokens fall out of each filter exactly as -inf logits would: weight 0, never the best.
  */
 #include <math.h>
 #include <omp.h>
@@ -32,6 +36,7 @@ static int by_logit_desc(const void *a, const void *b) {
 
 struct Row {
     const float *l;
+    const uint32_t *allowed; /* the grammar's bitmask, NULL for a free row; w and bins hold its tokens only */
     float *w;      /* e^z per token, 0 where it is filtered out */
     int32_t *bins; /* each token's bin */
     uint16_t *upper; /* per 16 tokens, the kept ones in a bin above the last */
@@ -41,6 +46,13 @@ struct Row {
     double count[BINS], mass[BINS];
     struct Member *members; /* scratch for one bin's tokens */
 };
+
+/* Of the 16 tokens from i, the lanes in the row that its grammar allows (bit j of word w: token
+ * 32 w + j): every lane in the row where it has no mask. */
+static inline mask16 allowed_lanes(const uint32_t *allowed, int64_t vocab, int64_t i) {
+    const mask16 k = lanes(vocab - i);
+    return allowed == NULL ? k : k & (mask16)(allowed[i >> 5] >> (i & 16));
+}
 
 /* The least logit t such that the kept tokens with l >= t reach `need` of count (mass = 0) or of
  * mass (mass = 1), ties kept together; *reached is what they hold. Every kept token when they
@@ -57,7 +69,8 @@ static float threshold(struct Row *r, double need, int mass, double *reached) {
     for (; b < BINS - 1 && above + hist[b] < need; b++) above += hist[b];
     int64_t n = 0;
     for (int64_t i = 0; i < r->vocab; i += 16) {
-        const mask16 k = lanes(r->vocab - i);
+        const mask16 k = allowed_lanes(r->allowed, r->vocab, i);
+        if (!k) continue;
         for (unsigned in = veq_int(k, r->bins + i, b) & vgt(vloadz(k, r->w + i), vzero()); in; in &= in - 1) {
             const int64_t t = i + __builtin_ctz(in);
             r->members[n++] = (struct Member){r->l[t], r->w[t]};
@@ -78,13 +91,18 @@ static float threshold(struct Row *r, double need, int mass, double *reached) {
 /* Drop the tokens below `floor` from the weights and the histogram (top_k, before top_p's). */
 static void cut(struct Row *r, float floor) {
     r->floor = floor;
-    for (int64_t i = 0; i < r->vocab; i++)
-        if (r->w[i] > 0.0f && r->l[i] < floor) {
-            int b = r->bins[i];
-            r->count[b] -= 1.0;
-            r->mass[b] -= r->w[i];
-            r->w[i] = 0.0f;
+    const vec least = vset1(floor), zero = vzero();
+    for (int64_t i = 0; i < r->vocab; i += 16) {
+        const mask16 k = allowed_lanes(r->allowed, r->vocab, i);
+        if (!k) continue;
+        unsigned out = vgt(least, vloadz(k, r->l + i)) & vgt(vloadz(k, r->w + i), zero) & k;
+        for (; out; out &= out - 1) {
+            const int64_t t = i + __builtin_ctz(out);
+            r->count[r->bins[t]] -= 1.0;
+            r->mass[r->bins[t]] -= r->w[t];
+            r->w[t] = 0.0f;
         }
+    }
 }
 
 /* The first kept token (w > 0, l >= floor) at which the running sum of weights passes target; the
@@ -95,7 +113,8 @@ static int64_t draw(const struct Row *r, float floor, double target) {
     double sum = 0.0;
     int64_t last = 0;
     for (int64_t i = 0; i < r->vocab; i += 16) {
-        mask16 k = lanes(r->vocab - i);
+        mask16 k = allowed_lanes(r->allowed, r->vocab, i);
+        if (!k) continue;
         vec w = vloadz(k, r->w + i);
         mask16 kept = vge(k, vloadz(k, r->l + i), least) & vgt(w, zero);
         if (!kept) continue;
@@ -119,22 +138,30 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
     const float *l = r->l;
     const int64_t V = r->vocab;
     vec highest = vset1(-INFINITY);
-    for (int64_t i = 0; i < V; i += 16) /* NaN never wins: max_ps returns its second operand then */
-        highest = vmax_in(highest, lanes(V - i), vloadz(lanes(V - i), l + i), highest);
+    for (int64_t i = 0; i < V; i += 16) { /* NaN never wins: max_ps returns its second operand then */
+        const mask16 k = allowed_lanes(r->allowed, V, i);
+        if (k) highest = vmax_in(highest, k, vloadz(k, l + i), highest);
+    }
     const float m = vhighest(highest);
     if (!(m > -INFINITY)) return 0;
     r->floor = -INFINITY;
     memset(r->count, 0, sizeof(r->count));
     memset(r->mass, 0, sizeof(r->mass));
     /* Weights (kept: at least min_p of the best token's weight, 1, and not NaN), bins, and the kept
-     * tokens' count and mass (in double, as every sum here: the draw must land where float64 does). */
+     * tokens' count and mass (in double, as every sum here: the draw must land where float64 does).
+     * A refused token counts as a -inf logit would: weight 0, in the last bin, kept where min_p is 0. */
     const vec top = vset1(m), inv_t = vset1(1.0f / p->temperature);
     const vec min_p = vset1(p->min_p), scale = vset1(-BIN_SCALE);
     const vec last_bin = vset1((float)(BINS - 1));
     dvec total = dzero();
-    int64_t kept_count = 0;
+    int64_t kept_count = 0, refused = 0;
     for (int64_t i = 0; i < V; i += 16) {
-        mask16 k = lanes(V - i);
+        mask16 k = allowed_lanes(r->allowed, V, i);
+        refused += __builtin_popcount(lanes(V - i) & ~k);
+        if (!k) {
+            r->upper[i / 16] = 0;
+            continue;
+        }
         vec z = vmul(vsub(vloadz(k, l + i), top), inv_t);
         vec w = exp16(z);
         mask16 kept = vge(k, w, min_p);
@@ -146,6 +173,7 @@ static int64_t sample_row(struct Row *r, const struct SampleRow *p) {
         total = dadd(total, w);
         kept_count += __builtin_popcount(kept);
     }
+    if (p->min_p <= 0.0f) kept_count += refused;
     /* The bins above the last, token by token, reached through each 16 tokens' mask of them: a
      * branch per token on its bin mispredicts on a peaked row, a third of whose tokens lie in the
      * last bin at random. The last bin (everything below e^-32 of the best token) holds what is left
@@ -235,6 +263,7 @@ int sample_rows(const float *logits, int64_t vocab, struct SampleRow *rows, int6
 #pragma omp for schedule(dynamic, 1)
             for (int64_t j = 0; j < n; j++) {
                 r->l = logits + rows[j].row * vocab;
+                r->allowed = rows[j].allowed;
                 rows[j].token = sample_row(r, &rows[j]);
             }
         }
@@ -296,36 +325,45 @@ int penalize_rows(float *logits, int64_t vocab, const struct PenaltyRow *rows, i
     return no_memory ? TPL_NO_MEMORY : status;
 }
 
-/* A row's first index of its largest logit: a pass for the largest and the sum (NaN when the row
- * holds a NaN, or infinities of both signs: then the plain loop, which counts a NaN as the largest,
- * as torch.argmax does), and a pass, from L2, for where the largest first is. */
-static int64_t argmax_row(const float *l, int64_t vocab) {
+/* A row's first index of its largest allowed logit: a pass for the largest and the sum (NaN when the
+ * row holds a NaN, or infinities of both signs: then the plain loop, which counts a NaN as the
+ * largest, as torch.argmax does), and a pass, from L2, for where the largest first is. A row whose
+ * allowed logits are all -inf (or that allows none) takes 0, as torch.argmax of a row of -inf does:
+ * the refused tokens are -inf logits to it. */
+static int64_t argmax_row(const float *l, int64_t vocab, const uint32_t *allowed) {
     vec best = vset1(-INFINITY), sum = vzero();
     for (int64_t i = 0; i < vocab; i += 16) {
-        const mask16 m = lanes(vocab - i);
+        const mask16 m = allowed_lanes(allowed, vocab, i);
+        if (!m) continue;
         vec v = vloadz(m, l + i);
-        best = vmax_in(best, m, best, v); /* the zeros past the row's end are not logits */
+        best = vmax_in(best, m, best, v); /* the zeros in lanes outside m are not logits */
         sum = vadd(sum, v);
     }
     if (isnan(vsum(sum))) {
-        int64_t arg = 0;
-        for (int64_t i = 0; i < vocab; i++) {
-            if (isnan(l[i])) return i;
-            if (l[i] > l[arg]) arg = i;
-        }
-        return arg;
+        int64_t arg = -1;
+        for (int64_t i = 0; i < vocab; i += 16)
+            for (unsigned in = allowed_lanes(allowed, vocab, i); in; in &= in - 1) {
+                const int64_t t = i + __builtin_ctz(in);
+                if (isnan(l[t])) return t;
+                if (arg < 0 || l[t] > l[arg]) arg = t;
+            }
+        return arg < 0 ? 0 : arg;
     }
-    const vec top = vset1(vhighest(best));
+    const float highest = vhighest(best);
+    if (!(highest > -INFINITY)) return 0;
+    const vec top = vset1(highest);
     for (int64_t i = 0; i < vocab; i += 16) {
-        const mask16 m = lanes(vocab - i), hit = vge(m, vloadz(m, l + i), top);
+        const mask16 m = allowed_lanes(allowed, vocab, i);
+        const mask16 hit = m ? vge(m, vloadz(m, l + i), top) : 0;
         if (hit) return i + __builtin_ctz(hit);
     }
     return 0; /* not reached: the largest is in the row */
 }
 
-void argmax_rows(const float *logits, int64_t vocab, int64_t n, int64_t *out) {
+void argmax_rows(const float *logits, int64_t vocab, int64_t n, const uint32_t *const *allowed, int64_t *out) {
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; r++) out[r] = argmax_row(logits + r * vocab, vocab);
+    for (int64_t r = 0; r < n; r++)
+        out[r] = argmax_row(logits + r * vocab, vocab, allowed == NULL ? NULL : allowed[r]);
 }
 
 /* Row r's log of its sum of exp and its `top` largest logits, best first (equal ones: the lower id
