@@ -115,3 +115,15 @@ def meta():
         return load_meta_reference()
     except ImportError as err:
         pytest.fail(str(err))
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer_compiler():
+    """Meta's Llama 3 tokenizer (128,256 ids) and a grammar compiler over it."""
+    from tests.support.meta_reference import load_meta_reference
+    from tp_llama.engine.constraint import grammar_tokenizer
+    from tp_llama.serving.grammars import GrammarCompiler
+    from tp_llama.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(load_meta_reference().model_path)
+    return tokenizer, GrammarCompiler(grammar_tokenizer(tokenizer))

@@ -115,7 +115,7 @@ def run_walks(schemas: list[int], rows: int, walks: int, compiler: GrammarCompil
     at = list(range(rows))
     while len(out.lengths) < walks:
         started = time.perf_counter()
-        bits = masks.start([w.constraint for w in live], n_words).result()
+        bits = masks.start({r: (w.constraint, []) for r, w in enumerate(live)}, n_words).result().bits
         out.mask_s.append(time.perf_counter() - started)
         logits = torch.randn(rows, n_words, generator=gen)
         started = time.perf_counter()
@@ -128,7 +128,7 @@ def run_walks(schemas: list[int], rows: int, walks: int, compiler: GrammarCompil
                 live[r] = fresh()
                 continue
             walk.tokens.append(token)
-            if not walk.constraint.advance(token):
+            if not walk.constraint.advance([token]):
                 raise RuntimeError(f"{NAMES[walk.schema]}: the matcher refused a token its mask allowed: "
                                    f"{walk.constraint.error}")
     return out

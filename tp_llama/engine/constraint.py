@@ -1,11 +1,18 @@
 """Constrained decoding: a grammar matcher (llguidance) per constrained sequence masks the tokens its
 grammar cannot take next, before the sampler picks.
 
-Only rank 0 holds matchers. A row's mask depends only on the tokens already picked, so a step's masks
-are computed on a worker thread while the forward runs (llguidance releases the GIL), and applied to
-the constrained rows of the logits once they arrive; each picked token then advances its row's
-matcher. The tokenizer's stop tokens are the grammar's end of sequence: a mask allows them only where
-the grammar accepts, and once the grammar is complete it allows nothing else.
+Only rank 0 holds matchers. A row's mask depends only on the tokens already picked (and its
+proposals), so a step's masks are computed on a worker thread while the forward runs (llguidance
+releases the GIL), and applied to the constrained rows of the logits once they arrive; each picked
+token then advances its row's matcher. The tokenizer's stop tokens are the grammar's end of sequence:
+a mask allows them only where the grammar accepts, and once the grammar is complete it allows nothing
+else.
+
+Forced tokens: where the grammar allows exactly one token (a schema's keys and punctuation),
+llguidance names the run of them (`compute_ff_tokens`; its masks there hold that one token,
+tests/test_forced.py checks it). The scheduler appends them to a row as proposals the row takes
+without a draw (engine/verify.py) and advances the matcher past them at once, so their masks are
+never computed and a schema's fixed keys cost one forward for many tokens.
 """
 
 from __future__ import annotations
@@ -69,9 +76,19 @@ class Constraint:
     def fork(self) -> Constraint:
         return Constraint(self.matcher.deep_copy())
 
-    def advance(self, token: int) -> bool:
-        """Feed the picked token; False when the grammar refused it (the matcher says why)."""
-        return self.matcher.consume_token(token)
+    def advance(self, tokens: list[int]) -> bool:
+        """Feed the picked tokens; False when the grammar refused one (the matcher says why)."""
+        return self.matcher.consume_tokens(tokens)
+
+    def forced(self, most: int) -> list[int]:
+        """Up to `most` tokens the grammar allows one at a time from here ([] once it has stopped)."""
+        if most <= 0 or self.matcher.is_stopped():
+            return []
+        return self.matcher.compute_ff_tokens()[:most]
+
+    def valid(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the front, the grammar takes from here."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
 
     @property
     def failed(self) -> bool:
@@ -82,6 +99,15 @@ class Constraint:
         return self.matcher.get_error()
 
 
+@dataclass
+class StepMasks:
+    """A step's masks: `bits` [masks, ceil(V / 32)] int32, and per constrained sampler (by index) the row
+    of `bits` holding the mask of its first drawn position; its later positions follow it."""
+
+    bits: torch.Tensor
+    first: dict[int, int]
+
+
 class Masks:
     """The bitmasks of a step's constrained rows, computed off the step's thread."""
 
@@ -89,18 +115,24 @@ class Masks:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
         self._executor = llguidance.LLExecutor(1)
 
-    def start(self, constraints: list[Constraint | None], n_words: int) -> Future | None:
-        """Begin computing the masks of the rows that have a constraint (None: no row has one).
+    def start(self, rows: dict[int, tuple[Constraint, list[int]]], n_words: int) -> Future:
+        """Begin computing, per constrained sampler (by index), the masks of its drawn positions: where
+        its matcher stands, then after each of its proposals (`rows`: its constraint and the proposals
+        it draws against, forced ones excluded). The future's result is a StepMasks."""
+        first, jobs, at = {}, [], 0
+        for sampler, (constraint, proposals) in rows.items():
+            first[sampler] = at
+            jobs.append((constraint.matcher, at, proposals))
+            at += 1 + len(proposals)
+        bits = llguidance.torch.allocate_token_bitmask(at, n_words)
+        return self._pool.submit(self._fill, jobs, StepMasks(bits, first))
 
-        The future's result is a bitmask [rows, ceil(n_words / 32)] int32, all bits set on the rows
-        without a constraint."""
-        rows = [(c.matcher, r) for r, c in enumerate(constraints) if c is not None]
-        if not rows:
-            return None
-        bits = llguidance.torch.allocate_token_bitmask(len(constraints), n_words)
-        return self._pool.submit(self._fill, rows, bits)
-
-    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], bits: torch.Tensor) -> torch.Tensor:
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bits)
-        return bits
+    def _fill(self, jobs: list[tuple[llguidance.LLMatcher, int, list[int]]], masks: StepMasks) -> StepMasks:
+        speculating = [job for job in jobs if job[2]]  # llguidance's draft-token call refuses none
+        if speculating:
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, speculating, masks.bits)
+        if len(speculating) < len(jobs):
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, [job[:2] for job in jobs if not job[2]],
+                                                         masks.bits)
+        return masks
 

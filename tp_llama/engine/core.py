@@ -43,6 +43,7 @@ class StepStats:
     decode_s: float = 0.0  # steps of decode rows only
     proposed: int = 0  # speculative decoding's proposals, and those taken
     accepted: int = 0
+    forced: int = 0  # grammars' forced tokens, taken without a draw (engine/constraint.py)
 
 
 def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokenizer, ModelArgs, Preparation | None]:
@@ -171,9 +172,10 @@ class Engine:
             end = step_started - started + 2 * self._last_step_s > budget_s
             picked, logprobs, scores, verified = self._lead(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
-            accepted = sum(map(len, verified.values()))
-            self.stats.proposed += sum(row.proposed for row in scheduled.rows)
-            self.stats.accepted += accepted
+            accepted, forced = sum(map(len, verified.values())), sum(scheduled.forced)
+            self.stats.proposed += sum(row.proposed for row in scheduled.rows) - forced
+            self.stats.accepted += accepted - forced
+            self.stats.forced += forced
             if scheduler.speculator is not None and scheduled.rows and not scheduled.prompt_tokens:
                 scheduler.speculator.observe(len(scheduled.rows) + accepted, self._last_step_s)
             touched = scheduler.commit(scheduled, picked, logprobs, scores, verified)
@@ -229,8 +231,7 @@ class Engine:
         the proposals each row that carried some accepted (engine/verify.py)."""
         started = time.perf_counter()
         sampling = [seq for group in scheduled.samplers for seq in group]
-        constrained = [r for r, seq in enumerate(sampling) if seq.constraint is not None]
-        masks = self._start_masks(sampling) if constrained else None
+        masks = self._start_masks(scheduled, sampling) if any(seq.constraint for seq in sampling) else None
         _, logits, scores = self._forward(StepPlan(scheduled.rows, end))
         if logits is not None and logits.shape[-1] > self.tokenizer.n_words:
             # An embedding padded past the tokenizer: its extra rows were never trained and no id past
@@ -238,9 +239,9 @@ class Engine:
             logits = logits[:, : self.tokenizer.n_words].contiguous()
         picked, logprobs, verified = [], [], {}
         if logits is not None:
-            allowed = masks.result() if masks is not None else None
-            picked, logprobs, verified = verify_rows(logits, scheduled.rows, scheduled.samplers, allowed, constrained)
-            self._advance_constraints(sampling, constrained, picked)
+            picked, logprobs, verified = verify_rows(logits, scheduled.rows, scheduled.samplers,
+                                                     masks.result() if masks is not None else None, scheduled.forced)
+            self._advance_constraints(scheduled, picked, verified)
         seconds = time.perf_counter() - started
         if scheduled.prompt_tokens:
             self.stats.prefill_tokens += scheduled.prompt_tokens
@@ -250,20 +251,30 @@ class Engine:
             self.stats.decode_s += seconds
         return picked, logprobs, scores, verified
 
-    def _start_masks(self, sampling: list[Sequence]):
-        """The grammar masks of the step's constrained rows, computed while the forward runs."""
+    def _start_masks(self, scheduled: Scheduled, sampling: list[Sequence]):
+        """The grammar masks of the step's constrained samplers at each position they draw at (after their
+        forced tokens), computed while the forward runs."""
         if self._masks is None:
             from tp_llama.engine.constraint import Masks  # llguidance only where a grammar is used
 
             self._masks = Masks()
-        return self._masks.start([seq.constraint for seq in sampling], self.tokenizer.n_words)
+        rows = [(row, forced) for row, forced in zip(scheduled.rows, scheduled.forced) if row.sample]
+        drawn = [row.tokens[len(row.tokens) - row.proposed + forced :]  # its proposals past the forced ones
+                 for (row, forced), group in zip(rows, scheduled.samplers) for _ in group]
+        return self._masks.start({s: (seq.constraint, drawn[s]) for s, seq in enumerate(sampling) if seq.constraint},
+                                 self.tokenizer.n_words)
 
-    def _advance_constraints(self, sampling: list[Sequence], constrained: list[int], picked: list[int]) -> None:
-        """Each constrained row's grammar takes its picked token; a grammar that fails (a limit hit while
+    def _advance_constraints(self, scheduled: Scheduled, picked: list[int], verified: dict[int, list]) -> None:
+        """Each constrained row's grammar takes the proposals it accepted past its forced ones (which it
+        took when they were planned) and its picked token; a grammar that fails (a limit hit while
         computing its mask) ends its sequence, logged, as "error"."""
-        for r in constrained:
-            seq = sampling[r]
-            if seq.finished or picked[r] in self.tokenizer.stop_ids:
-                continue
-            if not seq.constraint.advance(picked[r]):
-                log(f"sequence {seq.id}: its grammar failed: {seq.constraint.error}", self.rank)
+        groups, picks = iter(scheduled.samplers), iter(picked)
+        for r, row in enumerate(scheduled.rows):
+            for seq, token in zip(next(groups) if row.sample else [], picks):
+                if seq.constraint is None or seq.finished:
+                    continue
+                tokens = row.tokens[1 + scheduled.forced[r] : 1 + len(verified.get(r, ()))] + [token]
+                if token in self.tokenizer.stop_ids:
+                    tokens.pop()
+                if tokens and not seq.constraint.advance(tokens):
+                    log(f"sequence {seq.id}: its grammar failed: {seq.constraint.error}", self.rank)

@@ -271,6 +271,15 @@ def draw_by_bisection(logits: torch.Tensor, rows: list[int], params: list[Sampli
     return torch.minimum(picked, (w > 0).cumsum(-1).argmax(-1))  # rounding past the end: the last kept
 
 
+def take_forced(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> list[TokenLogprobs | None]:
+    """Rows of raw [R, V] whose grammar allows one token, `tokens`: each is its row's without a draw, but a
+    sampled row still spends its uniform, so its later draws are those of a reply picked a token a step."""
+    for row in rows:
+        if row.params.temperature > 0:
+            torch.rand((), dtype=torch.float64, generator=row.generator)
+    return _logprobs(raw, rows, tokens)
+
+
 def _logprobs(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> list[TokenLogprobs | None]:
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
     out: list[TokenLogprobs | None] = [None] * len(rows)

@@ -36,6 +36,7 @@ import torch
 
 from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.plan import Row
+from tp_llama.engine.proposals import step_proposals
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scoring import prompt_scores
 from tp_llama.engine.sequence import Sequence, check_sequence
@@ -55,6 +56,7 @@ class Scheduled:
     # One list per sampling row, in row order: the sequences that pick a token from its logits (the
     # row's own sequence; at a group's first token, the group: its first sequence, then its forks).
     samplers: list[list[Sequence]]
+    forced: list[int]  # per row, how many of its proposals are its grammar's forced tokens (engine/constraint.py)
 
 
 @dataclass(frozen=True)
@@ -172,15 +174,17 @@ class Scheduler:
         # proposals take only the blocks left.
         decoding = [s for s in self.running if not s.prefilling]
         decoding = [s for s in decoding if s in self.running and self._room_for(s, s.computed + 1)]  # else preempted
-        # Proposals go in steps of decode rows only: beside a prompt chunk the step is compute-bound, every
-        # proposal costs what a prompt token does, and the cost fit (decode steps) does not hold.
+        # A speculator's proposals go in steps of decode rows only: beside a prompt chunk the step is
+        # compute-bound, every proposal costs what a prompt token does, and the cost fit (decode steps) does
+        # not hold. A grammar's forced tokens go in any step: each is sure to be taken.
         spare = min(self.prefill_budget // 2, SPECULATE_STEP_TOKENS - len(decoding))  # tokens for proposals
         prompts = self.waiting or any(s.prefilling for s in self.running)
         per_row = self.speculator.per_row(len(decoding)) if self.speculator and spare > 0 and not prompts else 0
-        for seq, proposals in zip(decoding, self._proposals(decoding, per_row, spare)):
-            end = seq.computed + 1 + len(proposals)
-            rows.append(Row(seq.computed, [seq.output[-1], *proposals], True, self._table(seq, end), copy=seq.copy,
-                            proposed=len(proposals)))
+        proposals, forced = step_proposals(decoding, per_row, spare, self.pool, self.speculator, self.max_seq_len)
+        for seq, proposal in zip(decoding, proposals):
+            end = seq.computed + 1 + len(proposal)
+            rows.append(Row(seq.computed, [seq.output[-1], *proposal], True, self._table(seq, end), copy=seq.copy,
+                            proposed=len(proposal)))
             seq.copy = None
             owners.append(seq)
             samplers.append([seq])
@@ -200,41 +204,7 @@ class Scheduler:
             owners.append(seq)
             if sample:
                 samplers.append([seq, *seq.forks])
-        return Scheduled(rows, owners, start - budget, samplers)
-
-    def _proposals(self, seqs: list[Sequence], most: int, spare: int) -> list[list[int]]:
-        """The speculator's proposals for each decode row, at most `most` a row and `spare` in all, within
-        its sequence's limits and the pool's free blocks (taken now; no sequence is preempted for a
-        proposal). A draft model writes its KV cache as it proposes, so its rows get their blocks first."""
-        if most <= 0:
-            return [[] for _ in seqs]
-        rooms, left, drafts = [], spare, self.speculator.drafts
-        for seq in seqs:
-            room = 0 if seq.constraint is not None else max(0, min(
-                most, left, seq.params.max_new_tokens - len(seq.output) - 1, self.max_seq_len - seq.computed - 2))
-            rooms.append(self._reserve(seq, room) if drafts else room)
-            left -= rooms[-1] if drafts else 0  # n-gram rows often propose nothing: cut below instead
-        if not any(rooms):
-            return [[] for _ in seqs]
-        proposals = self.speculator.propose_rows(seqs, rooms)
-        for seq, row in zip(seqs, proposals):
-            del row[spare:]
-            del row[self._reserve(seq, len(row)) :]
-            spare -= len(row)
-            keep = self.pool.blocks_for(seq.computed + 1 + len(row))
-            self.pool.release(seq.blocks[keep:])  # a draft's room its proposals did not fill
-            del seq.blocks[keep:]
-        return proposals
-
-    def _reserve(self, seq: Sequence, proposals: int) -> int:
-        """Blocks for a decode row's newest token and up to `proposals` more from the free ones; how many
-        of those got them."""
-        while proposals and len(seq.blocks) < self.pool.blocks_for(seq.computed + 1 + proposals):
-            if self.pool.free:
-                seq.blocks += self.pool.allocate(1)
-            else:
-                proposals -= 1
-        return proposals
+        return Scheduled(rows, owners, start - budget, samplers, forced + [0] * (len(rows) - len(forced)))
 
     def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None,
                scores: list[list[TokenLogprobs] | None] | None = None,
@@ -258,7 +228,7 @@ class Scheduler:
             if seq is None:
                 continue
             if row.proposed:
-                self._commit_verified(row, seq, (verified or {}).get(r, []), picks[0], now)
+                self._commit_verified(row, seq, (verified or {}).get(r, []), picks[0], now, step.forced[r])
                 continue
             seq.computed += len(row.tokens)
             self._remember_full_blocks(seq)
@@ -279,13 +249,14 @@ class Scheduler:
         return touched
 
     def _commit_verified(self, row: Row, seq: Sequence, accepted: list[TokenLogprobs | None],
-                         pick: tuple[int, TokenLogprobs | None], now: float) -> None:
-        """A decode row with proposals: its newest token and the accepted proposals are in the cache, the
-        rest are dropped (the sequence's length goes back past them, and blocks holding only them go
-        back to the pool); the accepted proposals, then the picked token, join its output."""
+                         pick: tuple[int, TokenLogprobs | None], now: float, forced: int) -> None:
+        """A decode row with proposals (the first `forced` of them forced tokens): its newest token and the
+        accepted proposals are in the cache, the rest are dropped (the sequence's length goes back past
+        them, and blocks holding only them go back to the pool); the accepted proposals, then the picked
+        token, join its output."""
         seq.computed += 1 + len(accepted)
-        if self.speculator is not None:
-            self.speculator.record(seq.id, row.proposed, len(accepted))
+        if self.speculator is not None and row.proposed > forced:
+            self.speculator.record(seq.id, row.proposed - forced, len(accepted) - forced)
         for token, token_logprobs in [*zip(row.tokens[1:], accepted), pick]:
             self._take(seq, token, token_logprobs, now)
             if seq.finished:

@@ -89,13 +89,15 @@ class Speculator:
         """Proposals come from a draft model, which writes its KV cache into the rows' blocks as it proposes."""
         return self.draft is not None
 
-    def propose_rows(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
-        """At most min(rooms[i], self.tokens) proposals after each sequence's tokens, none for a row that
-        is not `worth` it; a draft model's for all rows in one batch of draft steps."""
+    def propose_rows(self, seqs: list[Sequence], rooms: list[int], after: list[list[int]]) -> list[list[int]]:
+        """At most min(rooms[i], self.tokens) proposals after each sequence's tokens and its `after` (the
+        forced tokens it carries; a draft model is given no room where there are some), none for a row
+        that is not `worth` it; a draft model's for all rows in one batch of draft steps."""
         rooms = [min(room, self.tokens) if room > 0 and self.worth(seq.id) else 0 for seq, room in zip(seqs, rooms)]
         if self.draft is not None:
             return self.draft.propose(seqs, rooms)
-        return [self.propose(seq.id, seq.tokens, room) if room else [] for seq, room in zip(seqs, rooms)]
+        return [self.propose(seq.id, seq.tokens + more, room) if room else []
+                for seq, room, more in zip(seqs, rooms, after)]
 
     def propose(self, seq_id: str, tokens: Tokens[int], most: int) -> list[int]:
         """At most min(most, self.tokens) n-gram proposals after `tokens` (a sequence's prompt and output)."""
