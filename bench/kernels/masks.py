@@ -1,5 +1,5 @@
-"""What a grammar constraint costs a decode step on Llama 3's 128,256-id vocabulary: computing the
-rows' token masks (llguidance) and applying them to the logits.
+"""What a grammar constraint costs a decode step on Llama 3's 128,256-id vocabulary: finding the rows'
+forced tokens, computing their token masks (llguidance) and picking under them.
 
     .venv/bin/python -m bench.kernels.masks [--walks 40] [--rows 1 8] [--max-steps 256] [--seed 0]
     .venv/bin/python -m bench.kernels.masks --quick          # smoke test: 3 walks per schema
@@ -8,11 +8,16 @@ Meta's real Llama 3 tokenizer.model (bench/lib/checkpoint.py), the llguidance to
 builds over it (grammar_tokenizer), and each schema of the structured-output tests' corpus
 (tests/support/schemas.py) compiled by the server's own GrammarCompiler (its limits, compact JSON).
 
-A walk picks each next token uniformly among those its mask allows (the argmax of seeded random
-logits after apply_masks: random weights at temperature 1 pick so), from the first token to the
-end-of-sequence token, and advances its matcher with it, as the engine does. Each step is timed twice:
+A walk first takes its grammar's forced tokens, as the scheduler does (each the only token its mask
+allows: no mask is computed for them), then picks the next token uniformly among those its mask
+allows (the greedy pick of seeded random logits under the mask: random weights at temperature 1 pick
+so), from the first token to the end-of-sequence token, and advances its matcher, as the engine
+does. Each step is timed three times:
+- forced: Constraint.forced and advance for every row (the scheduler's thread, before the forward);
 - mask: Masks.start(...).result(), the engine's call, its worker thread included;
-- apply: tp_llama.engine.sampling.apply_masks on [rows, 128256] float32 logits.
+- pick: tp_llama.engine.sampling.sample_rows greedy under the masks, on [rows, 128256] float32
+  logits (the C sampler reading the masks where the kernels built; else apply_masks' -inf copy).
+The share of a walk's tokens that were forced is the share of masks never computed.
 With --rows 1 one walk runs at a time; with 8, eight walks of one schema side by side, a finished walk
 replaced at once by the next, so every timed step has eight constrained rows; "mixed" runs the eight
 rows over the whole corpus (row i starts at schema i), as eight clients cycling through it do.
@@ -42,7 +47,8 @@ from bench.lib.llamacpp import cpu_flags
 from bench.serving.clients import percentile
 from tests.support.schemas import NAMES, SCHEMAS
 from tp_llama.engine.constraint import Constraint, Masks, grammar_tokenizer
-from tp_llama.engine.sampling import apply_masks
+from tp_llama.engine.sampling import SamplingParams, sample_rows
+from tp_llama.engine.verify import Accepted
 from tp_llama.serving.grammars import GrammarCompiler
 from tp_llama.serving.request import GrammarSpec
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
@@ -65,8 +71,10 @@ class Walk:
 class Timings:
     """One configuration's steps: each mask and each application timed, seconds, and how walks ended."""
 
+    forced_s: list[float] = field(default_factory=list)
     mask_s: list[float] = field(default_factory=list)
-    apply_s: list[float] = field(default_factory=list)
+    pick_s: list[float] = field(default_factory=list)
+    forced: int = 0  # tokens taken forced
     lengths: list[int] = field(default_factory=list)
     cut: int = 0
     invalid: list[str] = field(default_factory=list)
@@ -112,16 +120,24 @@ def run_walks(schemas: list[int], rows: int, walks: int, compiler: GrammarCompil
 
     live = [fresh() for _ in range(rows)]
     out = Timings()
-    at = list(range(rows))
+    at, greedy = list(range(rows)), [Accepted(SamplingParams(1), None, [], []) for _ in range(rows)]
     while len(out.lengths) < walks:
+        started = time.perf_counter()
+        for walk in live:
+            forced = walk.constraint.forced(max_steps - len(walk.tokens))
+            if forced:
+                walk.constraint.advance(forced)
+            walk.tokens += forced
+            out.forced += len(forced)
+        out.forced_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         bits = masks.start({r: (w.constraint, []) for r, w in enumerate(live)}, n_words).result().bits
         out.mask_s.append(time.perf_counter() - started)
         logits = torch.randn(rows, n_words, generator=gen)
         started = time.perf_counter()
-        masked = apply_masks(logits, bits, at)
-        out.apply_s.append(time.perf_counter() - started)
-        for r, token in enumerate(masked.argmax(dim=-1).tolist()):
+        picked, _ = sample_rows(logits, greedy, bits, at)
+        out.pick_s.append(time.perf_counter() - started)
+        for r, token in enumerate(picked):
             walk = live[r]
             if token in stops or len(walk.tokens) >= max_steps:
                 finish(walk, tokenizer, out, cut=token not in stops)
@@ -140,19 +156,27 @@ def spread_ms(seconds: list[float]) -> str:
 
 
 def summary(t: Timings) -> dict:
-    ordered = {key: sorted(getattr(t, key)) for key in ("mask_s", "apply_s")}
+    ordered = {key: sorted(getattr(t, key)) for key in ("forced_s", "mask_s", "pick_s")}
     stats = {f"{key[:-2]}_{name}_ms": 1e3 * (percentile(v, pct) if pct else v[-1])
              for key, v in ordered.items() for name, pct in (("p50", 50), ("p99", 99), ("max", None))}
     return {**stats, "steps": len(t.mask_s), "walks": len(t.lengths), "cut": t.cut, "invalid": len(t.invalid),
+            "forced_tokens": t.forced, "forced_share": forced_share(t),
             "invalid_samples": t.invalid[:3], "tokens_mean": statistics.mean(t.lengths),
-            "mask_ms": [round(1e3 * v, 4) for v in t.mask_s], "apply_ms": [round(1e3 * v, 4) for v in t.apply_s]}
+            "mask_ms": [round(1e3 * v, 4) for v in t.mask_s], "pick_ms": [round(1e3 * v, 4) for v in t.pick_s]}
+
+
+def forced_share(t: Timings) -> float:
+    """The share of the walks' tokens taken forced (no mask computed for them)."""
+    return t.forced / max(1, sum(t.lengths))
 
 
 def pooled(parts: list[Timings]) -> Timings:
     out = Timings()
     for part in parts:
+        out.forced_s += part.forced_s
+        out.forced += part.forced
         out.mask_s += part.mask_s
-        out.apply_s += part.apply_s
+        out.pick_s += part.pick_s
         out.lengths += part.lengths
         out.cut += part.cut
         out.invalid += part.invalid
@@ -166,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=256, help="a walk still going after this is cut (counted)")
     parser.add_argument("--compile-repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch threads for apply_masks (default: torch's)")
+    parser.add_argument("--threads", type=int, help="torch threads for the pick (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 walks, 2 compiles per schema")
     parser.add_argument("--out", default="masks", help="name of the JSON under bench/out/")
     a = parser.parse_args(argv)
@@ -200,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
           f"built in {tokenizer_s:.2f} s; vocabulary {tokenizer.n_words}")
     headers = ["schema", "compile ms p50 / max"]
     for rows in a.rows:
-        headers += [f"{rows} row(s): walks (cut)", "tokens", "mask ms p50 / p99 / max", "apply ms p50 / p99 / max"]
+        headers += [f"{rows} row(s): walks (cut)", "tokens", "forced", "forced ms p50 / p99 / max",
+                    "mask ms p50 / p99 / max", "pick ms p50 / p99 / max"]
     lines = []
     for i, name in enumerate([*NAMES, "mixed", "all"]):
         cells = [name]
@@ -213,10 +238,10 @@ def main(argv: list[str] | None = None) -> None:
             runs = results[str(rows)]
             t = pooled([runs[n] for n in NAMES]) if name == "all" else runs.get(name)
             if t is None:
-                cells += ["", "", "", ""]
+                cells += [""] * 6
                 continue
-            cells += [f"{len(t.lengths)} ({t.cut})", f"{statistics.mean(t.lengths):.1f}", spread_ms(t.mask_s),
-                      spread_ms(t.apply_s)]
+            cells += [f"{len(t.lengths)} ({t.cut})", f"{statistics.mean(t.lengths):.1f}", f"{forced_share(t):.0%}",
+                      spread_ms(t.forced_s), spread_ms(t.mask_s), spread_ms(t.pick_s)]
         lines.append(cells)
     print(table(headers, lines))
     invalid = {rows: sum(len(t.invalid) for t in runs.values()) for rows, runs in results.items()}

@@ -14,10 +14,11 @@ Memory decides how many run: a sequence is admitted when the blocks its prompt s
 the prefix cache's hits) are free, and grows a block at a time; when the pool runs dry mid-decode
 the newest sequence is preempted (its blocks freed, its tokens recomputed later, as vLLM does).
 
-Speculative decoding (a `Speculator`): a decode row may carry proposed tokens after its newest one,
-within its sequence's room (max_new_tokens, max_seq_len), free blocks (never preempting for them) and
-half the budget; `commit` takes the accepted ones with the picked token and drops the rest (their
-blocks go back; only accepted tokens reach the prefix cache).
+Speculative decoding (a `Speculator`) and grammars' forced tokens: a decode row may carry proposed
+tokens after its newest one (engine/proposals.py), within its sequence's room (max_new_tokens,
+max_seq_len), free blocks (never preempting for them) and half the budget; `commit` takes the accepted
+ones with the picked token and drops the rest (their blocks go back; only accepted tokens reach the
+prefix cache).
 
 n > 1 (a group of one prompt, `Sequence.fork_of`): the first sequence carries the others until its
 first token, so the prompt is computed once; every member takes its first token from the same logits
