@@ -33,9 +33,9 @@ from tp_llama.engine.scheduler import Scheduler, Sequence
 from tp_llama.parallel.distributed import exit_now
 from tp_llama.serving.grammars import COMPILE_LIMIT_S, GrammarCompiler, Pending
 from tp_llama.serving.metrics import ServingMetrics
-from tp_llama.serving.native import NativeRequest, parse_request
-from tp_llama.serving.openai_api import MODELS, PATHS, error_body, models_list, parse_openai
+from tp_llama.serving.openai_api import error_body
 from tp_llama.serving.request import Live, RequestError, json_line, request_of
+from tp_llama.serving.routes import answer_now, open_request, openai_shaped
 from tp_llama.serving.settings import HandlerSettings, check_model_config, device_of, resolve_ckpt_dir
 from tp_llama.serving.threads import choose_threads
 from tp_llama.serving.tool_use import resolve_tool_format
@@ -239,8 +239,8 @@ class LlamaHandler(BaseHandler):
     def _admit(self, data: list[dict[str, Any]], ids: list[str]) -> dict[str, tuple[str, Any]]:
         """Validate the requests seen for the first time; the valid ones join the scheduler's queue.
 
-        Returns the requests answered whole in this call: ("error", RequestError) with the front
-        door's error shape ("openai" or "native"), or ("models", None).
+        Returns the requests answered whole in this call: (the front door's error shape, "openai" or
+        "native", RequestError), or ("reply", the JSON reply of a path answered without the engine).
         """
         answers: dict[str, tuple[str, Any]] = {}
         tokenizer = self.engine.tokenizer
@@ -248,26 +248,16 @@ class LlamaHandler(BaseHandler):
             if rid in self.live:
                 continue
             path = self._url_path(idx)
-            openai = path.startswith("v1/") or path == "v1"
+            openai = openai_shaped(path)
             try:
-                if path == MODELS:
-                    answers[rid] = ("models", None)
+                now = answer_now(path, request, self.settings, tokenizer, self.model_name)
+                if now is not None:
+                    answers[rid] = ("reply", now)
                     continue
                 if not request:
                     raise RequestError("internal error: the worker lost this request's state", 500)
-                if openai:
-                    if path not in PATHS:
-                        raise RequestError(f"unknown path {path!r}: this server has /{MODELS} (GET) and "
-                                           f"POST /{' and /'.join(PATHS)}", 404)
-                    api = parse_openai(path, request, self.settings, tokenizer, self.engine.args.vocab_size,
-                                       self.model_name, rid)
-                    api.start(tokenizer.decode)
-                elif path:
-                    raise RequestError(f"unknown path {path!r}: POST /predictions/NAME for the native API, "
-                                       "or /predictions/NAME/VERSION/v1/completions (or chat/completions)", 404)
-                else:
-                    api = NativeRequest(parse_request(request, self.settings, tokenizer, self.engine.args.vocab_size),
-                                        tokenizer.decode)
+                api = open_request(path, request, self.settings, tokenizer, self.engine.args.vocab_size,
+                                   self.model_name, rid)
                 seqs = api.sequences(rid)
                 if api.job.grammar is not None:
                     self.compiling[rid] = (self.grammars.submit(api.job.grammar), "openai" if openai else "native")
@@ -308,10 +298,11 @@ class LlamaHandler(BaseHandler):
     def _reply(self, idx: int, rid: str, answer: tuple[str, Any] | None) -> str:
         context = self.context
         if answer is not None:
-            kind, error = answer
+            kind, value = answer
             context.set_response_content_type(idx, "application/json")
-            if kind == "models":
-                return json_line(models_list(self.model_name))
+            if kind == "reply":
+                return json_line(value)
+            error = value
             context.set_response_status(error.status, STATUS_PHRASES.get(error.status, "Error"), idx)
             self._count("4xx" if error.status < 500 else "failed")
             return json_line(error_body(error) if kind == "openai" else {"error": str(error)})

@@ -205,7 +205,7 @@ def _max_new_tokens(body: dict[str, Any], key: str, prompts: list[list[int]], ec
     return min(fit_max_new_tokens(requested, key, len(ids), settings) for ids in prompts)
 
 
-def _chat_messages(messages: Any) -> Any:
+def chat_messages(messages: Any) -> Any:
     """OpenAI's content-part arrays of text parts become plain strings; the shared rules do the rest."""
     if not isinstance(messages, list):
         return messages
@@ -255,7 +255,7 @@ def parse_openai(
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if "messages" not in body:
             raise RequestError("messages is required", param="messages")
-        ids, tools = chat_ids(body, _chat_messages(body["messages"]), tokenizer, settings.tool_format)
+        ids, tools = chat_ids(body, chat_messages(body["messages"]), tokenizer, settings.tool_format)
         prompts = [ids]
     else:
         key = "max_tokens"
