@@ -23,7 +23,8 @@ import torch
 openai = pytest.importorskip("openai")
 
 
-from tests.support.hostile_corpus import hostile_corpus, hostile_grammars
+from tests.support.hostile_corpus import Case, hostile_corpus, hostile_grammars
+from tests.support.hostile_responses import hostile_responses, hostile_tokenizer_bodies
 from tests.support.reference import ReferenceModel
 from tests.support.serving_util import TorchServe
 
@@ -277,7 +278,7 @@ def long_requests_beside(client):
 
 
 def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: TorchServe, client) -> None:
-    """Every hostile body on both OpenAI paths is a 4xx in OpenAI's error shape, while long streamed
+    """Every hostile body on both OpenAI paths (and those made for the Responses and tokenizer paths) is a 4xx in OpenAI's error shape, while long streamed
     greedy requests keep running beside them and end exactly as they do alone."""
     cases = hostile_corpus(seed=11, max_seq_len=MAX_SEQ_LEN, max_body=MAX_BODY, server_cap=SERVER_CAP)
     problems: list[str] = []
@@ -295,6 +296,8 @@ def test_hostile_bodies_get_4xx_and_never_disturb_the_running_batch(server: Torc
 
     started = time.monotonic()
     jobs = [(path, case) for case in cases for path in ("v1/completions", "v1/chat/completions")]
+    jobs += [("v1/responses", Case("responses", body)) for body in hostile_responses()]
+    jobs += [(path, Case("tokenizer", body)) for path, body in hostile_tokenizer_bodies()]
     with long_requests_beside(client) as (alone, beside), ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(one, jobs))
     print(f"\n{len(jobs)} hostile bodies in {time.monotonic() - started:.1f} s; "
@@ -388,3 +391,89 @@ def test_n_choices_through_the_official_client(client) -> None:
     alone = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=5)
     assert got.choices[1].message.content == alone.choices[0].message.content
     assert got.usage.prompt_tokens == alone.usage.prompt_tokens
+
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_through_the_official_client(server: TorchServe, client) -> None:
+    """The client validates every reply and event strictly: plain, streamed (the deltas add up, sequence
+    numbers increase), a JSON schema, a forced function call and its round trip; greedy, the Responses API
+    and chat completions give the same reply to the same conversation."""
+    base_url = f"http://127.0.0.1:{server.inference_port}/predictions/llama/1.0/v1"
+    with openai.OpenAI(base_url=base_url, api_key=server.keys()["inference"], max_retries=0, timeout=120,
+                       _strict_response_validation=True) as strict:
+        asked = dict(model="llama", instructions="Be brief.", input="Hi there ✓", max_output_tokens=MAX_NEW,
+                     temperature=0)
+        got = strict.responses.create(**asked)
+        chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_completion_tokens=MAX_NEW,
+                                              temperature=0)
+        assert got.output_text == chat.choices[0].message.content and got.usage.input_tokens == chat.usage.prompt_tokens
+        assert got.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+        events = list(strict.responses.create(**asked, stream=True))
+        numbers = [e.sequence_number for e in events]
+        assert numbers == sorted(set(numbers)) and events[0].type == "response.created"
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == got.output_text
+        assert events[-1].type == f"response.{got.status}" and events[-1].response.output_text == got.output_text
+        shaped = strict.responses.create(model="llama", input="Who keeps the light?", max_output_tokens=120,
+                                         temperature=1.0, extra_body={"seed": 0}, text={"format": {
+                                             "type": "json_schema", "name": "keeper", "schema": KEEPER, "strict": True}})
+        jsonschema.validate(json.loads(shaped.output_text), KEEPER)
+        called = strict.responses.create(model="llama", input="Weather in Oslo?", tools=[FLAT_WEATHER],
+                                         tool_choice="required", parallel_tool_calls=False, max_output_tokens=120,
+                                         temperature=1.0, extra_body={"seed": 2})
+        (call,) = called.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+        answer = strict.responses.create(model="llama", tools=[FLAT_WEATHER], max_output_tokens=8, temperature=0,
+                                         tool_choice="none", input=[
+                                             {"role": "user", "content": "Weather in Oslo?"}, call.model_dump(),
+                                             {"type": "function_call_output", "call_id": call.call_id,
+                                              "output": "Sunny"}])
+        assert answer.output[0].type == "message" and answer.usage.input_tokens > called.usage.input_tokens
+        with pytest.raises(openai.BadRequestError) as info:
+            strict.responses.create(model="llama", input="hi", previous_response_id="resp_x")
+        assert info.value.body["param"] == "previous_response_id"
+
+
+def test_tokenizer_endpoints_where_lm_eval_looks_for_them(server: TorchServe, tokenizer) -> None:
+    """lm-evaluation-harness's remote tokenizer probes tokenizer_info and tokenize at the base URL without
+    /v1/completions, reads eos_token and finds its id with tokenize; every call needs the key."""
+    root = "/predictions/llama/1.0"
+    info = server.request("GET", f"{root}/tokenizer_info")
+    assert info.status == 200, info.body
+    eos = info.json()["eos_token"]
+    encoded = _post(server, "tokenize", json.dumps({"prompt": eos, "add_special_tokens": False}).encode()).json()
+    assert encoded["tokens"] == [tokenizer.eos_id]
+    ids = _post(server, "tokenize", json.dumps({"prompt": PROMPT}).encode()).json()["tokens"]
+    assert ids == tokenizer.encode(PROMPT, bos=True)
+    assert _post(server, "detokenize", json.dumps({"tokens": ids}).encode()).json() == {
+        "prompt": tokenizer.decode(ids)}
+    for method, path in (("GET", "tokenizer_info"), ("POST", "tokenize")):
+        refused = server.request(method, f"{root}/{path}", b'{"prompt": "x"}', key=None)
+        assert 400 <= refused.status < 500 and b"eos_token" not in refused.body and b'"tokens": [' not in refused.body
+
+
+def test_an_agents_sdk_agent_calls_its_tool_and_answers(server: TorchServe) -> None:
+    """The OpenAI Agents SDK (tracing off) runs an agent with one function tool against the server, the
+    call forced so random weights make it; the run ends with the tool's result as the final output."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    base_url = f"http://127.0.0.1:{server.inference_port}/predictions/llama/1.0/v1"
+    calls = []
+
+    async def get_weather(_context, arguments: str) -> str:
+        calls.append(json.loads(arguments)["city"])
+        return f"Sunny in {calls[-1]}"
+
+    # WEATHER's schema bounds the city's length, so a random model's call always closes within max_tokens.
+    tool = agents.FunctionTool(name="get_weather", description="The weather in a city now", on_invoke_tool=get_weather,
+                               params_json_schema=WEATHER["function"]["parameters"], strict_json_schema=False)
+    model = agents.OpenAIResponsesModel("llama", openai.AsyncOpenAI(base_url=base_url, api_key=server.keys()[
+        "inference"], max_retries=0, timeout=120))
+    agent = agents.Agent(name="weather", instructions="Use the tool.", model=model, tools=[tool],
+                         tool_use_behavior="stop_on_first_tool", model_settings=agents.ModelSettings(
+                             tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=1.0,
+                             extra_body={"seed": 1}))
+    result = agents.Runner.run_sync(agent, "Weather in Oslo?", max_turns=2)
+    assert len(calls) == 1 and result.final_output == f"Sunny in {calls[0]}"
