@@ -41,8 +41,9 @@ def ckpt(synthetic_checkpoint) -> Path:
 
 
 def load(ckpt: Path, speculative: str = "off") -> Engine:
-    return Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=256, max_batch_size=8,
-                                    prefill_budget=64, speculative=speculative))
+    return Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=256, max_batch_size=8, prefill_budget=64,
+                                    speculative=speculative,
+                                    draft_ckpt_dir=str(ckpt) if speculative == "draft" else None))
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +101,27 @@ def test_forced_tokens_are_taken_several_a_step_and_change_no_reply(engine, comp
     assert engine.stats.decode_tokens - steps_before < sum(len(seq.output) for seq in slow)
 
 
-def test_n_gram_proposals_under_a_grammar_are_cut_by_it_and_change_no_reply(ckpt, engine, compiler, monkeypatch):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_proposals_under_a_grammar_follow_its_forced_tokens_and_change_no_reply(ckpt, engine, compiler, monkeypatch,
+                                                                                 proposer):
+    """n-gram lookup, and a draft model (this checkpoint as a second one: it proposes what greedy rows
+    pick) fed the forced tokens before it drafts."""
     slow = step_by_step(engine, compiler, [REPEATS, LONG_KEYS], monkeypatch)
-    speculating = load(ckpt, "ngram")
+    speculating = load(ckpt, proposer)
     scheduler = speculating.new_scheduler()
     scheduler.speculator.counts.choose = lambda rows: scheduler.speculator.tokens  # every step proposes
     fast = requests(speculating, compiler, [REPEATS, LONG_KEYS])
     for seq in fast:
         scheduler.add(seq)
+    drafted_after_forced = []
+    if proposer == "draft":  # watched: how often the draft drafted past a row's forced tokens
+        propose = scheduler.speculator.draft.propose
+        scheduler.speculator.draft.propose = lambda seqs, rooms, after: (
+            drafted_after_forced.extend(r for r, a in zip(rooms, after) if r and a) or propose(seqs, rooms, after))
     speculating.run(scheduler)
     assert_same_replies(fast, slow)
     assert speculating.stats.accepted > 0 and speculating.stats.forced > 0
+    assert proposer == "ngram" or drafted_after_forced
 
 
 def allowed(masks: Masks, constraint: Constraint, n_words: int) -> list[int]:

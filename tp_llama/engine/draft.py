@@ -94,12 +94,13 @@ class Drafter:
     shares_cache: bool = False  # the self-draft: it reads the served model's KV cache, which holds every sequence
     seen: dict[str, Seen] = field(default_factory=dict)
 
-    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
-        """Up to rooms[i] greedy draft tokens after each sequence's newest token (a stop token ends a
-        row's proposals). The caller gave each sequence blocks for its newest token and rooms[i] more."""
+    def propose(self, seqs: list[Sequence], rooms: list[int], after: list[list[int]]) -> list[list[int]]:
+        """Up to rooms[i] greedy draft tokens after each sequence's newest token and its `after` (a grammar's
+        forced tokens, fed to the draft first); a stop token ends a row's proposals. The caller gave each
+        sequence blocks for its newest token, its `after` and rooms[i] more."""
         active = [i for i, room in enumerate(rooms) if room > 0]
         start = {i: self._known(seqs[i]) for i in active}
-        feed = {i: seqs[i].tokens[start[i] : seqs[i].computed + 1] for i in active}
+        feed = {i: seqs[i].tokens[start[i] : seqs[i].computed + 1] + after[i] for i in active}
         drafts: list[list[int]] = [[] for _ in seqs]
         while active:
             rows, owners, budget = [], [], self.budget
@@ -125,8 +126,8 @@ class Drafter:
                 else:
                     active.remove(i)
         for i, seq in enumerate(seqs):
-            if rooms[i] > 0 and not self.shares_cache:  # written: up to the newest token, then the drafts but the last
-                self.seen[seq.id] = Seen(seq.computed + 1, drafts[i][:-1], seq.preemptions)
+            if rooms[i] > 0 and not self.shares_cache:  # written: up to the newest token, then the rest but the last draft
+                self.seen[seq.id] = Seen(seq.computed + 1, after[i] + drafts[i][:-1], seq.preemptions)
         return drafts
 
     def _known(self, seq: Sequence) -> int:

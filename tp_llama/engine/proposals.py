@@ -19,8 +19,7 @@ def step_proposals(seqs: list[Sequence], most: int, spare: int, pool: BlockPool,
     """Each decode row's proposals, and how many of them lead as its grammar's forced tokens: those first,
     then the speculator's, at most `most` a row; `spare` in all. Blocks are taken for them now from the
     free ones (no sequence is preempted for a proposal). A draft model writes its KV cache as it
-    proposes, so its rows get their blocks first; it drafts only for rows without forced tokens, which
-    it has not seen."""
+    proposes (the forced tokens first), so its rows get their blocks first."""
     proposals = []
     for seq in seqs:
         forced = seq.constraint.forced(room(seq, 0, spare, max_seq_len)) if seq.constraint is not None else []
@@ -38,7 +37,7 @@ def step_proposals(seqs: list[Sequence], most: int, spare: int, pool: BlockPool,
         if not speculator.drafts:
             rooms.append(most_here)  # n-gram rows often propose nothing: cut below instead
             continue
-        rooms.append(0 if forced else reserve(pool, seq, most_here))
+        rooms.append(reserve(pool, seq, len(forced) + most_here) - len(forced))
         left -= rooms[-1]
     if not any(rooms):
         return proposals, counts

@@ -91,11 +91,11 @@ class Speculator:
 
     def propose_rows(self, seqs: list[Sequence], rooms: list[int], after: list[list[int]]) -> list[list[int]]:
         """At most min(rooms[i], self.tokens) proposals after each sequence's tokens and its `after` (the
-        forced tokens it carries; a draft model is given no room where there are some), none for a row
-        that is not `worth` it; a draft model's for all rows in one batch of draft steps."""
+        forced tokens it carries), none for a row that is not `worth` it; a draft model's for all rows in
+        one batch of draft steps."""
         rooms = [min(room, self.tokens) if room > 0 and self.worth(seq.id) else 0 for seq, room in zip(seqs, rooms)]
         if self.draft is not None:
-            return self.draft.propose(seqs, rooms)
+            return self.draft.propose(seqs, rooms, after)
         return [self.propose(seq.id, seq.tokens + more, room) if room else []
                 for seq, room, more in zip(seqs, rooms, after)]
 
