@@ -18,12 +18,15 @@ always accepted and no mask is computed for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from tp_llama.engine.constraint import StepMasks
 from tp_llama.engine.plan import Row
 from tp_llama.engine.sampling import History, SamplingParams, TokenLogprobs, sample_rows, take_forced
+
+if TYPE_CHECKING:  # llguidance (and the torch.compile its torch helpers bring) only where a grammar is used
+    from tp_llama.engine.constraint import StepMasks
 
 
 @dataclass
