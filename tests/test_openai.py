@@ -457,7 +457,8 @@ def test_tokenizer_endpoints_where_lm_eval_looks_for_them(server: TorchServe, to
 def test_an_agents_sdk_agent_calls_its_tool_and_answers(server: TorchServe) -> None:
     """The OpenAI Agents SDK (tracing off) runs an agent with one function tool against the server, the
     call forced so random weights make it; the run ends with the tool's result as the final output."""
-    agents = pytest.importorskip("agents")
+    import agents  # openai-agents, pinned in requirements-test.txt
+
     agents.set_tracing_disabled(True)
     base_url = f"http://127.0.0.1:{server.inference_port}/predictions/llama/1.0/v1"
     calls = []
@@ -477,3 +478,55 @@ def test_an_agents_sdk_agent_calls_its_tool_and_answers(server: TorchServe) -> N
                              extra_body={"seed": 1}))
     result = agents.Runner.run_sync(agent, "Weather in Oslo?", max_turns=2)
     assert len(calls) == 1 and result.final_output == f"Sunny in {calls[0]}"
+
+
+LM_EVAL_TASK = """task: lighthouse_choices
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_scores_a_task_with_the_servers_tokenizer(server: TorchServe, checkpoint: Path, tokenizer, tmp_path,
+                                                          monkeypatch) -> None:
+    """lm-evaluation-harness 0.4.13's local-completions, its tokenizer backend left to probe the server (a
+    Meta checkpoint has no Hugging Face tokenizer folder to give it), scores a multiple-choice task from
+    a local file; each choice's log-likelihood is the float64 reference's for the token ids it sent."""
+    import lm_eval  # pinned in requirements-test.txt
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"question": "The keeper lit the lamp at", "choices": [" dusk", " dawn", " noon"], "answer": 0},
+            {"question": "Grüße aus Köln:", "choices": [" the quick brown fox", " a lighthouse"], "answer": 1}]
+    data = tmp_path / "lighthouse.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (tmp_path / "lighthouse.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    key = server.keys()["inference"]
+    monkeypatch.setenv("OPENAI_API_KEY", key)  # local-completions sends it as the bearer token
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file: no hub lookups
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm = LocalCompletionsAPI(base_url=f"http://127.0.0.1:{server.inference_port}/predictions/llama/1.0/v1/completions",
+                             model="llama", auth_token=key, max_length=MAX_SEQ_LEN, max_retries=1)
+    assert lm.tokenizer_backend == "remote"
+    out = lm_eval.simple_evaluate(model=lm, tasks=["lighthouse_choices"], log_samples=True,
+                                  task_manager=TaskManager(include_path=str(tmp_path)))
+    samples = out["samples"]["lighthouse_choices"]
+    assert len(samples) == len(docs) and "acc,none" in out["results"]["lighthouse_choices"]
+    for sample in samples:
+        assert len(sample["arguments"]) == len(docs[sample["doc_id"]]["choices"])
+        for (context, continuation), ((loglikelihood, _greedy),) in zip(sample["arguments"], sample["resps"]):
+            context_ids, continuation_ids = lm._encode_pair(context, continuation)
+            ids = context_ids + continuation_ids
+            assert tokenizer.decode(ids) == context + continuation  # lm-eval adds no BOS unless asked
+            want = reference_logprobs(checkpoint, tokenizer, ids)
+            at = len(context_ids) - 1
+            assert loglikelihood == pytest.approx(
+                sum(float(want[at + j, token]) for j, token in enumerate(continuation_ids)), abs=1e-3)

@@ -100,7 +100,7 @@ def test_constrained_and_free_rows_batched_with_preemption_each_get_their_own_ou
              GrammarSpec("regex", r"[a-z]{3,9}( [a-z]{3,9}){2,5}", "structured_outputs"), None]
 
     def make() -> list[Sequence]:
-        return [constrained(engine, compiler, spec, seed=11 + i, name=f"r{i}", max_new=110, ignore_eos=spec is None)
+        return [constrained(engine, compiler, spec, seed=11 + i, name=f"r{i}", max_new=60)
                 for i, spec in enumerate(specs)]
 
     alone = []
@@ -109,8 +109,8 @@ def test_constrained_and_free_rows_batched_with_preemption_each_get_their_own_ou
         alone.append(seq.output)
     cache = engine.cache
     block_bytes = 2 * len(engine.model.layers) * cache.k[:, : cache.block_size].numel() * cache.k.element_size()
-    blocks = 256 // cache.block_size + 2  # one sequence of max_seq_len and a little more: the free two outgrow it
-    tight = Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=256, max_batch_size=4,
+    blocks = 128 // cache.block_size + 2  # one sequence of max_seq_len and a little more: four outgrow it
+    tight = Engine.load(EngineConfig(str(ckpt), "tp", "float32", max_seq_len=128, max_batch_size=4,
                                      prefill_budget=64, kv_cache_memory_gb=blocks * block_bytes / 2**30))
     together = make()
     scheduler = tight.new_scheduler()
