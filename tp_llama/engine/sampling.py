@@ -105,7 +105,7 @@ def sample_rows(logits: torch.Tensor, rows: list[History], allowed: torch.Tensor
         chosen = logits[greedy] if sampled else logits
         picked[greedy] = _argmax_in_c(chosen, [masks[r] for r in greedy]) if c else chosen.argmax(dim=-1)
     if sampled:
-        uniforms = [float(torch.rand((), dtype=torch.float64, generator=rows[r].generator)) for r in sampled]
+        uniforms = [_uniform(rows[r]) for r in sampled]
         params = [rows[r].params for r in sampled]
         if c:
             picked[sampled] = _draw_in_c(logits, sampled, params, uniforms, [masks[r] for r in sampled])
@@ -276,8 +276,13 @@ def take_forced(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> li
     sampled row still spends its uniform, so its later draws are those of a reply picked a token a step."""
     for row in rows:
         if row.params.temperature > 0:
-            torch.rand((), dtype=torch.float64, generator=row.generator)
+            _uniform(row)
     return _logprobs(raw, rows, tokens)
+
+
+def _uniform(row: History) -> float:
+    """The next number of a sampled row's own stream: one per token it emits, drawn or forced."""
+    return float(torch.rand((), dtype=torch.float64, generator=row.generator))
 
 
 def _logprobs(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> list[TokenLogprobs | None]:

@@ -73,8 +73,8 @@ def verify_rows(logits: torch.Tensor, rows: list[Row], groups: list[list[History
             verified[at[speculating[s]]].append(logprobs[s])
             history.output.append(row_of[s].tokens[position])
         order = list(alive)
-        tokens, token_logprobs = _pick(logits[[starts[speculating[s]] + position for s in order]], [alive[s] for s in order],
-                                       order, position, taken, masks)
+        at_position = logits[[starts[speculating[s]] + position for s in order]]
+        tokens, token_logprobs = _pick(at_position, [alive[s] for s in order], order, position, taken, masks)
         for s, token, token_lp in zip(order, tokens, token_logprobs):
             picked[s], logprobs[s] = token, token_lp
         position += 1
@@ -90,7 +90,8 @@ def _pick(logits: torch.Tensor, histories: list[History], samplers: list[int], p
     logprobs: list[TokenLogprobs | None] = [None] * len(samplers)
     if forced:
         chosen = [taken[samplers[j]][position] for j in forced]
-        for j, token, token_lp in zip(forced, chosen, take_forced(logits[forced], [histories[j] for j in forced], chosen)):
+        chosen_logprobs = take_forced(logits[forced], [histories[j] for j in forced], chosen)
+        for j, token, token_lp in zip(forced, chosen, chosen_logprobs):
             tokens[j], logprobs[j] = token, token_lp
     if drawn:
         under = [] if masks is None else [k for k, j in enumerate(drawn) if samplers[j] in masks.first]
