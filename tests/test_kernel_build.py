@@ -41,7 +41,7 @@ def build_edited(tmp_path: Path, edit: dict[str, tuple[str, str]]) -> tuple[Path
 
 def test_the_header_parses_into_every_struct_function_and_constant():
     structs, functions, constants = ffi.parse_header((HERE / "api.h").read_text())
-    assert [f for f, *_ in structs["DecodeRows"]] == ["rows", "width", "rotation", "tables", "positions"]
+    assert [f for f, *_ in structs["DecodeRows"]] == ["rows", "width", "rotation", "tables", "positions", "adapters"]
     assert ("cache_v", "void", True) in structs["DecodeLayer"] and ("eps", "float", False) in structs["DecodeLayer"]
     assert functions["decode_stack"] == (("int", False), [("struct DecodeLayer", True), ("int64_t", False),
                                                            ("struct DecodeRows", True), ("void", True),
@@ -56,7 +56,7 @@ def test_the_library_describes_what_python_reads():
     assert lib is not None, why
     assert lib.constants["TILE_COLS"] == 32 and lib.constants["TPL_OFF_CACHE"] == -2
     rows = lib.structs["DecodeRows"]
-    assert ctypes.sizeof(rows) == lib.tpl_struct_size(b"DecodeRows") == 40
+    assert ctypes.sizeof(rows) == lib.tpl_struct_size(b"DecodeRows") == 48
     assert lib.decode_stack.argtypes[0] is ctypes.POINTER(lib.structs["DecodeLayer"])
 
 
@@ -77,7 +77,7 @@ def test_a_python_struct_that_disagrees_with_the_library_is_refused():
 @needs_build
 @pytest.mark.parametrize(("edit", "message"), [
     ({"api.h": ("    int64_t rows, width;\n", "    int64_t rows, width, spare;\n")},
-     r"DecodeRows.* 48 bytes, api.h's 48|DecodeRows.spare"),
+     r"DecodeRows.* 56 bytes, api.h's 56|DecodeRows.spare"),
     ({"api.h": ("#define MAX_HEAD_DIM 256", "#define MAX_HEAD_DIM 256\n#define SPARE_ROWS 4")},
      "constant SPARE_ROWS of api.h is unknown to the library"),
     ({"abi.c": ("FIELD(DecodeRows, tables),", "")}, r"DecodeRows.tables: at byte -1 in the library"),

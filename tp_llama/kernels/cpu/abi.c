@@ -29,7 +29,10 @@ static const struct {
     FIELD(DecodeLayer, bits),
     FIELD(DecodeLayer, attention_norm), FIELD(DecodeLayer, ffn_norm), FIELD(DecodeLayer, wqkv),
     FIELD(DecodeLayer, wo), FIELD(DecodeLayer, w13), FIELD(DecodeLayer, w2), FIELD(DecodeLayer, cache_k),
-    FIELD(DecodeLayer, cache_v),
+    FIELD(DecodeLayer, cache_v), FIELD(DecodeLayer, lora_qkv), FIELD(DecodeLayer, lora_wo),
+    FIELD(DecodeLayer, lora_w13), FIELD(DecodeLayer, lora_w2),
+    STRUCT(LoraWeights), FIELD(LoraWeights, a), FIELD(LoraWeights, bt), FIELD(LoraWeights, slots),
+    FIELD(LoraWeights, rank),
     STRUCT(MetaInt4), FIELD(MetaInt4, tiles), FIELD(MetaInt4, row_sums), FIELD(MetaInt4, lora_a),
     FIELD(MetaInt4, lora_bt), FIELD(MetaInt4, lora_ends), FIELD(MetaInt4, rank), FIELD(MetaInt4, lora_parts),
     FIELD(MetaInt4, lora_scale), FIELD(MetaInt4, hadamard),
@@ -40,7 +43,7 @@ static const struct {
     FIELD(PenaltyRow, n_output), FIELD(PenaltyRow, bias_ids), FIELD(PenaltyRow, bias_values), FIELD(PenaltyRow, n_bias),
     FIELD(PenaltyRow, repetition), FIELD(PenaltyRow, frequency), FIELD(PenaltyRow, presence),
     STRUCT(DecodeRows), FIELD(DecodeRows, rows), FIELD(DecodeRows, width), FIELD(DecodeRows, rotation),
-    FIELD(DecodeRows, tables), FIELD(DecodeRows, positions),
+    FIELD(DecodeRows, tables), FIELD(DecodeRows, positions), FIELD(DecodeRows, adapters),
 };
 
 int64_t tpl_constant(const char *name, int64_t *value) {

@@ -36,7 +36,17 @@
 #define TPL_NO_AMX -4       /* no AMX here (CPU, kernel permission, build) or a width it cannot take */
 #define TPL_BAD_TOKEN -5    /* a token id outside the vocabulary */
 
-/* One layer's shapes (this rank's share) and tensors, for decode.c. */
+/* One projection's LoRA adapters in fixed slots (lora.c): a [slots][rank][K] and bt, B^T with the scale
+ * folded in, [slots][rank][N], both float32; slot 0 is the base and is never read. A smaller adapter, or
+ * one that leaves the projection alone, is zeros there. */
+struct LoraWeights {
+    const float *a, *bt;
+    int64_t slots, rank;
+};
+
+/* One layer's shapes (this rank's share) and tensors, for decode.c. lora_*: each projection's adapters,
+ * NULL where it has none (bt of lora_w13 in the gated tiles' interleaved column order); META_INT4
+ * layers take none. */
 struct DecodeLayer {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn, n_blocks, block_size; /* n_blocks: the spare too */
     float eps;
@@ -44,6 +54,7 @@ struct DecodeLayer {
     int32_t bits;      /* 16: the weights in matmul.c's tiles (float32 or bfloat16); 8 or 4: quant.c's; META_INT4 */
     const void *attention_norm, *ffn_norm, *wqkv, *wo, *w13, *w2;
     void *cache_k, *cache_v;
+    const struct LoraWeights *lora_qkv, *lora_wo, *lora_w13, *lora_w2;
 };
 
 /* One of Meta's int4 weights [N][K] (kernels/metaquant.py's pack_tiles): its int4 tiles (quant.c), the
@@ -91,6 +102,7 @@ struct DecodeRows {
     int64_t rows, width;
     const float *rotation; /* [rows][head_dim]: cos, sin pairs at the row's position */
     const int64_t *tables, *positions; /* tables [rows][width]: the blocks of positions 0, block_size, ... */
+    const int32_t *adapters;           /* [rows]: each row's LoRA slot; NULL: every row the base */
 };
 
 /* Weights in tiles (matmul.c). A weight [N][K] of 4-byte units (a float32, or a pair of bfloat16
@@ -179,12 +191,22 @@ int rope_prompt_rows(void *qkv, int64_t rows, const float *rotation, const int64
 int64_t decode_scratch_bytes(const struct DecodeLayer *layer, int64_t rows);
 int attention_block(const struct DecodeLayer *layer, const struct DecodeRows *rows, void *h, const void *delta_in,
                     void *delta_out, void *scratch, int write_first);
-void ffn_block(const struct DecodeLayer *layer, int64_t rows, void *h, const void *delta_in, void *delta_out,
-               void *scratch);
+void ffn_block(const struct DecodeLayer *layer, int64_t rows, const int32_t *adapters, void *h, const void *delta_in,
+               void *delta_out, void *scratch);
 void residual_norm(void *h, const void *delta, const void *weight, void *y, int64_t rows, int64_t dim, float eps,
                    int bf16);
 int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struct DecodeRows *rows, void *h,
                  void *delta, void *scratch, int write_first);
+
+/* LoRA adapters per row (lora.c): y [M][N] += (x A_s^T) B_s^T for each row on slot s = adapters[m] in
+ * 1 .. slots - 1 (others are the base), x [M][K] and y float32 or bfloat16 (bf16), t = x A_s^T kept in
+ * float32 and the sum added to y once, rounded to its type. lora_rows is the in-region form, with
+ * lora_scratch_bytes(M, rank) of scratch; lora_add starts its own region: TPL_OK or TPL_NO_MEMORY. */
+void lora_rows(const struct LoraWeights *l, const void *x, int64_t M, int64_t K, const int32_t *adapters, void *y,
+               int64_t N, int bf16, float *scratch);
+int lora_add(const struct LoraWeights *l, const void *x, int64_t M, int64_t K, const int32_t *adapters, void *y,
+             int64_t N, int bf16);
+int64_t lora_scratch_bytes(int64_t M, int64_t R);
 
 /* The next token of each row (sample.c): logits [rows][vocab] float32. A row with a mask draws as
  * it would with -inf at every token the mask refuses. TPL_OK or TPL_NO_MEMORY. */

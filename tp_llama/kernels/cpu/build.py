@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = ("matmul.c", "quant.c", "layer.c", "decode.c", "sample.c", "amx.c", "prompt_attention.c", "abi.c")
+SOURCES = ("matmul.c", "quant.c", "layer.c", "decode.c", "sample.c", "lora.c", "amx.c", "prompt_attention.c", "abi.c")
 HEADERS = ("api.h", "simd.h")
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # Each variant: the CPU flags it needs (/proc/cpuinfo names) and the compiler flags that use them;

@@ -10,6 +10,9 @@
  * between the calls; each half starts by adding the previous half's delta. Without it,
  * decode_stack runs all the layers in one call. The ops are the ones the op-by-op path runs, in
  * the same order, so both give the same bits.
+ * Rows on LoRA adapters (DecodeRows.adapters) get each adapted projection's delta added to its
+ * output (lora.c); on w1/w3 that delta lands before SwiGLU, so their matmul runs ungated there and
+ * SwiGLU after it. A step without adapters runs as if the layer had none.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -83,13 +86,23 @@ static void add_and_norm(void *h, const void *delta, const void *weight, void *y
 
 /* The scratch of either block for `rows` rows, laid out from address `at`: the normed rows, the
  * widest matmul output (qkv or SwiGLU's; rows rounded up to 32, as AMX packs it), attention's
- * output, and the next matmul's input widened to float32 or quantized (64-byte aligned); `end` is one
- * past its last byte. */
+ * output, and the next matmul's input widened to float32 or quantized (64-byte aligned); then, only
+ * for a layer with adapters, lora_rows' scratch (`lora`) and, with adapters on w1/w3, their ungated
+ * output (`gates`); `end` is one past its last byte. */
 struct Scratch {
-    void *normed, *first, *second;
-    float *wide;
+    void *normed, *first, *second, *gates;
+    float *wide, *lora;
     uintptr_t end;
 };
+
+/* The largest rank of the layer's adapters, -1 where it has none. */
+static int64_t lora_rank(const struct DecodeLayer *L) {
+    const struct LoraWeights *l[4] = {L->lora_qkv, L->lora_wo, L->lora_w13, L->lora_w2};
+    int64_t most = -1;
+    for (int i = 0; i < 4; i++)
+        if (l[i] != NULL && l[i]->rank > most) most = l[i]->rank;
+    return most;
+}
 
 static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, uintptr_t at) {
     int64_t size = L->bf16 ? 2 : 4, attn = L->n_heads * L->head_dim, qkv = attn + 2 * L->n_kv_heads * L->head_dim;
@@ -102,8 +115,12 @@ static struct Scratch carve(const struct DecodeLayer *L, int64_t rows, uintptr_t
     at = (at + rows * attn * size + 63) & ~(uintptr_t)63;
     s.wide = (float *)at;
     int64_t wide = (rows < WIDE_MIN_ROWS ? WIDE_MIN_ROWS : rows) * widest * (int64_t)sizeof(float);
-    int64_t meta = L->bits == META_INT4 ? meta_wide_bytes(L, rows) : 0;
-    s.end = at + (wide > meta ? wide : meta);
+    int64_t meta = L->bits == META_INT4 ? meta_wide_bytes(L, rows) : 0, rank = lora_rank(L);
+    at += wide > meta ? wide : meta;
+    s.lora = (float *)at;
+    at += rank < 0 ? 0 : lora_scratch_bytes(rows, rank);
+    s.gates = (void *)at;
+    s.end = at + (L->lora_w13 != NULL ? rows * 2 * L->ffn * size : 0);
     return s;
 }
 
@@ -123,32 +140,59 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
     if (scores == NULL) return TPL_NO_MEMORY;
     struct Scratch s = carve(L, rows, (uintptr_t)scratch);
     int64_t qkv = (L->n_heads + 2 * L->n_kv_heads) * L->head_dim;
+    const int32_t *adapters = L->bits == META_INT4 ? NULL : R->adapters;
 #pragma omp parallel
     {
         add_and_norm(h, delta_in, L->attention_norm, s.normed, rows, L->dim, L->eps, L->bf16);
         layer_matmul(L, s.normed, rows, L->dim, L->wqkv, qkv, s.first, 0, s.wide);
+        if (adapters && L->lora_qkv)
+            lora_rows(L->lora_qkv, s.normed, rows, L->dim, adapters, s.first, qkv, L->bf16, s.lora);
         attention_rows(s.first, R, L->n_heads, L->n_kv_heads, L->head_dim, L->cache_k, L->cache_v, L->n_blocks,
                        L->block_size, s.second, L->bf16, scores, per_thread, write_first);
         layer_matmul(L, s.second, rows, attn, L->wo, L->dim, delta_out, 0, s.wide);
+        if (adapters && L->lora_wo)
+            lora_rows(L->lora_wo, s.second, rows, attn, adapters, delta_out, L->dim, L->bf16, s.lora);
     }
     free(scores);
     return TPL_OK;
 }
 
+/* SwiGLU of an ungated w1/w3 matmul's output x [rows][2 ffn], whose tiles' 32 columns are GATE_RUN gate
+ * columns then GATE_RUN up columns, into y [rows][ffn] as the gated matmul writes it: swiglu16 on the
+ * sums as stored, which is what the tiles' own SwiGLU reads, so a row without a delta gets its bits. */
+static void swiglu_runs(const void *x, int64_t rows, int64_t ffn, void *y, int bf16) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = 0; j < ffn; j += GATE_RUN) {
+            const int64_t at = m * 2 * ffn + 2 * j;
+            vec gate = load16(x, at, bf16, 0xFFFF), up = load16(x, at + GATE_RUN, bf16, 0xFFFF);
+            store16(y, m * ffn + j, swiglu16(gate, up, bf16), bf16, 0xFFFF);
+        }
+}
+
 /* On AMX, SwiGLU's outputs go out in the layout w2's matmul reads (AMX_PACKED_Y), so w2 does not
- * pack them again: a 512-row step of the 1B shape packed 8 MiB a layer there. */
-void ffn_block(const struct DecodeLayer *L, int64_t rows, void *h, const void *delta_in, void *delta_out,
-               void *scratch) {
+ * pack them again: a 512-row step of the 1B shape packed 8 MiB a layer there. Not with adapters on
+ * w1/w3 (their delta comes before SwiGLU) or w2 (its delta reads SwiGLU's outputs as rows). */
+void ffn_block(const struct DecodeLayer *L, int64_t rows, const int32_t *adapters, void *h, const void *delta_in,
+               void *delta_out, void *scratch) {
     struct Scratch s = carve(L, rows, (uintptr_t)scratch);
+    if (L->bits == META_INT4) adapters = NULL;
+    const int w13 = adapters && L->lora_w13, w2 = adapters && L->lora_w2;
 #pragma omp parallel
     {
         add_and_norm(h, delta_in, L->ffn_norm, s.normed, rows, L->dim, L->eps, L->bf16);
-        if (L->amx && L->bf16 &&
+        if (!w13 && !w2 && L->amx && L->bf16 &&
             amx_matmul(s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide, AMX_PACKED_Y) == TPL_OK)
             amx_matmul(s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, NULL, AMX_PACKED_X);
         else {
-            layer_matmul(L, s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide);
+            if (w13) {
+                layer_matmul(L, s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.gates, 0, s.wide);
+                lora_rows(L->lora_w13, s.normed, rows, L->dim, adapters, s.gates, 2 * L->ffn, L->bf16, s.lora);
+                swiglu_runs(s.gates, rows, L->ffn, s.first, L->bf16);
+            } else
+                layer_matmul(L, s.normed, rows, L->dim, L->w13, 2 * L->ffn, s.first, 1, s.wide);
             layer_matmul(L, s.first, rows, L->ffn, L->w2, L->dim, delta_out, 0, s.wide);
+            if (w2) lora_rows(L->lora_w2, s.first, rows, L->ffn, adapters, delta_out, L->dim, L->bf16, s.lora);
         }
     }
 }
@@ -169,7 +213,7 @@ int decode_stack(const struct DecodeLayer *layers, int64_t n_layers, const struc
     for (int64_t i = 0; i < n_layers; i++) {
         int status = attention_block(&layers[i], R, h, i ? delta : NULL, delta, scratch, write_first);
         if (status) return status; /* only the first layer can refuse: every layer sees the same rows */
-        ffn_block(&layers[i], R->rows, h, delta, delta, scratch);
+        ffn_block(&layers[i], R->rows, R->adapters, h, delta, delta, scratch);
     }
 #pragma omp parallel
     add_rows(h, delta, R->rows, layers[0].dim, layers[0].bf16);

@@ -1,6 +1,6 @@
 """The C kernels on tensors: tiled weights and their matmul, RMSNorm, decode attention, a decode
-step's layers. Each function takes and returns tensors (or fills `out`), so it can be registered
-as a custom op where a tracer needs one.
+step's layers and their rows' LoRA adapters. Each function takes and returns tensors (or fills
+`out`), so it can be registered as a custom op where a tracer needs one.
 """
 
 from __future__ import annotations
@@ -206,8 +206,69 @@ def _meta_int4(weight: object) -> bool:
     return isinstance(getattr(weight, "c", None), library().structs["MetaInt4"]) and (across is None or across.size == 1)
 
 
+@dataclass(frozen=True)
+class LoraTensors:
+    """One projection's LoRA adapters in fixed slots as lora.c reads them: a [slots, rank, in] and bt
+    [slots, rank, out] (B^T, the scale folded in), float32 and contiguous; slot 0 is the base. `c`, their
+    struct LoraWeights, holds only their addresses: whoever holds `c` holds this too."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    c: ctypes.Structure
+
+
+def lora_weights(a: torch.Tensor, bt: torch.Tensor) -> LoraTensors:
+    """a [slots, rank, in] and bt [slots, rank, out] float32 CPU tensors as one projection's adapters."""
+    if a.dtype != torch.float32 or bt.dtype != torch.float32 or a.dim() != 3 or a.shape[:2] != bt.shape[:2] \
+            or a.device.type != "cpu" or bt.device.type != "cpu":
+        raise ValueError(f"LoRA weights are float32 CPU a [slots, rank, in] and bt [slots, rank, out], not "
+                         f"{a.dtype} {tuple(a.shape)} and {bt.dtype} {tuple(bt.shape)}")
+    a, bt = a.contiguous(), bt.contiguous()
+    return LoraTensors(a, bt, library().structs["LoraWeights"](a.data_ptr(), bt.data_ptr(), a.shape[0], a.shape[1]))
+
+
+def _check_adapters(adapters: torch.Tensor, rows: int) -> None:
+    if adapters.dtype != torch.int32 or adapters.shape != (rows,) or not adapters.is_contiguous():
+        raise ValueError(f"{rows} rows need contiguous int32 adapter slots [{rows}], not {adapters.dtype} "
+                         f"{tuple(adapters.shape)}")
+
+
+def lora_add(x: torch.Tensor, adapters: torch.Tensor, lora: LoraTensors, y: torch.Tensor) -> None:
+    """y [rows, out] += (x A_s^T) B_s^T, in place, for each row on slot s = adapters[row] > 0 (int32 [rows]);
+    x [rows, in] and y float32 or bfloat16 alike, contiguous. One C call (lora.c)."""
+    rows, width = x.shape
+    slots, _, out = lora.bt.shape
+    _check_adapters(adapters, rows)
+    if y.shape != (rows, out) or lora.a.shape[2] != width or x.dtype != y.dtype \
+            or x.dtype not in (torch.float32, torch.bfloat16) or not (x.is_contiguous() and y.is_contiguous()):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and y {tuple(y.shape)} {y.dtype} do not fit adapters "
+                         f"of {width} -> {out}")
+    if rows and not 0 <= int(adapters.min()) <= int(adapters.max()) < slots:
+        raise ValueError(f"adapter slots lie in 0 .. {slots - 1}")
+    if library().lora_add(ctypes.byref(lora.c), x.data_ptr(), rows, width, adapters.data_ptr(), y.data_ptr(), out,
+                          x.dtype == torch.bfloat16):
+        raise MemoryError(f"no memory for {rows} rows' LoRA scratch")
+
+
+Adapters = tuple[LoraTensors | None, LoraTensors | None, LoraTensors | None, LoraTensors | None]  # wqkv, wo, w13, w2
+
+
+def _lora_pointers(lora: Adapters | None, weights: tuple, meta: bool) -> list:
+    """Each projection's struct LoraWeights pointer (None: no adapters), checked against its weight's shape."""
+    if lora is None or not any(lora):
+        return [None] * 4
+    if meta:
+        raise ValueError("Meta's int4 layers take no LoRA adapters in C")
+    for name, adapters, weight in zip(("wqkv", "wo", "w13", "w2"), lora, weights):
+        if adapters is not None and (adapters.a.shape[2], adapters.bt.shape[2]) != (weight.shape[1], weight.shape[0]):
+            raise ValueError(f"{name}'s adapters map {adapters.a.shape[2]} -> {adapters.bt.shape[2]}, its weight "
+                             f"{weight.shape[1]} -> {weight.shape[0]}")
+    return [None if adapters is None else ctypes.pointer(adapters.c) for adapters in lora]
+
+
 def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled | QuantTiled, ...],
-                 cache_k: torch.Tensor, cache_v: torch.Tensor, block_size: int, eps: float) -> ctypes.Structure | None:
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, block_size: int, eps: float,
+                 lora: Adapters | None = None) -> ctypes.Structure | None:
     """A layer as decode_stack, attention_block and ffn_block run it (struct DecodeLayer), or None where they cannot.
 
     norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
@@ -215,7 +276,9 @@ def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled 
     with its `shape` and `c`, its struct MetaInt4: kernels.metaquant.pack_tiles; without tensor
     parallelism), their w1/w3 side by side;
     the cache [kv_heads, blocks * block_size, head_dim]. The layer's tensors must outlive the returned
-    struct, which holds only their addresses.
+    struct, which holds only their addresses. lora: the adapters of wqkv, wo, w1/w3 and w2 (None: none),
+    w1/w3's bt columns in the gated tiles' order (GATE_RUN gate columns, then as many up columns, a tile);
+    not for Meta's int4 weights. The returned struct keeps them (its `lora`).
     """
     lib = library()
     wqkv, wo, w13, w2 = weights
@@ -237,24 +300,33 @@ def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled 
         return None
     amx = float_weights and all(w.amx for w in weights)
     pointers = [ctypes.addressof(w.c) for w in weights] if meta else [w.data.data_ptr() for w in weights]
-    return lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], pool // block_size,
-                                      block_size, eps, cache_k.dtype == torch.bfloat16, amx, bits.pop(),
-                                      norms[0].data_ptr(), norms[1].data_ptr(), *pointers, cache_k.data_ptr(),
-                                      cache_v.data_ptr())
+    layer = lib.structs["DecodeLayer"](wo.shape[0], n_heads, n_kv_heads, head_dim, w2.shape[1], pool // block_size,
+                                       block_size, eps, cache_k.dtype == torch.bfloat16, amx, bits.pop(),
+                                       norms[0].data_ptr(), norms[1].data_ptr(), *pointers, cache_k.data_ptr(),
+                                       cache_v.data_ptr(), *_lora_pointers(lora, weights, meta))
+    layer.lora = lora
+    return layer
 
 
 def decode_layers(layers: list[ctypes.Structure]) -> ctypes.Array:
-    """The layers as one C array, for decode_stack."""
-    return (library().structs["DecodeLayer"] * len(layers))(*layers)
+    """The layers as one C array, for decode_stack (holding the layers, and so their adapters)."""
+    array = (library().structs["DecodeLayer"] * len(layers))(*layers)
+    array.layers = layers
+    return array
 
 
-def decode_rows(rotation: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor) -> ctypes.Structure:
+def decode_rows(rotation: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                adapters: torch.Tensor | None = None) -> ctypes.Structure:
     """A decode step's rows (struct DecodeRows): rotation [rows, ..., head_dim / 2, 2] (cos, sin), block
-    tables [rows, width] and positions [rows] int64. The tensors must outlive the returned struct."""
+    tables [rows, width] and positions [rows] int64, and each row's LoRA slot (int32 [rows]; None: every
+    row the base). The tensors must outlive the returned struct."""
     if not all(t.is_contiguous() for t in (rotation, tables, positions)) or tables.dtype != torch.long:
         raise ValueError("decode rows need contiguous tensors and int64 block tables")
+    if adapters is not None:
+        _check_adapters(adapters, positions.shape[0])
     return library().structs["DecodeRows"](positions.shape[0], tables.shape[1], rotation.data_ptr(),
-                                           tables.data_ptr(), positions.data_ptr())
+                                           tables.data_ptr(), positions.data_ptr(),
+                                           None if adapters is None else adapters.data_ptr())
 
 
 def decode_scratch(layer: ctypes.Structure, rows: int) -> torch.Tensor:
@@ -273,10 +345,13 @@ def attention_block(layer: ctypes.Structure, rows: ctypes.Structure, h: torch.Te
 
 
 def ffn_block(layer: ctypes.Structure, h: torch.Tensor, delta: torch.Tensor, out: torch.Tensor,
-              scratch: torch.Tensor) -> None:
-    """h += delta, then out = w2(SwiGLU(ffn_norm(h))), one C call."""
-    library().ffn_block(ctypes.byref(layer), h.shape[0], h.data_ptr(), delta.data_ptr(), out.data_ptr(),
-                        scratch.data_ptr())
+              scratch: torch.Tensor, adapters: torch.Tensor | None = None) -> None:
+    """h += delta, then out = w2(SwiGLU(ffn_norm(h))), one C call; adapters: each row's LoRA slot (int32
+    [rows]; None: every row the base)."""
+    if adapters is not None:
+        _check_adapters(adapters, h.shape[0])
+    library().ffn_block(ctypes.byref(layer), h.shape[0], None if adapters is None else adapters.data_ptr(),
+                        h.data_ptr(), delta.data_ptr(), out.data_ptr(), scratch.data_ptr())
 
 
 def decode_stack(layers: ctypes.Array, rows: ctypes.Structure, h: torch.Tensor, scratch: torch.Tensor,
