@@ -36,7 +36,8 @@ from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.openai_api import error_body
 from tp_llama.serving.request import Live, RequestError, json_line, request_of
 from tp_llama.serving.routes import answer_now, open_request, openai_shaped
-from tp_llama.serving.settings import HandlerSettings, check_model_config, device_of, resolve_ckpt_dir
+from tp_llama.serving.settings import (HandlerSettings, check_model_config, device_of, resolve_adapters,
+                                       resolve_ckpt_dir)
 from tp_llama.serving.threads import choose_threads
 from tp_llama.serving.tool_use import resolve_tool_format
 
@@ -83,6 +84,7 @@ class LlamaHandler(BaseHandler):
         draft = settings.engine.draft_ckpt_dir
         engine = replace(settings.engine, ckpt_dir=resolve_ckpt_dir(settings.engine.ckpt_dir, model_dir),
                          draft_ckpt_dir=resolve_ckpt_dir(draft, model_dir, "draft_ckpt_dir") if draft else None,
+                         lora_adapters=resolve_adapters(settings.engine.lora_adapters, model_dir),
                          device=device_of(yaml_config.get("deviceType")))
         self.settings = settings = replace(settings, engine=engine)
         if engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available()):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.serving_util import TorchServe, live_server
+from tp_llama.serving.settings import TORCHSERVE_KEYS
 from tp_llama.testing.synthetic import write_checkpoint
 from tp_llama.tokenizer import load_tokenizer
 
@@ -77,14 +78,15 @@ def synthetic_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
 
 def yaml_overrides(settings: dict[str, Any]) -> list[str]:
     """serve's keywords as model-config.yaml overrides: a handler setting by its name (max_seq_len),
-    TorchServe's own keys by theirs (camelCase: batchSize), a dict for a nested block (torchrun={...});
-    None leaves the yaml's value."""
+    TorchServe's own keys by theirs (batchSize), a dict for a nested block (torchrun={...},
+    lora_adapters={...}); None leaves the yaml's value."""
     out = []
     for key, value in settings.items():
+        name = key if key in TORCHSERVE_KEYS else f"handler.{key}"
         if isinstance(value, dict):
-            out += [f"{key}.{inner}={v}" for inner, v in value.items()]
+            out += [f"{name}.{inner}={v}" for inner, v in value.items()]
         elif value is not None:
-            out.append(f"{key if key != key.lower() else 'handler.' + key}={value}")
+            out.append(f"{name}={value}")
     return out
 
 

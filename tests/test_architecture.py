@@ -19,6 +19,7 @@ LAYERS = [
     ["tp_llama.parallel"],
     ["tp_llama.checkpoint"],
     ["tp_llama.backend", "tp_llama.config"],
+    ["tp_llama.lora"],
     ["tp_llama.engine"],
     ["tp_llama.serving"],
     ["tp_llama.cli", "handler"],

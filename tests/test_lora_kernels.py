@@ -169,7 +169,7 @@ class Layer:
         h = self.h[rows].clone()
         held = (self.rotation[rows].contiguous(), self.tables[rows].contiguous(), self.positions[rows].contiguous())
         step = ops.decode_rows(*held, adapters)  # `held` alive for the calls, which read the rows' tensors
-        scratch = ops.decode_scratch(layer, len(rows))
+        scratch = ops.decode_scratch([layer], len(rows))
         attn, out = torch.empty_like(h), torch.empty_like(h)
         ops.attention_block(layer, step, h, None, attn, scratch, self.cache[0])
         ops.ffn_block(layer, h, attn, out, scratch, adapters)

@@ -44,9 +44,23 @@ def checkpoint(synthetic_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, serve):
+def adapters(checkpoint: Path, tmp_path_factory) -> dict:
+    """Two LoRA adapters the server holds: one, and the same files under a second name."""
+    from tests.support.lora_files import write_random_adapter
+    from tp_llama.checkpoint.params import read_params
+    from tp_llama.tokenizer import load_tokenizer
+
+    args = read_params(checkpoint, load_tokenizer(checkpoint / "tokenizer.model").n_words)
+    folder = write_random_adapter(tmp_path_factory.mktemp("adapter") / "terse", args)
+    entry = {"path": str(folder), "lora_alpha": 32}
+    return {"terse": entry, "terse-copy": entry}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, adapters: dict, serve):
     with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_new_tokens_limit=NEW_TOKENS_LIMIT,
                default_max_new_tokens=MAX_NEW, max_request_bytes=MAX_BODY, dtype=DTYPE, batchSize=12,
+               lora_adapters={name: json.dumps(entry) for name, entry in adapters.items()},
                extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
         yield ts
 
@@ -211,7 +225,21 @@ def test_echo_streams_and_batches_like_the_whole_reply(client, tokenizer) -> Non
 
 def test_models_list_is_served_by_the_handler(client) -> None:
     models = client.models.list()
-    assert [m.id for m in models.data] == ["llama"]
+    assert [(m.id, m.parent) for m in models.data] == [("llama", None), ("terse", "llama"), ("terse-copy", "llama")]
+
+
+def test_the_model_field_picks_a_lora_adapter_on_both_apis(server: TorchServe, client) -> None:
+    def completion(model: str):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
+
+    base, terse, copy = completion("llama"), completion("terse"), completion("terse-copy")
+    assert terse.model == "terse" and terse.choices[0].text == copy.choices[0].text
+    assert terse.choices[0].text != base.choices[0].text  # the adapter changes the reply
+    assert native(server, prompt=PROMPT, model="terse")["text"] == terse.choices[0].text
+    with pytest.raises(openai.NotFoundError) as refused:
+        completion("tersely")
+    error = refused.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "terse-copy" in error["message"]
 
 
 @pytest.mark.parametrize("call, param", [

@@ -55,6 +55,18 @@ def check_fields(settings: object) -> None:
             raise ValueError(f"{name} must be one of {spec.metadata['choices']}, got {value!r}")
 
 
+def check_adapters(adapters: object, mode: str) -> None:
+    """handler.lora_adapters: names to folders (or to mappings with `path`), in mode 'tp'."""
+    if not isinstance(adapters, dict) or not all(isinstance(name, str) and name for name in adapters):
+        raise ValueError(f"lora_adapters must map adapter names to folders, got {adapters!r}")
+    for name, entry in adapters.items():
+        path = entry.get("path") if isinstance(entry, dict) else entry
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"lora_adapters.{name} must be a folder, or a mapping with `path`, got {entry!r}")
+    if adapters and mode != "tp":
+        raise ValueError("lora_adapters need mode 'tp' (the adapters hook the served model's own projections)")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     ckpt_dir: str  # params.json, tokenizer.model, consolidated.NN.pth
@@ -74,6 +86,10 @@ class EngineConfig:
     ngram_min: int = bounded(2, 1)  # the shortest suffix n-gram that proposes
     ngram_max: int = bounded(4, 1)  # the longest suffix n-gram looked up first
     draft_ckpt_dir: str | None = None  # speculative "draft": its checkpoint; None: this one quantized int4
+    # LoRA adapters resident from the start, by name: a folder (PEFT's or torchtune's files) or a mapping with
+    # `path` and, for torchtune's Meta-format files, `lora_alpha` (tp_llama/lora/adapters.py).
+    lora_adapters: dict | None = None
+    max_lora_rank: int = bounded(16, 1)  # the largest rank an adapter may have: its slots are this wide
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -88,6 +104,8 @@ class EngineConfig:
         if self.speculative == "draft" and not self.draft_ckpt_dir and self.quantize == "int4":
             raise ValueError("speculative 'draft' without draft_ckpt_dir drafts with this checkpoint at int4, "
                              "which quantize 'int4' already serves: name a smaller draft_ckpt_dir")
+        if self.lora_adapters is not None:
+            check_adapters(self.lora_adapters, self.mode)
         if self.quantize != "none" and self.mode != "tp":
             raise ValueError(f"quantize {self.quantize!r} needs mode 'tp' (fsdp mode loads the seed converter's "
                              "unquantized shards)")

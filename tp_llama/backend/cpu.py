@@ -16,6 +16,7 @@ and batched, and the C layers give the op-by-op path's bits.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -43,9 +44,15 @@ class GatedFeedForward(nn.Module):
     def __init__(self, w13: Weight, w2: nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2
+        self.lora_w13 = None  # LoRA adapters' w1/w3 delta, its columns in the tiles' order (lora/slots.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(linear(x, self.w13))
+        if self.lora_w13 is None or not self.lora_w13.step.groups:
+            return self.w2(linear(x, self.w13))
+        # Adapters add before SwiGLU: the tiles' gate and up runs, then SwiGLU on them in w1, w3 order.
+        tiled = self.lora_w13.add(linear(x, replace(self.w13, gated=False)), x)
+        run = library().constants["GATE_RUN"]
+        return self.w2(ops.swiglu(tiled.unflatten(1, (-1, 2, run)).transpose(1, 2).flatten(1)))
 
 
 class CFeedForward(GatedFeedForward):
@@ -69,7 +76,7 @@ class CAttention(FusedAttention):
     the step as a decode row of its own, so a prompt token gets a decoded token's bits."""
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
-        qkv = linear(x, self.wqkv)
+        qkv = self.qkv(x)
         # Tokens that attend as decode rows: every one where prompt_attention.c does not run prompts,
         # else the decode rows and the rows that verify proposals (their bits those of decode steps).
         done = len(qkv) if not ops.blocked_prompts(qkv.dtype, self.head_dim) else batch.n_decode + batch.n_verify
@@ -115,7 +122,7 @@ class DecodeLayers(Layers):
         structs = self._structs()
         if structs is None:
             return super().forward(h, rotation, batch)
-        scratch = ops.decode_scratch(structs[0], len(h))
+        scratch = ops.decode_scratch(structs, len(h))
         h = h.contiguous()
         if 0 < batch.n_decode + batch.n_verify == len(h):  # decode rows, and rows verifying proposals
             return self._decode(structs, h, rotation, batch, scratch)
@@ -123,7 +130,7 @@ class DecodeLayers(Layers):
         for i, (layer, c_layer) in enumerate(zip(self, structs)):
             norm = layer.attention_norm
             x = ops.residual_norm(h, delta if i else None, norm.weight, norm.eps)
-            ops.ffn_block(c_layer, h, layer.attention(x, rotation, batch), delta, scratch)
+            ops.ffn_block(c_layer, h, layer.attention(x, rotation, batch), delta, scratch, batch.adapters)
             layer.feed_forward.w2.communicate(delta)
         return h + delta
 
@@ -133,7 +140,7 @@ class DecodeLayers(Layers):
         all keys written before any row attends."""
         own = batch.n_verify > 0
         tables = batch.tables_of(len(h))  # alive for the calls
-        rows = ops.decode_rows(rotation, tables, batch.positions)
+        rows = ops.decode_rows(rotation, tables, batch.positions, batch.adapters)
         first = self[0].attention
         if first.wo.comm == NONE:
             ops.decode_stack(structs, rows, h, scratch, first.cache.k, write_first=own)
@@ -144,9 +151,13 @@ class DecodeLayers(Layers):
             ops.attention_block(c_layer, rows, h, delta if i else None, delta, scratch, attention.cache.k,
                                 write_first=own)
             attention.wo.communicate(delta)
-            ops.ffn_block(c_layer, h, delta, delta, scratch)
+            ops.ffn_block(c_layer, h, delta, delta, scratch, batch.adapters)
             ffn.w2.communicate(delta)
         return h + delta
+
+    def forget_plan(self) -> None:
+        """Plan the C layers again before the next step (their adapters changed)."""
+        self._planned = None
 
     def _structs(self) -> ctypes.Array | None:
         """The layers as C structs, planned again whenever the caches they point into were replaced."""
@@ -163,10 +174,12 @@ class DecodeLayers(Layers):
                     and isinstance(layer.attention_norm, CRMSNorm) and attention.cache is not None
                     and {attention.wo.comm, ffn.w2.comm} <= {NONE, ALL_REDUCE}):
                 return None
+            adapted = (attention.lora_qkv, attention.wo.lora, ffn.lora_w13, ffn.w2.lora)
             c_layer = ops.decode_layer((layer.attention_norm.weight, layer.ffn_norm.weight),
                                        (attention.wqkv, attention.wo.weight, ffn.w13, ffn.w2.weight),
                                        attention.cache.k, attention.cache.v, attention.cache.block_size,
-                                       layer.attention_norm.eps)
+                                       layer.attention_norm.eps,
+                                       lora=tuple(p and p.weights.c for p in adapted) if any(adapted) else None)
             if c_layer is None:
                 return None
             planned.append(c_layer)

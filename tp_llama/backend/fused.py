@@ -49,9 +49,15 @@ class FusedAttention(nn.Module):
         self.wqkv: Weight = held(prepare(fused, kind, device, bits))
         self.wo = serving_linear(attention.wo, kind, device, bits)
         self.cache = attention.cache
+        self.lora_qkv = None  # LoRA adapters' q/k/v delta (lora/slots.py's Projection)
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return self.wo(self.attend(linear(x, self.wqkv), rotation, batch))
+        return self.wo(self.attend(self.qkv(x), rotation, batch))
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v projection of x, with its adapters' deltas."""
+        qkv = linear(x, self.wqkv)
+        return qkv if self.lora_qkv is None else self.lora_qkv.add(qkv, x)
 
     def attend(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int = 0) -> torch.Tensor:
         """Attention [T, q features] of the batch's tokens from `done` on, from their fused projections."""
@@ -70,9 +76,11 @@ class FusedFeedForward(nn.Module):
         w13 = torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()])
         self.w13: Weight = held(prepare(w13, kind, device, bits))
         self.w2 = serving_linear(ffn.w2, kind, device, bits)
+        self.lora_w13 = None  # LoRA adapters' w1/w3 delta (lora/slots.py's Projection)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.w13).chunk(2, dim=-1)
+        w13 = linear(x, self.w13)
+        gate, up = (w13 if self.lora_w13 is None else self.lora_w13.add(w13, x)).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 

@@ -2,7 +2,7 @@
 
 The cache is a pool of fixed-size blocks; a sequence owns a block table (its blocks in position
 order). A full block is known by a hash of its tokens chained to the hash of the blocks before it
-(and the request's cache salt), so equal hashes mean equal prefixes; a hit is still checked
+(and the request's salt: its cache salt and LoRA adapter), so equal hashes mean equal prefixes; a hit is still checked
 against the block's tokens, since hashes can collide. Blocks nobody uses stay cached in
 least-recently-freed order and are taken back only when the pool needs them.
 """
@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def chain_hash(previous: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
+def chain_hash(previous: int | None, tokens: tuple[int, ...], salt: object) -> int:
     """The key of a full block: its tokens after the prefix `previous` stands for."""
     return hash((previous, salt, tokens))
 
@@ -48,7 +48,7 @@ class BlockPool:
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.size)
 
-    def match(self, tokens: list[int], salt: str | None) -> list[int]:
+    def match(self, tokens: list[int], salt: object) -> list[int]:
         """The cached blocks that hold a prefix of `tokens`, in order (not yet taken)."""
         if not self.caching:
             return []
@@ -92,7 +92,7 @@ class BlockPool:
             if block.refs == 0:
                 self.free[block_id] = None
 
-    def remember(self, block_id: int, previous: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
+    def remember(self, block_id: int, previous: int | None, tokens: tuple[int, ...], salt: object) -> int:
         """Cache a block just filled with `tokens` after the prefix keyed `previous`; returns its key."""
         key = chain_hash(previous, tokens, salt)
         block = self.blocks[block_id]

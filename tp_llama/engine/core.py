@@ -30,6 +30,8 @@ from tp_llama.engine.runner import ModelRunner, PoolShare, block_bytes_of, plan_
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.engine.speculate import Speculator
 from tp_llama.engine.verify import verify_rows
+from tp_llama.lora.serve import load_adapters
+from tp_llama.lora.slots import AdapterRef
 from tp_llama.model import KVCache, ModelArgs
 from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, init_distributed, log
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
@@ -70,6 +72,7 @@ class Engine:
     load_s: float
     draft: ModelRunner | None = None  # a draft model's, proposing for speculative decoding (engine/draft.py)
     stats: StepStats = field(default_factory=StepStats)
+    adapters: dict[str, AdapterRef] = field(default_factory=dict)  # the resident LoRA adapters (lora/serve.py)
 
     def __post_init__(self) -> None:
         self._last_step_s = 0.0
@@ -104,6 +107,8 @@ class Engine:
             share = PoolShare(block_bytes_of(draft_args, config, kv_heads, dtype) if config.draft_ckpt_dir else 0,
                               sum(t.numel() * t.element_size() for t in [*draft_model.parameters(), *draft_model.buffers()]))
         runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared, share)
+        with every_rank_agrees():
+            runner.lora, adapters = load_adapters(config, runner.model, args, info)
         draft_runner = None
         if draft is not None:
             settings, draft_model, draft_args, draft_prepared = draft
@@ -113,7 +118,7 @@ class Engine:
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({runner.dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)
-        return cls(config, runner, tokenizer, args, info, load_s, draft_runner)
+        return cls(config, runner, tokenizer, args, info, load_s, draft_runner, adapters=adapters)
 
     @property
     def model(self) -> nn.Module:
@@ -153,7 +158,8 @@ class Engine:
                 drafter = Drafter(self._draft_forward, self.tokenizer.n_words, self.tokenizer.stop_ids,
                                   c.prefill_budget, c.kv_block_size, shares_cache=not c.draft_ckpt_dir)
             speculator = Speculator(c.speculative_tokens, c.ngram_min, c.ngram_max, draft=drafter)
-        return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool, speculator)
+        return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool, speculator,
+                         self.adapters)
 
     def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
             on_step: Callable[[list[Sequence]], bool | None] | None = None) -> None:

@@ -51,8 +51,9 @@ class DecodeStep:
 
     @staticmethod
     def accepts(rows: list[Row]) -> bool:
-        """A step of decode rows only, each wanting its next token."""
-        return bool(rows) and all(len(row.tokens) == 1 and row.sample for row in rows)
+        """A step of decode rows only, each wanting its next token, on the base model (LoRA adapters' rows run
+        eagerly: no captured graph holds them)."""
+        return bool(rows) and all(len(row.tokens) == 1 and row.sample and not row.adapter for row in rows)
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         """Logits [len(rows), V] (rank 0; [len(rows), 0] elsewhere under TP). On CUDA the graph's own

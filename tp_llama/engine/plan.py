@@ -26,6 +26,7 @@ class Row:
     # Speculative decoding: the row's last `proposed` tokens are proposals after its sequence's newest
     # token; logits come back for the newest token and each proposal (proposed + 1 of them).
     proposed: int = 0
+    adapter: int = 0  # the LoRA adapter's slot its tokens run through (0: the base; lora/slots.py)
 
     @property
     def logits_wanted(self) -> int:
@@ -56,10 +57,10 @@ class PlanWire:
     """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
 
     Layout: [end, n_rows, draft, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
-    copy dst, proposed), tokens..., block ids...]; a row without a copy has -1 for both.
+    copy dst, proposed, adapter), tokens..., block ids...]; a row without a copy has -1 for both.
     """
 
-    FIELDS = 10
+    FIELDS = 11
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
@@ -72,7 +73,8 @@ class PlanWire:
             raise ValueError(f"plan of {len(plan.rows)} rows / {len(tokens)} tokens / {len(blocks)} blocks exceeds "
                              "the wire's capacity")
         rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score,
-                                                 row.scored, row.next_token, *(row.copy or (-1, -1)), row.proposed)]
+                                                 row.scored, row.next_token, *(row.copy or (-1, -1)), row.proposed,
+                                                 row.adapter)]
         wire = torch.zeros(self.size, dtype=torch.long)
         head = [int(plan.end), len(plan.rows), int(plan.draft)] + rows
         wire[: len(head)] = torch.tensor(head, dtype=torch.long)
@@ -91,8 +93,8 @@ class PlanWire:
         at += self.max_tokens
         blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
         rows, t, b = [], 0, 0
-        for start, length, sample, n_blocks, score, scored, next_token, src, dst, proposed in fields:
+        for start, length, sample, n_blocks, score, scored, next_token, src, dst, proposed, adapter in fields:
             rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
-                            next_token, (src, dst) if src >= 0 else None, proposed))
+                            next_token, (src, dst) if src >= 0 else None, proposed, adapter))
             t, b = t + length, b + n_blocks
         return StepPlan(rows, end=bool(end), draft=bool(draft))

@@ -24,6 +24,7 @@ from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scoring import row_entries, score_hidden, score_logits
 from tp_llama.kernels import C_KINDS, warm_up
+from tp_llama.lora.slots import LoraStep
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model import Batch, KVCache, ModelArgs
 from tp_llama.pages import huge_page_bytes
@@ -116,6 +117,7 @@ class ModelRunner:
         """pool: how the KV-cache pool is sized beside a draft model (PoolShare, engine/draft.py)."""
         self.model, self.info = model, info
         self.mode = config.mode
+        self.lora: LoraStep | None = None  # the adapted projections' step, where adapters are resident (lora/serve.py)
         self.n_words = args.vocab_size if n_words is None else n_words  # the ids prompt log-probabilities range over
         kind = self._ready(config, prepared) if config.mode == "tp" else None
         compiled, why = compiles_decode(config, info.device, kind)
@@ -230,8 +232,13 @@ class ModelRunner:
             layer.attention.cache.copy_blocks(src, dst)
 
     def _batch(self, rows: list[Row], all_logits: bool = False) -> Batch:
+        """The rows' batch, its tokens' adapter slots handed to the adapted projections (lora/slots.py)."""
         spec = [(r.start, r.tokens, r.logits_wanted, r.blocks) for r in rows]
-        return Batch.build(spec, self.cache.block_size, self.cache.spare, self.info.device, all_logits=all_logits)
+        batch = Batch.build(spec, self.cache.block_size, self.cache.spare, self.info.device, all_logits=all_logits,
+                            adapters=[r.adapter for r in rows] if self.lora is not None else None)
+        if self.lora is not None:
+            self.lora.begin(batch.adapters, batch.adapter_groups)
+        return batch
 
     def _scoring_step(self, rows: list[Row]) -> tuple[torch.Tensor, tuple | None]:
         """A step with prompt rows to score: every position's final hidden state, the sampling rows'

@@ -42,6 +42,7 @@ from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scoring import prompt_scores
 from tp_llama.engine.sequence import Sequence, check_sequence
 from tp_llama.engine.speculate import Speculator
+from tp_llama.lora.slots import AdapterRef
 
 SPECULATE_STEP_TOKENS = 32  # decode tokens (proposals included) a step may reach and still carry proposals
 
@@ -80,7 +81,8 @@ class Scheduler:
     """Admission in arrival order (preempted sequences first), by free blocks, a budget of rows per step."""
 
     def __init__(self, max_running: int, max_seq_len: int, prefill_budget: int, stop_ids: frozenset[int],
-                 pool: BlockPool, speculator: Speculator | None = None):
+                 pool: BlockPool, speculator: Speculator | None = None, adapters: dict[str, AdapterRef] | None = None):
+        """adapters: the LoRA adapters resident on every rank, by the name a sequence asks for (lora/serve.py)."""
         if max_running < 1 or prefill_budget < 1:
             raise ValueError("max_running and prefill_budget must be >= 1")
         if pool.blocks_for(max_seq_len) > pool.n_blocks:
@@ -88,6 +90,7 @@ class Scheduler:
                              f"of max_seq_len {max_seq_len}")
         self.max_running, self.max_seq_len, self.prefill_budget = max_running, max_seq_len, prefill_budget
         self.stop_ids, self.pool, self.speculator = stop_ids, pool, speculator
+        self.adapters = adapters or {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission: the last is preempted first
         self.preemptions = 0
@@ -111,6 +114,8 @@ class Scheduler:
         one with its own random seed.
         """
         check_sequence(seq.prompt_ids, seq.params, self.max_seq_len)
+        if seq.adapter is not None and seq.adapter not in self.adapters:
+            raise ValueError(f"unknown LoRA adapter {seq.adapter!r}; this engine has {sorted(self.adapters) or 'none'}")
         params, leader, index = seq.params, seq.fork_of, 0
         if leader is not None:
             self._check_fork(seq, leader)
@@ -121,8 +126,9 @@ class Scheduler:
         (self.waiting if leader is None else leader.forks).append(seq)
 
     def _check_fork(self, seq: Sequence, leader: Sequence) -> None:
-        if (seq.prompt_ids, seq.params, seq.cache_salt) != (leader.prompt_ids, leader.params, leader.cache_salt):
-            raise ValueError("a fork has the prompt, params and cache_salt of the sequence it forks from")
+        if (seq.prompt_ids, seq.params, seq.cache_salt, seq.adapter) != (leader.prompt_ids, leader.params,
+                                                                         leader.cache_salt, leader.adapter):
+            raise ValueError("a fork has the prompt, params, cache_salt and adapter of the sequence it forks from")
         if leader.fork_of is not None or leader.cached_tokens is not None or leader not in self.waiting:
             raise ValueError("a fork is added after its group's first sequence and before that one is scheduled")
         if seq.params.max_new_tokens < 1:
@@ -185,7 +191,7 @@ class Scheduler:
         for seq, proposal in zip(decoding, proposals):
             end = seq.computed + 1 + len(proposal)
             rows.append(Row(seq.computed, [seq.output[-1], *proposal], True, self._table(seq, end), copy=seq.copy,
-                            proposed=len(proposal)))
+                            proposed=len(proposal), adapter=self._slot(seq)))
             seq.copy = None
             owners.append(seq)
             samplers.append([seq])
@@ -201,7 +207,8 @@ class Scheduler:
             budget -= len(chunk)
             end = seq.computed + len(chunk)
             sample = end == len(tokens) and seq.params.max_new_tokens > 0
-            rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *prompt_scores(seq, seq.computed, end)))
+            rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *prompt_scores(seq, seq.computed, end),
+                            adapter=self._slot(seq)))
             owners.append(seq)
             if sample:
                 samplers.append([seq, *seq.forks])
@@ -300,7 +307,8 @@ class Scheduler:
             return False
         tokens = seq.tokens
         scoring = seq.params.prompt_logprobs is not None  # cached blocks hold no logits: every position is computed
-        hits = [] if scoring else self.pool.match(tokens[:-1], seq.cache_salt)  # the last token is computed, for its logits
+        # The last token is computed, for its logits.
+        hits = [] if scoring else self.pool.match(tokens[:-1], self._salt(seq))
         reviving = sum(1 for b in hits if self.pool.blocks[b].refs == 0)  # cached but free: they leave the queue
         needed = self.pool.blocks_for(len(tokens)) - len(hits)
         copies = len(seq.forks) if len(tokens) % self.pool.size else 0
@@ -345,6 +353,14 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _slot(self, seq: Sequence) -> int:
+        return 0 if seq.adapter is None else self.adapters[seq.adapter].slot
+
+    def _salt(self, seq: Sequence) -> object:
+        """The prefix cache's salt: the request's, and the digest of its adapter's weights (a block's keys
+        and values depend on them)."""
+        return seq.cache_salt if seq.adapter is None else (seq.cache_salt, self.adapters[seq.adapter].digest)
+
     def _table(self, seq: Sequence, positions: int) -> list[int]:
         return seq.blocks[: self.pool.blocks_for(positions)]
 
@@ -355,7 +371,7 @@ class Scheduler:
             tokens = tokens or seq.tokens
             previous = seq.keys[-1] if seq.keys else None
             seq.keys.append(self.pool.remember(seq.blocks[i], previous, tuple(tokens[i * size : (i + 1) * size]),
-                                               seq.cache_salt))
+                                               self._salt(seq)))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

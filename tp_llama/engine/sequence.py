@@ -23,6 +23,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None  # prefixes are shared only between requests of the same salt
+    adapter: str | None = None  # the LoRA adapter it runs on, by name (None: the base model)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -33,13 +33,17 @@ class Batch:
     block_mask: BlockMask | None = None  # decode_by_index: the blocks each row reads, for every layer
     token_rows: torch.Tensor | None = None  # build: each token's row of `tables`
     n_verify: int = 0
+    # LoRA: each token's adapter slot (int32; None: every token on the base), and the tokens of each slot
+    # in use but the base's (lora/slots.py).
+    adapters: torch.Tensor | None = None
+    adapter_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def build(cls, rows: list[tuple[int, list[int], int, list[int]]], block_size: int, spare: int,
-              device: torch.device, all_logits: bool = False) -> Batch:
+              device: torch.device, all_logits: bool = False, adapters: list[int] | None = None) -> Batch:
         """rows: (start position, tokens, how many of its last tokens want logits (0, 1 or more; a
         bool for 0 or 1), block table); a row of one token decodes. `spare`: the block padding tables
-        point at.
+        point at. adapters: each row's LoRA adapter slot (0: the base).
 
         Everything is computed on the host from Python ints and copied to the device at once: no
         device sync in the forward.
@@ -77,8 +81,10 @@ class Batch:
             kv_len = max(positions[:n_decode]) + 1
             decode_mask = (torch.arange(kv_len, device=device) <= positions_t[:n_decode].unsqueeze(1)
                            ).view(n_decode, 1, 1, kv_len)
+        slots, groups = adapter_slots([adapters[i] for i in order] if adapters else [], token_rows, device)
         return cls(tokens_t, positions_t, locations_t, logits_t, tables_t.view(len(rows), width), block_size,
-                   n_decode, decode_mask, prefill, token_rows=token_rows_t, n_verify=n_verify)
+                   n_decode, decode_mask, prefill, token_rows=token_rows_t, n_verify=n_verify, adapters=slots,
+                   adapter_groups=groups)
 
     def tables_of(self, tokens: int) -> torch.Tensor:
         """The block table of each of the first `tokens` tokens (each a row of its own when they
@@ -100,6 +106,18 @@ class Batch:
         rows = torch.arange(len(tokens), device=tokens.device)
         return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), None, [],
                    paged_block_mask(tables, positions, locations, block_size, pool_blocks))
+
+
+def adapter_slots(row_slots: list[int], token_rows: list[int],
+                  device: torch.device) -> tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]]:
+    """Each token's adapter slot (int32) and the tokens of each slot but the base's; (None, []) where every
+    row is on the base, so a step without adapters does no LoRA work."""
+    if not any(row_slots):
+        return None, []
+    slots = [row_slots[r] for r in token_rows]
+    groups = [(s, to_device(torch.tensor([t for t, own in enumerate(slots) if own == s]), device))
+              for s in sorted(set(slots) - {0})]
+    return to_device(torch.tensor(slots, dtype=torch.int32), device), groups
 
 
 def paged_block_mask(tables: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor, block_size: int,

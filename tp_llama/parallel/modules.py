@@ -72,9 +72,11 @@ class LocalLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.comm, self.group = comm, group
+        self.lora = None  # LoRA adapters' delta (lora/slots.py's Projection), added before the collective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.communicate(linear(x, self.weight))
+        out = linear(x, self.weight)
+        return self.communicate(out if self.lora is None else self.lora.add(out, x))
 
     def communicate(self, out: torch.Tensor) -> torch.Tensor:
         """This rank's product as the whole layer's output (all-reduced in place)."""

@@ -40,11 +40,17 @@ PREEMPTIONS = PREFIX + "preemptions_total"  # sequences whose blocks were taken 
 SPEC_PROPOSED = PREFIX + "spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = PREFIX + "spec_decode_num_accepted_tokens_total"
 SPEC_ACCEPTED_AT = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
+# LoRA: sequences ended on each adapter, and their prompt and generated tokens (the base's are the totals'
+# rest).
+LORA_SEQUENCES = PREFIX + "lora_sequences_total"
+LORA_PROMPT_TOKENS = PREFIX + "lora_prompt_tokens_total"
+LORA_GENERATED_TOKENS = PREFIX + "lora_generation_tokens_total"
 OUTCOMES = ("ok", "4xx", "cancelled", "failed")
 
 MODEL = "model_name"
 OUTCOME = "outcome"
 POSITION = "position"
+ADAPTER = "adapter"
 
 
 class ServingMetrics:
@@ -96,6 +102,9 @@ class ServingMetrics:
             (SPEC_PROPOSED, "tokens", MetricTypes.COUNTER, [MODEL]),
             (SPEC_ACCEPTED, "tokens", MetricTypes.COUNTER, [MODEL]),
             (SPEC_ACCEPTED_AT, "tokens", MetricTypes.COUNTER, [MODEL, POSITION]),
+            (LORA_SEQUENCES, "sequences", MetricTypes.COUNTER, [MODEL, ADAPTER]),
+            (LORA_PROMPT_TOKENS, "tokens", MetricTypes.COUNTER, [MODEL, ADAPTER]),
+            (LORA_GENERATED_TOKENS, "tokens", MetricTypes.COUNTER, [MODEL, ADAPTER]),
         ):
             self.metrics[name] = cache.add_metric_to_cache(name, unit, dims, kind)
 
@@ -117,6 +126,10 @@ class ServingMetrics:
         """Token counts of a sequence that ended (whatever the outcome), and its time per output token."""
         self._counts[(PROMPT_TOKENS, "")] += len(seq.prompt_ids)
         self._counts[(GENERATED_TOKENS, "")] += len(seq.output)
+        if seq.adapter is not None:
+            self._counts[(LORA_SEQUENCES, seq.adapter)] += 1
+            self._counts[(LORA_PROMPT_TOKENS, seq.adapter)] += len(seq.prompt_ids)
+            self._counts[(LORA_GENERATED_TOKENS, seq.adapter)] += len(seq.output)
         done = seq.finished_at
         if done is not None and seq.first_token_at is not None and len(seq.output) >= 2:
             self.observations[TPOT] += 1

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tp_llama.engine.scheduler import Sequence
+from tp_llama.serving.models import adapter_of
 from tp_llama.serving.request import (
     ChatTokenizer,
     Job,
@@ -39,7 +40,7 @@ from tp_llama.serving.stream import StreamDecoder
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
           "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "seed", "ignore_eos", "stream", "cache_salt",
-          "response_format", "structured_outputs", "n", "tools", "tool_choice", "parallel_tool_calls")
+          "response_format", "structured_outputs", "n", "tools", "tool_choice", "parallel_tool_calls", "model")
 JSON_TYPE = "application/json"
 NDJSON_TYPE = "application/x-ndjson"
 
@@ -56,8 +57,9 @@ def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer, tool_format: str
 
 
 def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer: ChatTokenizer,
-                  vocab_size: int) -> Job:
-    """Validate one request of a batch; raises RequestError with a message for the client."""
+                  vocab_size: int, model: str = "llama") -> Job:
+    """Validate one request of a batch; raises RequestError with a message for the client. model: the served
+    model's name, which `model` may name beside the LoRA adapters (serving/models.py)."""
     body = decode_body(request_body(request), settings.max_request_bytes)
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
@@ -68,7 +70,8 @@ def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer:
     ignore_eos = boolean_field(body, "ignore_eos")
     params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"), ignore_eos)
     return Job(prompt_ids, params, boolean_field(body, "stream"), cache_salt_field(body),
-               reply_constraint(body, tools, ignore_eos), n_field(body, settings), tools)
+               reply_constraint(body, tools, ignore_eos), n_field(body, settings), tools,
+               adapter_of(body.get("model"), model, settings))
 
 
 class NativeRequest:
@@ -93,7 +96,7 @@ class NativeRequest:
         for i in range(job.n):
             first = self.seqs[0] if self.seqs else None
             self.seqs.append(Sequence(sequence_id(rid, i), job.prompt_ids, job.params, job.cache_salt,
-                                      fork_of=first))
+                                      adapter=job.adapter, fork_of=first))
         return self.seqs
 
     def advance(self) -> list[Sequence]:

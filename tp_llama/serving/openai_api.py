@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from tp_llama.serving.openai_reply import CHAT, COMPLETIONS, OpenAIRequest
+from tp_llama.serving.models import adapter_of
 from tp_llama.serving.request import (
     cache_salt_field,
     ChatTokenizer,
@@ -79,11 +80,7 @@ _COMMON = {"model", "user", "temperature", "top_p", "seed", "stop", "stream", "s
 def error_body(error: RequestError) -> dict[str, Any]:
     """OpenAI's error object for a refused request."""
     kind = "invalid_request_error" if error.status < 500 else "server_error"
-    return {"error": {"message": str(error), "type": kind, "param": error.param, "code": None}}
-
-
-def models_list(model: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "tp-llama-serve"}]}
+    return {"error": {"message": str(error), "type": kind, "param": error.param, "code": error.code}}
 
 
 def _refuse_unsupported(body: dict[str, Any], path: str) -> None:
@@ -238,9 +235,7 @@ def parse_openai(
     """Validate one OpenAI request (path is COMPLETIONS or CHAT); raises RequestError for the client."""
     body = decode_body(request_body(request), settings.max_request_bytes)
     _refuse_unsupported(body, path)
-    served = body.get("model")
-    if served is not None and not isinstance(served, str):
-        raise RequestError(f"model must be a string, got {type_name(served)}", param="model")
+    adapter = adapter_of(body.get("model"), model, settings)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise RequestError(f"user must be a string, got {type_name(user)}", param="user")
@@ -273,9 +268,9 @@ def parse_openai(
         raise RequestError(f"{len(prompts)} prompts with n {n} make more than {MAX_PROMPTS} choices", param="n")
     if n > 1 and max_new_tokens == 0:
         raise RequestError("n > 1 needs max_tokens >= 1 (echo alone scores the prompt once)", param="n")
-    job = Job(prompts[0], params, stream, cache_salt_field(body), grammar, n, tools)
+    job = Job(prompts[0], params, stream, cache_salt_field(body), grammar, n, tools, adapter)
     prefix = "chatcmpl-" if path == CHAT else "cmpl-"
-    return OpenAIRequest(path, job, stops, include_usage, model, prefix + request_id,
+    return OpenAIRequest(path, job, stops, include_usage, adapter or model, prefix + request_id,
                          int(time.time()) if created is None else created,
                          return_token_ids=boolean_field(body, "return_token_ids"), prompts=prompts,
                          prompt_texts=texts or [None], echo=echo)

@@ -103,7 +103,7 @@ class OpenAIRequest:
         for i in range(len(self.prompts) * job.n):
             prompt, text = self.prompts[i // job.n], self.prompt_texts[i // job.n]
             first = None if i % job.n == 0 else self.choices[i - i % job.n].seq
-            seq = Sequence(sequence_id(rid, i), prompt, job.params, job.cache_salt, fork_of=first)
+            seq = Sequence(sequence_id(rid, i), prompt, job.params, job.cache_salt, adapter=job.adapter, fork_of=first)
             echo = (text if text is not None else self.decode(prompt)) if self.echo else None
             choice = Choice(i, seq, echo, None if self.chat else LegacyLogprobs(self.decode))
             if follow:  # text followed step by step when streamed or when stop strings must be watched for

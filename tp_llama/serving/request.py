@@ -26,10 +26,11 @@ class RequestError(ValueError):
     `param` names the offending field when there is one (the OpenAI error shape reports it).
     """
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code  # OpenAI's error code, where it has one (model_not_found)
 
 
 class ChatTokenizer(Protocol):
@@ -69,6 +70,7 @@ class Job:
     grammar: GrammarSpec | None = None  # the reply's constraint (serving/grammars.py compiles it)
     n: int = 1  # sequences per prompt, prefilled once (engine/scheduler.py's groups)
     tools: Any = None  # chat's tools: a serving.tool_use.ToolUse (which imports this module)
+    adapter: str | None = None  # the LoRA adapter the reply comes from (serving/models.py); None: the base
 
 
 class FrontDoor(Protocol):

@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from tp_llama.serving.models import adapter_of
 from tp_llama.serving.request import (
     ChatTokenizer,
     GrammarSpec,
@@ -151,7 +152,8 @@ def parse_responses(
                                         settings)
     sampling = {key: body[key] for key in ("temperature", "top_p", "seed") if key in body}
     params = sampling_params(sampling, settings, max_new_tokens, vocab_size, _logprobs(body), False)
-    job = Job(ids, params, stream, None, _constraint(chat_body, tools), 1, tools)
+    adapter = adapter_of(body.get("model"), model, settings)
+    job = Job(ids, params, stream, None, _constraint(chat_body, tools), 1, tools, adapter)
     parallel = body.get("parallel_tool_calls")
     echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": body.get("metadata") or {}, "temperature": params.temperature, "top_p": params.top_p,
@@ -160,6 +162,6 @@ def parse_responses(
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "top_logprobs": params.logprobs, "truncation": "disabled", "user": body.get("user"),
             "store": False, "previous_response_id": None, "reasoning": None, "background": False}
-    return ResponsesReply(RESPONSES, job, (), False, model, "resp_" + request_id,
+    return ResponsesReply(RESPONSES, job, (), False, adapter or model, "resp_" + request_id,
                           int(time.time()) if created is None else created, echoed=echo)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from tp_llama.serving.native import NativeRequest, parse_request
-from tp_llama.serving.openai_api import MODELS, PATHS, models_list, parse_openai
+from tp_llama.serving.models import models_list
+from tp_llama.serving.openai_api import MODELS, PATHS, parse_openai
 from tp_llama.serving.request import FrontDoor, RequestError
 from tp_llama.serving.responses_api import RESPONSES, parse_responses
 from tp_llama.serving.settings import HandlerSettings
@@ -36,7 +37,7 @@ def answer_now(path: str, request: dict[str, Any], settings: HandlerSettings, to
     """The reply of a request answered without the engine (the models list, the tokenizer endpoints); None
     for a path that generates."""
     if path == MODELS:
-        return models_list(model)
+        return models_list(model, settings)
     if path in TOKENIZER_PATHS:
         return tokenizer_reply(path, request, settings, tokenizer)
     return None
@@ -59,4 +60,4 @@ def open_request(path: str, request: dict[str, Any], settings: HandlerSettings, 
     if path:
         raise RequestError(f"unknown path {path!r}: POST /predictions/NAME for the native API, or "
                            "/predictions/NAME/VERSION/v1/completions (chat/completions, responses)", 404)
-    return NativeRequest(parse_request(request, settings, tokenizer, vocab_size), tokenizer.decode)
+    return NativeRequest(parse_request(request, settings, tokenizer, vocab_size, model), tokenizer.decode)

@@ -129,7 +129,8 @@ def device_of(device_type: str | None) -> str:
     return DEVICE_TYPES[device_type]
 
 
-def resolve_ckpt_dir(ckpt_dir: str, model_dir: str, key: str = "ckpt_dir") -> str:
+def resolve_ckpt_dir(ckpt_dir: str, model_dir: str, key: str = "ckpt_dir",
+                     holds: str = "params.json, tokenizer.model and consolidated.*.pth") -> str:
     """An absolute path as is; a relative one from the real model folder.
 
     TorchServe hands the worker a symlink under its temp folder, so relative paths are
@@ -142,7 +143,20 @@ def resolve_ckpt_dir(ckpt_dir: str, model_dir: str, key: str = "ckpt_dir") -> st
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"checkpoint folder {path} (handler.{key}={ckpt_dir!r}) does not exist; "
-            f"point handler.{key} in model-config.yaml at a folder with params.json, "
-            "tokenizer.model and consolidated.*.pth"
+            f"point handler.{key} in model-config.yaml at a folder with {holds}"
         )
     return path
+
+
+def resolve_adapters(adapters: dict | None, model_dir: str) -> dict | None:
+    """handler.lora_adapters with each folder resolved as resolve_ckpt_dir resolves the checkpoint's."""
+    if not adapters:
+        return adapters
+    resolved = {}
+    for name, entry in adapters.items():
+        key, holds = f"lora_adapters.{name}", "an adapter (PEFT's or torchtune's files)"
+        if isinstance(entry, dict):
+            resolved[name] = {**entry, "path": resolve_ckpt_dir(entry["path"], model_dir, key, holds)}
+        else:
+            resolved[name] = resolve_ckpt_dir(entry, model_dir, key, holds)
+    return resolved

@@ -329,9 +329,11 @@ def decode_rows(rotation: torch.Tensor, tables: torch.Tensor, positions: torch.T
                                            None if adapters is None else adapters.data_ptr())
 
 
-def decode_scratch(layer: ctypes.Structure, rows: int) -> torch.Tensor:
-    """The scratch attention_block, ffn_block and decode_stack need for `rows` rows of these layers."""
-    return torch.empty(library().decode_scratch_bytes(ctypes.byref(layer), rows), dtype=torch.uint8)
+def decode_scratch(layers: ctypes.Array, rows: int) -> torch.Tensor:
+    """The scratch attention_block, ffn_block and decode_stack need for `rows` rows of any of these layers (a
+    layer's LoRA adapters widen its own)."""
+    lib = library()
+    return torch.empty(max(lib.decode_scratch_bytes(ctypes.byref(layer), rows) for layer in layers), dtype=torch.uint8)
 
 
 def attention_block(layer: ctypes.Structure, rows: ctypes.Structure, h: torch.Tensor, delta: torch.Tensor | None,

@@ -1,0 +1,127 @@
+"""LoRA adapters served: the engine's greedy replies on each adapter equal PEFT's on transformers' model of the
+same random base (TP 1 and 2, MP 1 and 2), rows of several adapters and the base batch together with each
+row's bits unchanged, and a prefix cached under one adapter's weights is never served to another's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.dist_util import run_ranks
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.sequence import Sequence
+from tp_llama.testing.synthetic import write_checkpoint
+
+NEW_TOKENS = 8
+# PEFT configs: q/k/v/o only and all seven modules, ranks 8 and 16, lora_alpha unlike r, rsLoRA on and off on
+# the same factors (seed), so the two differ only by their scale.
+ADAPTERS = {
+    "qkvo8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "all16": dict(r=16, lora_alpha=8, target_modules="all-linear"),
+    "all16rs": dict(r=16, lora_alpha=8, target_modules="all-linear", use_rslora=True),
+}
+PROMPTS = [[1, 17, 230, 45, 99, 310, 7], [1, 400, 12, 12, 64], [1, 5, 6, 7, 8, 9, 10, 11, 12, 200, 201]]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The base at MP 1 and MP 2, each adapter in PEFT's files (torchtune's too for qkvo8), and PEFT's greedy
+    tokens for every prompt on the base and each adapter. (PEFT is imported here, not by the ranks spawned.)"""
+    from tests.support import peft_reference as ref
+
+    root = tmp_path_factory.mktemp("lora")
+    args, state = ref.write_base(root / "mp1")
+    write_checkpoint(root / "mp2", mp=2, dtype=torch.float32, seed=0, **ref.BASE_SHAPE)  # the same weights
+    folders, expected = {}, {None: [greedy(ref.hf_model(state, args), p) for p in PROMPTS]}
+    for name, config in ADAPTERS.items():
+        model = ref.save_peft(state, args, root / name, seed=1, **config)
+        folders[name] = str(root / name)
+        expected[name] = [greedy(model, p) for p in PROMPTS]
+    ref.write_torchtune(root / "qkvo8", root / "tune", args)
+    folders["tune"] = {"path": str(root / "tune"), "lora_alpha": 16}
+    expected["tune"] = expected["qkvo8"]
+    return root, folders, expected
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    """transformers' forward over the whole sequence at each step, its last position's argmax taken."""
+    ids = list(prompt)
+    for _ in range(NEW_TOKENS):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def settings(ckpt, folders: dict, **extra) -> EngineConfig:
+    options = {"dtype": "float32", "max_seq_len": 64, "max_batch_size": 16, "prefill_budget": 64, **extra}
+    return EngineConfig(str(ckpt), lora_adapters=folders, **options)
+
+
+def replies(engine: Engine, names: list, logprobs: int | None = None) -> list[Sequence]:
+    """Every prompt on each of `names` (None: the base), all in one batch."""
+    params = SamplingParams(NEW_TOKENS, ignore_eos=True, logprobs=logprobs)
+    seqs = [Sequence(f"{name}-{i}", p, params, adapter=name) for name in names for i, p in enumerate(PROMPTS)]
+    return engine.generate(seqs)
+
+
+def test_greedy_replies_equal_peft_on_every_adapter_batched_with_the_base(served):
+    root, folders, expected = served
+    names = [None, *folders]
+    seqs = replies(Engine.load(settings(root / "mp1", folders)), names)
+    got = {name: [s.output for s in seqs if s.adapter == name] for name in names}
+    assert got == {name: expected[name] for name in names}
+    # Each adapter changes the base's replies, and rsLoRA's scale changes the adapter's: else equality proves little.
+    assert all(expected[name] != expected[None] for name in ADAPTERS)
+    assert expected["all16"] != expected["all16rs"]
+
+
+def _tp_replies(ckpt: str, folders: dict) -> dict:
+    seqs = replies(Engine.load(settings(ckpt, folders)), [None, *folders])
+    return {f"{s.adapter}": s.output for s in seqs if s.id.endswith("-0")}
+
+
+@pytest.mark.parametrize("mp", ["mp1", "mp2"])
+def test_tensor_parallel_replies_equal_peft(served, mp):
+    root, folders, expected = served
+    folders = {name: folders[name] for name in ("qkvo8", "all16rs")}
+    got = run_ranks(_tp_replies, 2, str(root / mp), folders, timeout=180)[0]
+    assert got == {f"{name}": expected[name][0] for name in [None, *folders]}
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_rows_on_three_adapters_and_the_base_get_their_own_bits_batched(served, quantize):
+    """bfloat16 through the C layers, on a bfloat16 base and on one quantized at load (QLoRA's case): each
+    row's tokens and log-probabilities alone equal those batched."""
+    root, folders, _ = served
+    engine = Engine.load(settings(root / "mp1", folders, dtype="bfloat16", prefix_caching=False, quantize=quantize))
+    names = [None, "qkvo8", "all16", "all16rs"]
+    batched = replies(engine, names, logprobs=2)
+    alone = [replies(engine, [name], logprobs=2)[i] for name in names for i in range(len(PROMPTS))]
+    for one, many in zip(alone, batched):
+        assert (one.output, one.logprobs) == (many.output, many.logprobs), one.id
+
+
+def test_a_prefix_cached_under_one_adapter_is_served_only_to_rows_of_the_same_weights(served):
+    root, folders, _ = served
+    # The same files under two names: the cache follows the weights' digest, not the name.
+    engine = Engine.load(settings(root / "mp1", {**folders, "qkvo8-again": folders["qkvo8"]}))
+    prompt = list(range(1, 50))  # three full blocks of 16 before its last token
+    scheduler = engine.new_scheduler()
+
+    def cached(name):
+        seq = Sequence(f"{name}", prompt, SamplingParams(1), adapter=name)
+        scheduler.add(seq)
+        engine.run(scheduler)
+        return seq.cached_tokens
+
+    assert cached("qkvo8") == 0
+    assert [cached(name) for name in (None, "all16", "qkvo8", "qkvo8-again")] == [0, 0, 48, 48]
+
+
+def test_an_unknown_adapter_is_refused_with_the_known_names(served):
+    root, folders, _ = served
+    scheduler = Engine.load(settings(root / "mp1", {"qkvo8": folders["qkvo8"]})).new_scheduler()
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope'.*qkvo8"):
+        scheduler.add(Sequence("x", PROMPTS[0], SamplingParams(1), adapter="nope"))

@@ -1,0 +1,139 @@
+"""A rank's resident LoRA adapters, in fixed slots per fused projection, and their per-row deltas.
+
+Each adapted projection of a layer holds one A [slots, R, K] and one B^T [slots, R, N] in float32,
+slot 0 all zeros (the base), so a step may mix rows of any adapters and the base, and the tensors'
+shapes never change with the adapters loaded. A fused projection (q/k/v, w1/w3) stacks its parts'
+A along R (part j at ranks j * max_rank on) and its B^T is block-diagonal, so one delta serves the
+fused matmul's output. The shards are this rank's: a column-parallel part's B rows and a
+row-parallel one's A columns, as the base weight is split (parallel/layout.py), so the existing
+all-reduce sums a row-parallel adapter's partial outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tp_llama.model.args import ModelArgs
+from tp_llama.parallel.layout import tp_sharding
+
+if TYPE_CHECKING:
+    from tp_llama.lora.adapters import Adapter
+
+# Each fused projection of a served layer and the Meta modules it fuses, in its output order.
+PROJECTIONS = {"qkv": ("wq", "wk", "wv"), "wo": ("wo",), "w13": ("w1", "w3"), "w2": ("w2",)}
+MODULE_NAMES = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo",
+                "w1": "feed_forward.w1", "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """What the scheduler needs of a resident adapter: its slot, and its weights' digest (the prefix cache's
+    salt: a block computed under one adapter's weights is never served to another's rows)."""
+
+    name: str
+    slot: int
+    digest: str
+
+
+@dataclass
+class SlotWeights:
+    """One projection's adapters: a [slots, R, K], bt [slots, R, N] float32; c: the C kernels' view of them
+    (kernels.cpu.lora_ops), where the C layers run this projection."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    c: Any = None
+
+
+@dataclass
+class LoraStep:
+    """The adapter slot of each token of the forward under way (None: every token on the base), and the
+    tokens of each slot in use, set by the runner before each forward."""
+
+    slots: torch.Tensor | None = None  # int32 [tokens]
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, token indices)
+
+    def begin(self, slots: torch.Tensor | None, groups: list[tuple[int, torch.Tensor]]) -> None:
+        self.slots, self.groups = slots, groups
+
+
+@dataclass
+class Projection:
+    """An adapted projection's slots and the step they are read in: the hook a serving module calls after
+    its base matmul, before any collective."""
+
+    weights: SlotWeights
+    step: LoraStep
+
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y[t] += (x[t] A^T) B^T for each token t on an adapter, in float32 and rounded once to y's type;
+        each adapter's A and B read once for all its tokens."""
+        for slot, rows in self.step.groups:
+            delta = (x[rows].float() @ self.weights.a[slot].t()) @ self.weights.bt[slot]
+            y[rows] = (y[rows].float() + delta).to(y.dtype)
+        return y
+
+
+def tile_order(ffn: int, run: int) -> torch.Tensor:
+    """Where each of w1/w3's 2 * ffn natural output columns (w1's, then w3's) lands in a gated matmul's
+    output: tiles of `run` w1 columns then `run` w3 columns (kernels/cpu/api.h's GATE_RUN)."""
+    cols = torch.arange(ffn)
+    tile, within = cols // run, cols % run
+    return torch.cat([tile * 2 * run + within, tile * 2 * run + run + within])
+
+
+def local_widths(args: ModelArgs, world: int) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each Meta module on one rank."""
+    q, kv, ffn = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    return {"wq": (args.dim, q // world), "wk": (args.dim, kv // world), "wv": (args.dim, kv // world),
+            "wo": (q // world, args.dim), "w1": (args.dim, ffn // world), "w3": (args.dim, ffn // world),
+            "w2": (ffn // world, args.dim)}
+
+
+def shard(a: torch.Tensor, b: torch.Tensor, module: str, family: str, rank: int,
+          world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of one module: split as the base weight is (its output rows or input columns)."""
+    dim = tp_sharding(f"layers.0.{MODULE_NAMES[module]}", family).dim
+    if world == 1 or dim is None:
+        return a, b
+    if dim == 0:
+        return a, b.chunk(world, dim=0)[rank]
+    return a.chunk(world, dim=1)[rank], b
+
+
+def build_slots(adapters: list[Adapter], args: ModelArgs, max_rank: int, rank: int, world: int,
+                gated_run: int | None = None) -> list[dict[str, SlotWeights]]:
+    """Per layer, each projection some adapter adapts, its slots (adapters[i] in slot i + 1) on this rank.
+
+    gated_run: the w1/w3 matmul ends in SwiGLU on tiles of this many columns of each (the C kernels),
+    so its B^T columns go in that interleaved order, which the matmul writes before SwiGLU.
+    """
+    widths = local_widths(args, world)
+    slots = len(adapters) + 1
+    layers: list[dict[str, SlotWeights]] = []
+    for layer in range(args.n_layers):
+        projections = {}
+        for name, parts in PROJECTIONS.items():
+            if not any((layer, m) in adapter.weights for adapter in adapters for m in parts):
+                continue
+            k = widths[parts[0]][0]
+            n = sum(widths[m][1] for m in parts)
+            a = torch.zeros(slots, max_rank * len(parts), k)
+            bt = torch.zeros(slots, max_rank * len(parts), n)
+            for s, adapter in enumerate(adapters, start=1):
+                at = 0
+                for j, module in enumerate(parts):
+                    if (layer, module) in adapter.weights:
+                        part_a, part_b = shard(*adapter.weights[(layer, module)], module, args.family, rank, world)
+                        r = part_a.shape[0]
+                        a[s, j * max_rank : j * max_rank + r] = part_a
+                        bt[s, j * max_rank : j * max_rank + r, at : at + part_b.shape[0]] = part_b.t()
+                    at += widths[module][1]
+            if name == "w13" and gated_run is not None:
+                bt = bt[:, :, torch.argsort(tile_order(n // 2, gated_run))]
+            projections[name] = SlotWeights(a.contiguous(), bt.contiguous())
+        layers.append(projections)
+    return layers
