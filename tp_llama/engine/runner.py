@@ -222,6 +222,8 @@ class ModelRunner:
             logits, scores = self._scoring_step(plan.rows)
             return plan, logits, row_entries(plan.rows, scores)
         if self.decode_step is not None and self.decode_step.accepts(plan.rows):
+            if self.lora is not None:
+                self.lora.begin(None, [])  # base rows only: no adapted projection reads the last step's slots
             return plan, self.decode_step(plan.rows), unscored
         return plan, self.model(self._batch(plan.rows)), unscored
 
