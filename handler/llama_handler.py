@@ -32,6 +32,8 @@ from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Scheduler, Sequence
 from tp_llama.parallel.distributed import exit_now
 from tp_llama.serving.grammars import COMPILE_LIMIT_S, GrammarCompiler, Pending
+from tp_llama.serving.lora_admin import ADMIN_HEADER, admin_request, with_catalog
+from tp_llama.serving.lora_admin import PATHS as ADMIN_PATHS
 from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.openai_api import error_body
 from tp_llama.serving.request import Live, RequestError, json_line, request_of
@@ -85,6 +87,9 @@ class LlamaHandler(BaseHandler):
         engine = replace(settings.engine, ckpt_dir=resolve_ckpt_dir(settings.engine.ckpt_dir, model_dir),
                          draft_ckpt_dir=resolve_ckpt_dir(draft, model_dir, "draft_ckpt_dir") if draft else None,
                          lora_adapters=resolve_adapters(settings.engine.lora_adapters, model_dir),
+                         lora_folder=(resolve_ckpt_dir(settings.engine.lora_folder, model_dir, "lora_folder",
+                                                       "adapters, one folder each") if settings.engine.lora_folder
+                                      else None),
                          device=device_of(yaml_config.get("deviceType")))
         self.settings = settings = replace(settings, engine=engine)
         if engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available()):
@@ -253,6 +258,8 @@ class LlamaHandler(BaseHandler):
             openai = openai_shaped(path)
             try:
                 now = answer_now(path, request, self.settings, tokenizer, self.model_name)
+                if now is None and path in ADMIN_PATHS:
+                    now = self._administer(idx, path, request)
                 if now is not None:
                     answers[rid] = ("reply", now)
                     continue
@@ -260,6 +267,8 @@ class LlamaHandler(BaseHandler):
                     raise RequestError("internal error: the worker lost this request's state", 500)
                 api = open_request(path, request, self.settings, tokenizer, self.engine.args.vocab_size,
                                    self.model_name, rid)
+                if api.job.adapter is not None:
+                    self._resident(api.job.adapter)
                 seqs = api.sequences(rid)
                 if api.job.grammar is not None:
                     self.compiling[rid] = (self.grammars.submit(api.job.grammar), "openai" if openai else "native")
@@ -275,6 +284,38 @@ class LlamaHandler(BaseHandler):
                 continue
             self.live[rid] = Live(api, seqs)
         return answers
+
+    def _administer(self, idx: int, path: str, request: dict[str, Any]) -> dict[str, Any]:
+        """A load_lora_adapter / unload_lora_adapter request (serving/lora_admin.py): a loaded adapter is read on
+        every rank now; an unloaded one is refused to new requests at once, and its slot goes first once the
+        requests running on it end."""
+        try:
+            key = self.context.get_request_header(idx, ADMIN_HEADER)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            key = None
+        name, folder = admin_request(path, request, self.settings, key)
+        catalog = self.engine.catalog
+        if folder is None:
+            del catalog[name]
+            self.engine.lora.retire(name)
+        else:
+            catalog[name] = folder
+            try:
+                self._resident(name)
+            except RequestError:
+                del catalog[name]
+                raise
+        self.settings = with_catalog(self.settings, catalog)
+        return {"object": "lora_adapter", "name": name, "status": "unloaded" if folder is None else "loaded"}
+
+    def _resident(self, name: str) -> None:
+        """Adapter `name` in a slot on every rank before its request is scheduled; the client's error where it
+        cannot be read, or where every slot holds an adapter in use (503: retry later)."""
+        busy = {seq.adapter for live in self.live.values() for seq in live.seqs if not seq.finished}
+        try:
+            self.engine.make_resident(name, busy)
+        except ValueError as exc:
+            raise RequestError(str(exc), 503 if "slots" in str(exc) else 400, param="model") from None
 
     def _add(self, seqs: list[Sequence]) -> None:
         """All of a request's sequences join the queue, or none (the ones added are taken back); the engine's

@@ -120,6 +120,33 @@ def test_a_prefix_cached_under_one_adapter_is_served_only_to_rows_of_the_same_we
     assert [cached(name) for name in (None, "all16", "qkvo8", "qkvo8-again")] == [0, 0, 48, 48]
 
 
+def _turns(ckpt: str, folders: dict, broken: str) -> list:
+    """One slot (max_loras 1) for two adapters and a broken one, asked for in turn."""
+    engine = Engine.load(settings(ckpt, folders, max_loras=1))
+    engine.catalog["broken"] = broken
+    out = []
+    for name in ("qkvo8", "all16rs", "broken", "qkvo8"):
+        try:
+            out.append(replies(engine, [name])[0].output)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_adapters_take_turns_in_fewer_slots_and_a_broken_one_fails_alone_at_tp_2(served, tmp_path):
+    """The least recently used adapter leaves its slot for the next, written on both ranks in the same step; an
+    adapter no rank can read fails that load only, and the ranks go on serving."""
+    root, folders, expected = served
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((root / "qkvo8" / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not a tensor file")
+    folders = {name: folders[name] for name in ("qkvo8", "all16rs")}
+    got = run_ranks(_turns, 2, str(root / "mp1"), folders, str(broken), timeout=180)[0]
+    assert got[:2] == [expected["qkvo8"][0], expected["all16rs"][0]] and got[3] == expected["qkvo8"][0]
+    assert "broken" in got[2] and "adapter_model.safetensors" in got[2]
+
+
 def test_an_unknown_adapter_is_refused_with_the_known_names(served):
     root, folders, _ = served
     scheduler = Engine.load(settings(root / "mp1", {"qkvo8": folders["qkvo8"]})).new_scheduler()

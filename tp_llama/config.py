@@ -90,6 +90,9 @@ class EngineConfig:
     # `path` and, for torchtune's Meta-format files, `lora_alpha` (tp_llama/lora/adapters.py).
     lora_adapters: dict | None = None
     max_lora_rank: int = bounded(16, 1)  # the largest rank an adapter may have: its slots are this wide
+    max_loras: int = bounded(8, 1)  # adapters resident at once; the least recently used one leaves for another
+    lora_folder: str | None = None  # lora_runtime_loading: the adapters it may load, by name (its subfolders)
+    lora_runtime_loading: bool = False  # load_lora_adapter / unload_lora_adapter requests allowed (serving/lora_admin.py)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -106,6 +109,10 @@ class EngineConfig:
                              "which quantize 'int4' already serves: name a smaller draft_ckpt_dir")
         if self.lora_adapters is not None:
             check_adapters(self.lora_adapters, self.mode)
+        if self.lora_runtime_loading and not (isinstance(self.lora_folder, str) and self.lora_folder):
+            raise ValueError("lora_runtime_loading needs lora_folder: the folder whose subfolders it may load by name")
+        if self.lora_runtime_loading and self.mode != "tp":
+            raise ValueError("lora_runtime_loading needs mode 'tp' (the adapters hook the served model's projections)")
         if self.quantize != "none" and self.mode != "tp":
             raise ValueError(f"quantize {self.quantize!r} needs mode 'tp' (fsdp mode loads the seed converter's "
                              "unquantized shards)")

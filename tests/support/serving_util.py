@@ -189,9 +189,10 @@ class TorchServe:
         port: int | None = None,
         key: str | None = "inference",
         timeout: float = 120.0,
+        headers: dict[str, str] | None = None,
     ) -> Reply:
         conn = http.client.HTTPConnection("127.0.0.1", port or self.inference_port, timeout=timeout)
-        headers = {"Content-Type": content_type}
+        headers = {"Content-Type": content_type, **(headers or {})}
         if key is not None:
             headers["Authorization"] = f"Bearer {self.keys()[key]}"
         return _send(conn, method, path, body, headers)

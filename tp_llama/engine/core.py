@@ -30,10 +30,11 @@ from tp_llama.engine.runner import ModelRunner, PoolShare, block_bytes_of, plan_
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.engine.speculate import Speculator
 from tp_llama.engine.verify import verify_rows
-from tp_llama.lora.serve import load_adapters
+from tp_llama.lora.serve import ResidentAdapters, resident_adapters
 from tp_llama.lora.slots import AdapterRef
 from tp_llama.model import KVCache, ModelArgs
-from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, init_distributed, log
+from tp_llama.parallel.distributed import (DistInfo, every_rank_agrees, init_distributed, log, object_from_rank0,
+                                           smallest_across_ranks)
 from tp_llama.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -72,11 +73,13 @@ class Engine:
     load_s: float
     draft: ModelRunner | None = None  # a draft model's, proposing for speculative decoding (engine/draft.py)
     stats: StepStats = field(default_factory=StepStats)
-    adapters: dict[str, AdapterRef] = field(default_factory=dict)  # the resident LoRA adapters (lora/serve.py)
+    lora: ResidentAdapters | None = None  # the LoRA adapters' slots (lora/serve.py)
 
     def __post_init__(self) -> None:
         self._last_step_s = 0.0
         self._masks = None  # rank 0's grammar-mask worker, made with the first constrained row
+        # Rank 0: the adapters requests may name, each with its files (the yaml's, then those loaded while serving).
+        self.catalog: dict[str, object] = dict(self.config.lora_adapters or {})
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -108,7 +111,8 @@ class Engine:
                               sum(t.numel() * t.element_size() for t in [*draft_model.parameters(), *draft_model.buffers()]))
         runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared, share)
         with every_rank_agrees():
-            runner.lora, adapters = load_adapters(config, runner.model, args, info)
+            lora = resident_adapters(config, runner.model, args, info)
+        runner.lora = lora.step if lora is not None else None
         draft_runner = None
         if draft is not None:
             settings, draft_model, draft_args, draft_prepared = draft
@@ -118,7 +122,7 @@ class Engine:
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({runner.dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)
-        return cls(config, runner, tokenizer, args, info, load_s, draft_runner, adapters=adapters)
+        return cls(config, runner, tokenizer, args, info, load_s, draft_runner, lora=lora)
 
     @property
     def model(self) -> nn.Module:
@@ -159,7 +163,21 @@ class Engine:
                                   c.prefill_budget, c.kv_block_size, shares_cache=not c.draft_ckpt_dir)
             speculator = Speculator(c.speculative_tokens, c.ngram_min, c.ngram_max, draft=drafter)
         return Scheduler(c.max_batch_size, c.max_seq_len, c.prefill_budget, self.tokenizer.stop_ids, pool, speculator,
-                         self.adapters)
+                         self.lora.refs if self.lora is not None else None)
+
+    def make_resident(self, name: str, busy: set[str]) -> AdapterRef:
+        """Rank 0: adapter `name` (of the catalog) in a slot, loaded there on every rank in a control step where
+        it is not yet, in place of the least recently used adapter no sequence of `busy` runs on. ValueError
+        where it cannot be read (the slot left empty) or every slot is busy."""
+        if self.lora is None or name not in self.catalog:
+            raise ValueError(f"unknown LoRA adapter {name!r}; this engine has {sorted(self.catalog) or 'none'}")
+        slot = self.lora.pick_slot(name, busy)
+        if slot is None:
+            raise ValueError(f"all {self.config.max_loras} LoRA adapter slots (handler.max_loras) hold adapters "
+                             "that running requests use; retry when one finishes")
+        if name not in self.lora.refs:
+            self._forward(StepPlan([], end=False, load=slot), (name, self.catalog[name]))
+        return self.lora.refs[name]
 
     def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
             on_step: Callable[[list[Sequence]], bool | None] | None = None) -> None:
@@ -206,10 +224,28 @@ class Engine:
         while not self._forward(None)[0].end:
             pass
 
-    def _forward(self, plan: StepPlan | None) -> tuple[StepPlan, torch.Tensor | None, list]:
-        """A plan sent from rank 0 to every rank (the others pass None) and run by the model it names."""
+    def _forward(self, plan: StepPlan | None, adapter: tuple[str, object] | None = None
+                 ) -> tuple[StepPlan, torch.Tensor | None, list]:
+        """A plan sent from rank 0 to every rank (the others pass None) and run by the model it names; a control
+        plan (`load`) writes rank 0's `adapter` (name, files) into its slot instead."""
         plan = self.runner.exchange(plan)
+        if plan.load >= 0:
+            self._load_adapter(plan.load, object_from_rank0(adapter))
+            return plan, None, []
         return (self.draft if plan.draft else self.runner).execute(plan)
+
+    def _load_adapter(self, slot: int, adapter: tuple[str, object]) -> None:
+        """Every rank reads the adapter into `slot`; where any rank failed every rank empties the slot and rank 0
+        raises (ValueError, the cause), while the others go on following."""
+        error = None
+        try:
+            self.lora.load(slot, *adapter)
+        except Exception as exc:  # a broken file fails this load only, never the worker group
+            error = exc
+        if smallest_across_ranks(0 if error else 1, self.device) == 0:
+            self.lora.load_empty(slot)
+            if self.rank == 0:
+                raise ValueError(str(error) if error else f"another rank could not read LoRA adapter {adapter[0]!r}")
 
     def _draft_forward(self, rows: list[Row]) -> torch.Tensor:
         """Rank 0: draft rows run on every rank; their sampling rows' logits."""
@@ -223,6 +259,9 @@ class Engine:
             return sequences
         scheduler = self.new_scheduler()
         try:
+            busy = {seq.adapter for seq in sequences if seq.adapter is not None}
+            for name in sorted(busy):
+                self.make_resident(name, busy)
             for seq in sequences:
                 scheduler.add(seq)
         except ValueError:

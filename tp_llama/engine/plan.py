@@ -46,6 +46,7 @@ class StepPlan:
     rows: list[Row]
     end: bool = True
     draft: bool = False
+    load: int = -1  # >= 0: no forward; every rank writes the LoRA adapter rank 0 sends next into this slot
 
     @property
     def copies(self) -> list[tuple[int, int]]:
@@ -56,7 +57,7 @@ class StepPlan:
 class PlanWire:
     """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
 
-    Layout: [end, n_rows, draft, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
+    Layout: [end, n_rows, draft, load, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
     copy dst, proposed, adapter), tokens..., block ids...]; a row without a copy has -1 for both.
     """
 
@@ -64,7 +65,7 @@ class PlanWire:
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
-        self.size = 3 + self.FIELDS * max_rows + max_tokens + max_blocks
+        self.size = 4 + self.FIELDS * max_rows + max_tokens + max_blocks
 
     def encode(self, plan: StepPlan) -> torch.Tensor:
         tokens = [t for row in plan.rows for t in row.tokens]
@@ -76,9 +77,9 @@ class PlanWire:
                                                  row.scored, row.next_token, *(row.copy or (-1, -1)), row.proposed,
                                                  row.adapter)]
         wire = torch.zeros(self.size, dtype=torch.long)
-        head = [int(plan.end), len(plan.rows), int(plan.draft)] + rows
+        head = [int(plan.end), len(plan.rows), int(plan.draft), plan.load] + rows
         wire[: len(head)] = torch.tensor(head, dtype=torch.long)
-        at = 3 + self.FIELDS * self.max_rows
+        at = 4 + self.FIELDS * self.max_rows
         wire[at : at + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         at += self.max_tokens
         wire[at : at + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
@@ -86,9 +87,9 @@ class PlanWire:
 
     def decode(self, wire: torch.Tensor) -> StepPlan:
         """The plan back, reading only the parts of the wire it fills (the block region is large)."""
-        end, n_rows, draft = wire[:3].tolist()
-        fields = wire[3 : 3 + self.FIELDS * n_rows].view(n_rows, self.FIELDS).tolist()
-        at = 3 + self.FIELDS * self.max_rows
+        end, n_rows, draft, load = wire[:4].tolist()
+        fields = wire[4 : 4 + self.FIELDS * n_rows].view(n_rows, self.FIELDS).tolist()
+        at = 4 + self.FIELDS * self.max_rows
         tokens = wire[at : at + sum(f[1] for f in fields)].tolist()
         at += self.max_tokens
         blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
@@ -97,4 +98,4 @@ class PlanWire:
             rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
                             next_token, (src, dst) if src >= 0 else None, proposed, adapter))
             t, b = t + length, b + n_blocks
-        return StepPlan(rows, end=bool(end), draft=bool(draft))
+        return StepPlan(rows, end=bool(end), draft=bool(draft), load=load)

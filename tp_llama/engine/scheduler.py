@@ -90,7 +90,7 @@ class Scheduler:
                              f"of max_seq_len {max_seq_len}")
         self.max_running, self.max_seq_len, self.prefill_budget = max_running, max_seq_len, prefill_budget
         self.stop_ids, self.pool, self.speculator = stop_ids, pool, speculator
-        self.adapters = adapters or {}
+        self.adapters = adapters if adapters is not None else {}  # shared: adapters join it as they are loaded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission: the last is preempted first
         self.preemptions = 0

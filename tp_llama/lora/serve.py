@@ -1,11 +1,16 @@
-"""The yaml's LoRA adapters made resident on a rank: read, cut to its shards, put in slots, and hooked
-into its serving modules, whose matmuls then add each row's adapter delta (lora/slots.py)."""
+"""LoRA adapters resident on a rank: read, cut to its shards, written into fixed slots, and hooked into its
+serving modules, whose matmuls then add each row's adapter delta (lora/slots.py).
+
+Slots hold at most handler.max_loras adapters; rank 0 decides which adapter sits in which slot (the yaml's
+first, then any the requests name, the least recently used leaving for another), and every rank writes the
+same slot in the same step (engine/core.py's control step), so slots never differ across ranks.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from tp_llama.backend.cpu import CFeedForward, DecodeLayers, GatedFeedForward
@@ -13,8 +18,8 @@ from tp_llama.backend.fused import FusedAttention, FusedFeedForward
 from tp_llama.config import EngineConfig
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.ffi import library
-from tp_llama.lora.adapters import read_adapter
-from tp_llama.lora.slots import AdapterRef, LoraStep, Projection, SlotWeights, build_slots
+from tp_llama.lora.adapters import Adapter, read_adapter
+from tp_llama.lora.slots import AdapterRef, LoraStep, Projection, SlotWeights, allocate_slots, write_slot
 from tp_llama.model.args import ModelArgs
 from tp_llama.parallel.distributed import DistInfo, log
 
@@ -32,35 +37,93 @@ def adapted_layers(model: nn.Module) -> tuple[list[nn.Module], int | None]:
     return blocks, library().constants["GATE_RUN"] if gated else None
 
 
-def load_adapters(config: EngineConfig, model: nn.Module, args: ModelArgs,
-                  info: DistInfo) -> tuple[LoraStep | None, dict[str, AdapterRef]]:
-    """The yaml's adapters (handler.lora_adapters) resident in `model` on this rank: the step their
-    projections read each forward's slots from, and each adapter by name. (None, {}) without adapters."""
-    if not config.lora_adapters:
-        return None, {}
-    blocks, gated_run = adapted_layers(model)
-    adapters = []
-    for name, entry in config.lora_adapters.items():
-        adapter = read_adapter(name, entry, args, config.max_lora_rank)
+class ResidentAdapters:
+    """This rank's adapter slots, hooked into its model; on rank 0 also which adapter sits where (`refs`, by
+    name, what the scheduler reads) and when each was last asked for."""
+
+    def __init__(self, config: EngineConfig, model: nn.Module, args: ModelArgs, info: DistInfo):
+        self.config, self.model, self.args, self.info = config, model, args, info
+        blocks, self.gated_run = adapted_layers(model)
+        # Every yaml adapter is read now, so a bad one fails the load; the first max_loras stay resident.
+        first = [self._read(name, entry) for name, entry in (config.lora_adapters or {}).items()][: config.max_loras]
+        # Every projection gets slots where an adapter may arrive later; otherwise only those the yaml's adapt.
+        later = config.lora_runtime_loading or len(config.lora_adapters or {}) > config.max_loras
+        self.layers = allocate_slots(first, args, config.max_lora_rank, info.world_size, config.max_loras + 1, later)
+        self.step = LoraStep()
+        for block, projections in zip(blocks, self.layers):
+            hooks = {"qkv": (block.attention, "lora_qkv"), "wo": (block.attention.wo, "lora"),
+                     "w13": (block.feed_forward, "lora_w13"), "w2": (block.feed_forward.w2, "lora")}
+            for name in list(projections):
+                projections[name] = self._resident(projections[name])
+                module, attribute = hooks[name]
+                setattr(module, attribute, Projection(projections[name], self.step))
+        if isinstance(model.layers, DecodeLayers):
+            model.layers.forget_plan()  # its C layers point at the adapters' slots from the next step on
+        self.names: list[str | None] = [None] * (config.max_loras + 1)  # slot -> adapter (slot 0: the base)
+        self.refs: dict[str, AdapterRef] = {}
+        self.used: dict[str, float] = {}
+        for slot, adapter in enumerate(first, start=1):
+            self._write(slot, adapter)
+
+    def _read(self, name: str, entry: object) -> Adapter:
+        adapter = read_adapter(name, entry, self.args, self.config.max_lora_rank)
         log(f"LoRA adapter {name!r}: rank {adapter.rank}, {len(adapter.weights)} modules from "
-            f"{Path(adapter.source).parent}", info.rank)
-        adapters.append(adapter)
-    layers = build_slots(adapters, args, config.max_lora_rank, info.rank, info.world_size, gated_run)
-    step = LoraStep()
-    for block, projections in zip(blocks, layers):
-        hooks = {"qkv": (block.attention, "lora_qkv"), "wo": (block.attention.wo, "lora"),
-                 "w13": (block.feed_forward, "lora_w13"), "w2": (block.feed_forward.w2, "lora")}
-        for name, weights in projections.items():
-            module, attribute = hooks[name]
-            setattr(module, attribute, Projection(resident(weights, info.device, gated_run is not None), step))
-    if isinstance(model.layers, DecodeLayers):
-        model.layers.forget_plan()  # its C layers point at the adapters from the next step on
-    return step, {a.name: AdapterRef(a.name, slot, a.digest) for slot, a in enumerate(adapters, start=1)}
+            f"{Path(adapter.source).parent}", self.info.rank)
+        return adapter
+
+    def _resident(self, weights: SlotWeights) -> SlotWeights:
+        """Slots on the model's device, with the C kernels' view of them where the C layers run."""
+        weights = SlotWeights(weights.a.to(self.info.device), weights.bt.to(self.info.device))
+        if self.gated_run is not None:
+            weights.c = ops.lora_weights(weights.a, weights.bt)
+        return weights
+
+    def _write(self, slot: int, adapter: Adapter | None) -> None:
+        write_slot(self.layers, slot, adapter, self.args, self.config.max_lora_rank, self.info.rank,
+                   self.info.world_size, self.gated_run)
+        old = self.names[slot]
+        if old is not None:
+            self.refs.pop(old, None)
+        self.names[slot] = None if adapter is None else adapter.name
+        if adapter is not None:
+            self.refs[adapter.name] = AdapterRef(adapter.name, slot, adapter.digest)
+            self.used[adapter.name] = time.monotonic()
+
+    def load(self, slot: int, name: str, entry: object) -> None:
+        """Every rank, in the same step: `name`'s files (`entry`, as the yaml's) into `slot`. Any error leaves
+        the slot empty and is raised."""
+        try:
+            self._write(slot, self._read(name, entry))
+        except Exception:
+            self.load_empty(slot)
+            raise
+
+    def retire(self, name: str) -> None:
+        """Rank 0: an adapter no new request may name: its slot is the first taken once no sequence runs on it."""
+        if name in self.used:
+            self.used[name] = float("-inf")
+
+    def load_empty(self, slot: int) -> None:
+        """The slot emptied (a load some rank failed)."""
+        self._write(slot, None)
+
+    def pick_slot(self, name: str, busy: set[str]) -> int | None:
+        """Rank 0: where `name` goes: its own slot, a free one, or the least recently used adapter's that no
+        sequence in `busy` runs on; None where every slot is busy."""
+        if name in self.refs:
+            self.used[name] = time.monotonic()
+            return self.refs[name].slot
+        free = [slot for slot in range(1, len(self.names)) if self.names[slot] is None]
+        if free:
+            return free[0]
+        idle = [n for n in self.refs if n not in busy]
+        return self.refs[min(idle, key=lambda n: self.used[n])].slot if idle else None
 
 
-def resident(weights: SlotWeights, device: torch.device, c_layers: bool) -> SlotWeights:
-    """Slots on the model's device, with the C kernels' view of them where the C layers run."""
-    weights = SlotWeights(weights.a.to(device), weights.bt.to(device))
-    if c_layers:
-        weights.c = ops.lora_weights(weights.a, weights.bt)
-    return weights
+def resident_adapters(config: EngineConfig, model: nn.Module, args: ModelArgs,
+                      info: DistInfo) -> ResidentAdapters | None:
+    """The adapters' slots on this rank, None where no adapter can ever be served."""
+    if not config.lora_adapters and not config.lora_runtime_loading:
+        return None
+    return ResidentAdapters(config, model, args, info)
+

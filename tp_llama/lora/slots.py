@@ -104,36 +104,42 @@ def shard(a: torch.Tensor, b: torch.Tensor, module: str, family: str, rank: int,
     return a.chunk(world, dim=1)[rank], b
 
 
-def build_slots(adapters: list[Adapter], args: ModelArgs, max_rank: int, rank: int, world: int,
-                gated_run: int | None = None) -> list[dict[str, SlotWeights]]:
-    """Per layer, each projection some adapter adapts, its slots (adapters[i] in slot i + 1) on this rank.
-
-    gated_run: the w1/w3 matmul ends in SwiGLU on tiles of this many columns of each (the C kernels),
-    so its B^T columns go in that interleaved order, which the matmul writes before SwiGLU.
-    """
+def allocate_slots(adapters: list[Adapter], args: ModelArgs, max_rank: int, world: int, slots: int,
+                   every_projection: bool) -> list[dict[str, SlotWeights]]:
+    """Per layer, zeroed slots of each projection some adapter adapts (every projection where adapters may come
+    later: runtime loading, or more adapters than slots), slot 0 the base's."""
     widths = local_widths(args, world)
-    slots = len(adapters) + 1
     layers: list[dict[str, SlotWeights]] = []
     for layer in range(args.n_layers):
         projections = {}
         for name, parts in PROJECTIONS.items():
-            if not any((layer, m) in adapter.weights for adapter in adapters for m in parts):
-                continue
-            k = widths[parts[0]][0]
-            n = sum(widths[m][1] for m in parts)
-            a = torch.zeros(slots, max_rank * len(parts), k)
-            bt = torch.zeros(slots, max_rank * len(parts), n)
-            for s, adapter in enumerate(adapters, start=1):
-                at = 0
-                for j, module in enumerate(parts):
-                    if (layer, module) in adapter.weights:
-                        part_a, part_b = shard(*adapter.weights[(layer, module)], module, args.family, rank, world)
-                        r = part_a.shape[0]
-                        a[s, j * max_rank : j * max_rank + r] = part_a
-                        bt[s, j * max_rank : j * max_rank + r, at : at + part_b.shape[0]] = part_b.t()
-                    at += widths[module][1]
-            if name == "w13" and gated_run is not None:
-                bt = bt[:, :, torch.argsort(tile_order(n // 2, gated_run))]
-            projections[name] = SlotWeights(a.contiguous(), bt.contiguous())
+            if every_projection or any((layer, m) in adapter.weights for adapter in adapters for m in parts):
+                k, n = widths[parts[0]][0], sum(widths[m][1] for m in parts)
+                projections[name] = SlotWeights(torch.zeros(slots, max_rank * len(parts), k),
+                                                torch.zeros(slots, max_rank * len(parts), n))
         layers.append(projections)
     return layers
+
+
+def write_slot(layers: list[dict[str, SlotWeights]], slot: int, adapter: Adapter | None, args: ModelArgs,
+               max_rank: int, rank: int, world: int, gated_run: int | None = None) -> None:
+    """Slot `slot` of every projection becomes this rank's shards of `adapter` (None: zeros), in place, so the
+    C layers' pointers stay good. gated_run: the w1/w3 matmul ends in SwiGLU on tiles of this many columns of
+    each (the C kernels), so its B^T columns go in that interleaved order, which the matmul writes first."""
+    widths = local_widths(args, world)
+    for layer, projections in enumerate(layers):
+        for name, weights in projections.items():
+            parts = PROJECTIONS[name]
+            a, bt = torch.zeros_like(weights.a[slot]), torch.zeros_like(weights.bt[slot])
+            at = 0
+            for j, module in enumerate(parts):
+                if adapter is not None and (layer, module) in adapter.weights:
+                    part_a, part_b = shard(*adapter.weights[(layer, module)], module, args.family, rank, world)
+                    r = part_a.shape[0]
+                    a[j * max_rank : j * max_rank + r] = part_a
+                    bt[j * max_rank : j * max_rank + r, at : at + part_b.shape[0]] = part_b.t()
+                at += widths[module][1]
+            if name == "w13" and gated_run is not None:
+                bt = bt[:, torch.argsort(tile_order(bt.shape[1] // 2, gated_run))]
+            weights.a[slot].copy_(a)
+            weights.bt[slot].copy_(bt)

@@ -192,6 +192,15 @@ def broadcast_from_rank0(values: torch.Tensor, device: torch.device) -> torch.Te
     return on_device.to(values.device)
 
 
+def object_from_rank0(value: object) -> object:
+    """Rank 0's picklable `value` on every rank (the others pass None): rare control messages, never a step's."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def smallest_across_ranks(value: int, device: torch.device) -> int:
     """The least of every rank's `value` (each rank calls this at the same point)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

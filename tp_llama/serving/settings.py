@@ -32,6 +32,8 @@ class HandlerSettings:
     # Tool calls' prompt and reply format: "llama3_json" (Llama 3.1 / 3.3), "pythonic" (Llama 3.2), "none"
     # (tools refused), or "auto": from the checkpoint (serving/tool_use.py).
     tool_format: str = "auto"
+    # The key a load_lora_adapter / unload_lora_adapter request sends in X-Lora-Admin-Key (serving/lora_admin.py).
+    lora_admin_key: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -41,6 +43,10 @@ class HandlerSettings:
             raise ValueError(f"tool_format must be auto, llama3_json, pythonic or none, got {self.tool_format!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
+        if self.lora_admin_key is not None and (not isinstance(self.lora_admin_key, str) or len(self.lora_admin_key) < 16):
+            raise ValueError("lora_admin_key must be a string of at least 16 characters")
+        if self.engine.lora_runtime_loading and self.lora_admin_key is None:
+            raise ValueError("lora_runtime_loading needs lora_admin_key, which load and unload requests must send")
 
 
 # TorchServe 0.12's own keys and the yaml type each must have (its ModelConfig and ModelConfig.TorchRun
