@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from tp_llama.config import EngineConfig
 from tp_llama.engine.runner import compiles_decode
 from tp_llama.engine.decode_step import DecodeStep, bucket_sizes
 from tp_llama.engine.plan import Row
+from tp_llama.lora.slots import LoraStep
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.testing.synthetic import write_checkpoint
 
@@ -122,10 +124,14 @@ def test_buckets_cover_every_row_count_up_to_the_cap():
 
 
 def test_only_decode_only_steps_take_the_decode_step():
-    assert DecodeStep.accepts([Row(4, [1], True, [0]), Row(9, [2], True, [1])])
-    assert not DecodeStep.accepts([])
-    assert not DecodeStep.accepts([Row(4, [1], True, [0]), Row(0, [5, 6], True, [1])])
-    assert not DecodeStep.accepts([Row(4, [1], False, [0])])  # a one-token prompt chunk that samples nothing
+    plain, adapted = SimpleNamespace(lora=None), SimpleNamespace(lora=LoraStep())
+    for step in (plain, adapted):
+        assert DecodeStep.accepts(step, [Row(4, [1], True, [0]), Row(9, [2], True, [1])])
+        assert not DecodeStep.accepts(step, [])
+        assert not DecodeStep.accepts(step, [Row(4, [1], True, [0]), Row(0, [5, 6], True, [1])])
+        assert not DecodeStep.accepts(step, [Row(4, [1], False, [0])])  # a one-token prompt chunk that samples nothing
+    on_adapter = [Row(4, [1], True, [0], adapter=1)]  # only a graph built with the adapters' slots runs it
+    assert DecodeStep.accepts(adapted, on_adapter) and not DecodeStep.accepts(plain, on_adapter)
 
 
 def test_compiling_is_chosen_by_device_mode_and_kernels():

@@ -120,6 +120,18 @@ def test_a_prefix_cached_under_one_adapter_is_served_only_to_rows_of_the_same_we
     assert [cached(name) for name in (None, "all16", "qkvo8", "qkvo8-again")] == [0, 0, 48, 48]
 
 
+def test_compiled_decode_steps_take_each_rows_adapter_from_their_inputs(served, monkeypatch):
+    """CUDA's path, run on CPU: decode steps compiled at static shapes (CUDA graphs' on a GPU) read each row's
+    slot as an input and add its adapter's delta with no host-side grouping; replies still equal PEFT's."""
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")  # PyTorch's matmuls, which the decode step compiles
+    root, folders, expected = served
+    engine = Engine.load(settings(root / "mp1", folders, compile="on", max_batch_size=2))
+    assert engine.decode_step is not None and engine.decode_step.lora is not None
+    names = [None, "qkvo8", "all16rs"]
+    seqs = replies(engine, names)
+    assert {name: [s.output for s in seqs if s.adapter == name] for name in names} == {n: expected[n] for n in names}
+
+
 def _turns(ckpt: str, folders: dict, broken: str) -> list:
     """One slot (max_loras 1) for two adapters and a broken one, asked for in turn."""
     engine = Engine.load(settings(ckpt, folders, max_loras=1))

@@ -30,7 +30,7 @@ from tp_llama.engine.runner import ModelRunner, PoolShare, block_bytes_of, plan_
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.engine.speculate import Speculator
 from tp_llama.engine.verify import verify_rows
-from tp_llama.lora.serve import ResidentAdapters, resident_adapters
+from tp_llama.lora.serve import ResidentAdapters
 from tp_llama.lora.slots import AdapterRef
 from tp_llama.model import KVCache, ModelArgs
 from tp_llama.parallel.distributed import (DistInfo, every_rank_agrees, init_distributed, log, object_from_rank0,
@@ -109,10 +109,7 @@ class Engine:
             dtype = next(draft_model.parameters()).dtype
             share = PoolShare(block_bytes_of(draft_args, config, kv_heads, dtype) if config.draft_ckpt_dir else 0,
                               sum(t.numel() * t.element_size() for t in [*draft_model.parameters(), *draft_model.buffers()]))
-        runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared, share)
-        with every_rank_agrees():
-            lora = resident_adapters(config, runner.model, args, info)
-        runner.lora = lora.step if lora is not None else None
+        runner = ModelRunner(model, config, info, args, tokenizer.n_words, prepared, share, adapters=True)
         draft_runner = None
         if draft is not None:
             settings, draft_model, draft_args, draft_prepared = draft
@@ -122,7 +119,7 @@ class Engine:
         load_s = time.perf_counter() - started
         log(f"loaded in {load_s:.2f} s ({runner.dtype}, up to {config.max_batch_size} sequences "
             f"of {config.max_seq_len})", info.rank)
-        return cls(config, runner, tokenizer, args, info, load_s, draft_runner, lora=lora)
+        return cls(config, runner, tokenizer, args, info, load_s, draft_runner, lora=runner.adapters)
 
     @property
     def model(self) -> nn.Module:

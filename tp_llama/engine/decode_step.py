@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tp_llama.engine.plan import Row
+from tp_llama.lora.slots import LoraStep
 from tp_llama.model.batch import Batch, cache_index, padded_table, to_device
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -29,8 +30,11 @@ class DecodeStep:
     """The model's decode-only steps, padded to buckets; compiled when asked, and on CUDA each bucket
     then captured in a CUDA graph of its own."""
 
-    def __init__(self, model: nn.Module, max_rows: int, width: int, device: torch.device, compiled: bool):
-        self.model, self.device, self.width = model, device, width
+    def __init__(self, model: nn.Module, max_rows: int, width: int, device: torch.device, compiled: bool,
+                 lora: LoraStep | None = None):
+        """lora: the adapted projections' step, where LoRA adapters are resident: each row's slot is then an
+        input of the step's graph, which adds every row's adapter delta (slot 0, the base's, adds zeros)."""
+        self.model, self.device, self.width, self.lora = model, device, width, lora
         self.sizes = bucket_sizes(max_rows)
         cache = model.layers[0].attention.cache
         self.block_size, self.spare, self.pool_blocks = cache.block_size, cache.spare, cache.pool_blocks
@@ -49,11 +53,10 @@ class DecodeStep:
         self.graphs: dict[int, Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if compiled and device.type == "cuda" else None
 
-    @staticmethod
-    def accepts(rows: list[Row]) -> bool:
-        """A step of decode rows only, each wanting its next token, on the base model (LoRA adapters' rows run
-        eagerly: no captured graph holds them)."""
-        return bool(rows) and all(len(row.tokens) == 1 and row.sample and not row.adapter for row in rows)
+    def accepts(self, rows: list[Row]) -> bool:
+        """A step of decode rows only, each wanting its next token (on an adapter only where the graph has them)."""
+        return bool(rows) and all(len(row.tokens) == 1 and row.sample and (self.lora or not row.adapter)
+                                  for row in rows)
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         """Logits [len(rows), V] (rank 0; [len(rows), 0] elsewhere under TP). On CUDA the graph's own
@@ -68,18 +71,20 @@ class DecodeStep:
         return captured.logits[: len(rows)]
 
     def _inputs(self, rows: list[Row], size: int) -> torch.Tensor:
-        """Every row's token, position, cache index and block table in one host tensor, padded to `size` rows."""
+        """Every row's token, position, cache index, adapter slot and block table in one host tensor, padded to
+        `size` rows."""
         pad, b = size - len(rows), self.block_size
         tables = [padded_table(row.blocks, self.width, self.spare) for row in rows]
         tables += [padded_table([], self.width, self.spare)] * pad
         return torch.tensor([row.tokens[0] for row in rows] + [0] * pad
                             + [row.start for row in rows] + [0] * pad
                             + [cache_index(row.blocks, row.start, b) for row in rows] + [self.spare * b] * pad
+                            + [row.adapter for row in rows] + [0] * pad
                             + [v for table in tables for v in table], dtype=torch.long)
 
     def _split(self, inputs: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-        tokens, positions, locations, flat = inputs.split([size, size, size, size * self.width])
-        return tokens, positions, locations, flat.view(size, self.width)
+        tokens, positions, locations, adapters, flat = inputs.split([size, size, size, size, size * self.width])
+        return tokens, positions, locations, adapters, flat.view(size, self.width)
 
     def _capture(self, size: int) -> Captured:
         """The bucket's step compiled, run twice on a side stream (kernels and cuBLAS's workspaces
@@ -108,8 +113,10 @@ class DecodeStep:
         for size in sorted(sizes or self.sizes, reverse=True):
             self([Row(0, [0], True, [self.spare])] * size)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor,
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor, adapters: torch.Tensor,
                  tables: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.rows = adapters
         return self.model(Batch.decode_by_index(tokens, positions, locations, tables, self.block_size,
                                                 self.pool_blocks))
 

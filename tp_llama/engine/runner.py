@@ -24,6 +24,7 @@ from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scoring import row_entries, score_hidden, score_logits
 from tp_llama.kernels import C_KINDS, warm_up
+from tp_llama.lora.serve import ResidentAdapters, resident_adapters
 from tp_llama.lora.slots import LoraStep
 from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model import Batch, KVCache, ModelArgs
@@ -113,13 +114,20 @@ class ModelRunner:
     """A rank's model ready to serve (built by `__init__`, see the module's docstring) and its steps."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, info: DistInfo, args: ModelArgs,
-                 n_words: int | None = None, prepared: Preparation | None = None, pool: PoolShare | None = None):
-        """pool: how the KV-cache pool is sized beside a draft model (PoolShare, engine/draft.py)."""
+                 n_words: int | None = None, prepared: Preparation | None = None, pool: PoolShare | None = None,
+                 adapters: bool = False):
+        """pool: how the KV-cache pool is sized beside a draft model (PoolShare, engine/draft.py); adapters: the
+        yaml's LoRA adapters made resident (the served model's runner, not a draft's), before the pool is sized
+        (their slots take device memory) and before decode steps are captured (their graphs read the slots)."""
         self.model, self.info = model, info
         self.mode = config.mode
-        self.lora: LoraStep | None = None  # the adapted projections' step, where adapters are resident (lora/serve.py)
         self.n_words = args.vocab_size if n_words is None else n_words  # the ids prompt log-probabilities range over
         kind = self._ready(config, prepared) if config.mode == "tp" else None
+        self.adapters: ResidentAdapters | None = None
+        if adapters:
+            with every_rank_agrees():
+                self.adapters = resident_adapters(config, model, args, info)
+        self.lora: LoraStep | None = self.adapters.step if self.adapters is not None else None
         compiled, why = compiles_decode(config, info.device, kind)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
         self.cache = self._allocate_pool(config, args, pool or PoolShare())
@@ -189,7 +197,7 @@ class ModelRunner:
     def _capture(self, config: EngineConfig) -> DecodeStep:
         """The decode step compiled for every bucket of rows now, not when the first request meets it."""
         step = DecodeStep(self.model, config.max_batch_size, config.blocks_per_sequence, self.info.device,
-                          compiled=True)
+                          compiled=True, lora=self.lora)
         started = time.perf_counter()
         step.warm_up()
         log(f"compiled {len(step.sizes)} decode-step sizes {step.sizes} in {time.perf_counter() - started:.1f} s",

@@ -51,13 +51,15 @@ class SlotWeights:
 @dataclass
 class LoraStep:
     """The adapter slot of each token of the forward under way (None: every token on the base), and the
-    tokens of each slot in use, set by the runner before each forward."""
+    tokens of each slot in use, set by the runner before each forward; or, in a decode step of static shapes
+    (engine/decode_step.py), `rows`: each row's slot as a device tensor the step's graph reads."""
 
     slots: torch.Tensor | None = None  # int32 [tokens]
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, token indices)
+    rows: torch.Tensor | None = None
 
     def begin(self, slots: torch.Tensor | None, groups: list[tuple[int, torch.Tensor]]) -> None:
-        self.slots, self.groups = slots, groups
+        self.slots, self.groups, self.rows = slots, groups, None
 
 
 @dataclass
@@ -71,10 +73,22 @@ class Projection:
     def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y[t] += (x[t] A^T) B^T for each token t on an adapter, in float32 and rounded once to y's type;
         each adapter's A and B read once for all its tokens."""
+        if self.step.rows is not None:
+            return self._add_every_slot(y, x, self.step.rows)
         for slot, rows in self.step.groups:
             delta = (x[rows].float() @ self.weights.a[slot].t()) @ self.weights.bt[slot]
             y[rows] = (y[rows].float() + delta).to(y.dtype)
         return y
+
+    def _add_every_slot(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The same deltas with no host-side grouping, for a graph whose shapes never change: x through every
+        slot's A, each row keeping its own slot's part (the base's slot holds zeros), then one matmul by every
+        slot's B^T. It costs the slots' count in small matmuls, and it never gathers a row's factors."""
+        a, bt = self.weights.a, self.weights.bt
+        count, rank = a.shape[0], a.shape[1]
+        t = (x.float() @ a.flatten(0, 1).t()).unflatten(1, (count, rank))
+        own = (torch.arange(count, device=x.device) == slots[: len(x)].unsqueeze(1)).unsqueeze(-1)
+        return (y.float() + (t * own).flatten(1) @ bt.flatten(0, 1)).to(y.dtype)
 
 
 def tile_order(ffn: int, run: int) -> torch.Tensor:
