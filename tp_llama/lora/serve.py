@@ -46,9 +46,10 @@ class ResidentAdapters:
         blocks, self.gated_run = adapted_layers(model)
         # Every yaml adapter is read now, so a bad one fails the load; the first max_loras stay resident.
         first = [self._read(name, entry) for name, entry in (config.lora_adapters or {}).items()][: config.max_loras]
-        # Every projection gets slots where an adapter may arrive later; otherwise only those the yaml's adapt.
+        # Where adapters may arrive later, max_loras slots on every projection; otherwise the yaml's adapters' own.
         later = config.lora_runtime_loading or len(config.lora_adapters or {}) > config.max_loras
-        self.layers = allocate_slots(first, args, config.max_lora_rank, info.world_size, config.max_loras + 1, later)
+        slots = (config.max_loras if later else len(first)) + 1
+        self.layers = allocate_slots(first, args, config.max_lora_rank, info.world_size, slots, later)
         self.step = LoraStep()
         for block, projections in zip(blocks, self.layers):
             hooks = {"qkv": (block.attention, "lora_qkv"), "wo": (block.attention.wo, "lora"),
@@ -59,7 +60,7 @@ class ResidentAdapters:
                 setattr(module, attribute, Projection(projections[name], self.step))
         if isinstance(model.layers, DecodeLayers):
             model.layers.forget_plan()  # its C layers point at the adapters' slots from the next step on
-        self.names: list[str | None] = [None] * (config.max_loras + 1)  # slot -> adapter (slot 0: the base)
+        self.names: list[str | None] = [None] * slots  # slot -> adapter (slot 0: the base)
         self.refs: dict[str, AdapterRef] = {}
         self.used: dict[str, float] = {}
         for slot, adapter in enumerate(first, start=1):
