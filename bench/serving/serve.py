@@ -3,19 +3,21 @@
     python -m bench.serving.serve [--scenario levels] [OPTIONS]   # concurrency levels: ours, before, vLLM, llama.cpp
     python -m bench.serving.serve --scenario prefix [OPTIONS]     # prefix caching and the paged KV cache
     python -m bench.serving.serve --scenario cli [OPTIONS]        # ours against the offline CLI (the first suite)
+    python -m bench.serving.serve --scenario lora [OPTIONS]       # LoRA adapters against the base, ours and vLLM
     python -m bench.serving.serve --scenario SCENARIO --help      # that scenario's options, what it measures
 
 Each scenario keeps its options, defaults, tables and raw JSON (bench/out/bench_cb.json,
-bench_prefix.json, serve.json): they were bench.bench_cb, bench.bench_prefix and bench.bench_serve.
+bench_prefix.json, serve.json, lora.json): the first three were bench.bench_cb, bench.bench_prefix and
+bench.bench_serve.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench.serving import levels, prefix, versus_cli
+from bench.serving import levels, lora, prefix, versus_cli
 
-SCENARIOS = {"levels": levels, "prefix": prefix, "cli": versus_cli}
+SCENARIOS = {"levels": levels, "prefix": prefix, "cli": versus_cli, "lora": lora}
 
 
 def main(argv: list[str] | None = None) -> None:
