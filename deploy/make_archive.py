@@ -36,7 +36,9 @@ def apply_override(config: dict[str, Any], assignment: str) -> None:
     *parents, leaf = key.split(".")
     node = config
     for depth, part in enumerate(parents):
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or null in the yaml (lora_adapters: null): a block of its own now
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ValueError(f"--set {assignment}: {'.'.join(parents[:depth + 1])} is not a block of keys")
     try:

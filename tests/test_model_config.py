@@ -71,6 +71,7 @@ def test_every_torchserve_and_torchrun_key_of_the_shipped_yaml_is_known() -> Non
     ("handler.dtype=null", ("handler", "dtype"), None),
     ("torchrun.rdzv-endpoint=127.0.0.1:0", ("torchrun", "rdzv-endpoint"), "127.0.0.1:0"),
     ("deviceIds=[0, 1]", ("deviceIds",), [0, 1]),
+    ("handler.lora_adapters.sql=/adapters/sql", ("handler", "lora_adapters", "sql"), "/adapters/sql"),  # null before
 ])
 def test_set_writes_the_value_with_its_yaml_type(tmp_path: Path, assignment: str, path: tuple, value: object) -> None:
     config = model_config(REPO / "model-config.yaml", tmp_path, 2, [assignment])

@@ -36,6 +36,7 @@ NEW_TOKENS_LIMIT = 200
 MAX_BODY = 65536
 SERVER_CAP = 262144
 DTYPE = "float32"  # exact comparisons: bfloat16 rounding depends on the batch a row runs in
+ADMIN_KEY = "lora-admin-key-of-the-test"
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +45,26 @@ def checkpoint(synthetic_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="module")
-def adapters(checkpoint: Path, tmp_path_factory) -> dict:
-    """Two LoRA adapters the server holds: one, and the same files under a second name."""
-    from tests.support.lora_files import write_random_adapter
+def adapters(checkpoint: Path, tmp_path_factory) -> Path:
+    """The server's folder of LoRA adapters (PEFT's files): `terse`, which the yaml names twice (as itself and
+    as terse-copy), and `late`, which a client loads while it serves."""
+    from bench.lib.lora_adapters import write_adapter
     from tp_llama.checkpoint.params import read_params
     from tp_llama.tokenizer import load_tokenizer
 
     args = read_params(checkpoint, load_tokenizer(checkpoint / "tokenizer.model").n_words)
-    folder = write_random_adapter(tmp_path_factory.mktemp("adapter") / "terse", args)
-    entry = {"path": str(folder), "lora_alpha": 32}
-    return {"terse": entry, "terse-copy": entry}
+    folder = tmp_path_factory.mktemp("adapters")
+    for seed, name in enumerate(("terse", "late")):
+        write_adapter(folder / name, args, rank=8, seed=seed)
+    return folder
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, adapters: dict, serve):
+def server(checkpoint: Path, adapters: Path, serve):
     with serve(checkpoint, max_seq_len=MAX_SEQ_LEN, max_new_tokens_limit=NEW_TOKENS_LIMIT,
                default_max_new_tokens=MAX_NEW, max_request_bytes=MAX_BODY, dtype=DTYPE, batchSize=12,
-               lora_adapters={name: json.dumps(entry) for name, entry in adapters.items()},
+               lora_adapters={"terse": str(adapters / "terse"), "terse-copy": str(adapters / "terse")},
+               lora_folder=str(adapters), lora_runtime_loading="true", lora_admin_key=ADMIN_KEY,
                extra_config=[f"max_request_size={SERVER_CAP}"]) as ts:
         yield ts
 
@@ -236,10 +240,46 @@ def test_the_model_field_picks_a_lora_adapter_on_both_apis(server: TorchServe, c
     assert terse.model == "terse" and terse.choices[0].text == copy.choices[0].text
     assert terse.choices[0].text != base.choices[0].text  # the adapter changes the reply
     assert native(server, prompt=PROMPT, model="terse")["text"] == terse.choices[0].text
+    # n and structured outputs per adapter: each choice on the adapter, a constrained reply valid JSON.
+    pair = client.completions.create(model="terse", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, n=2)
+    assert [c.text for c in pair.choices] == [terse.choices[0].text] * 2
+    constrained = client.chat.completions.create(model="terse", messages=MESSAGES, max_tokens=MAX_NEW,
+                                                 response_format={"type": "json_object"}, temperature=0)
+    assert constrained.model == "terse" and constrained.choices[0].message.content.startswith("{")
     with pytest.raises(openai.NotFoundError) as refused:
         completion("tersely")
     error = refused.value.body
     assert error["code"] == "model_not_found" and error["param"] == "model" and "terse-copy" in error["message"]
+
+
+def test_an_adapter_loads_and_unloads_while_serving_behind_the_admin_key(server: TorchServe, client) -> None:
+    def admin(path: str, body: dict, key: str | None = ADMIN_KEY):
+        reply = server.request("POST", f"/predictions/llama/1.0/v1/{path}", json.dumps(body).encode(),
+                               headers={"X-Lora-Admin-Key": key} if key else None)
+        return reply.status, reply.json()
+
+    def late():
+        return client.completions.create(model="late", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
+
+    with pytest.raises(openai.NotFoundError):
+        late()
+    assert admin("load_lora_adapter", {"lora_name": "late"}, key=None)[0] == 403
+    assert admin("load_lora_adapter", {"lora_name": "late"}, key="wrong" * 8)[0] == 403
+    assert admin("load_lora_adapter", {"lora_name": "../late"})[0] == 400  # a name, never a path
+    assert admin("load_lora_adapter", {"lora_name": "late", "lora_path": "/etc"})[0] == 400
+    assert admin("load_lora_adapter", {"lora_name": "missing"})[0] == 404
+    assert admin("load_lora_adapter", {"lora_name": "late"}) == (200, {"object": "lora_adapter", "name": "late",
+                                                                      "status": "loaded"})
+    loaded = late()
+    assert loaded.model == "late" and "late" in [m.id for m in client.models.list().data]
+    assert loaded.choices[0].text != client.completions.create(model="terse", prompt=PROMPT, max_tokens=MAX_NEW,
+                                                               temperature=0).choices[0].text
+    assert admin("unload_lora_adapter", {"lora_name": "late"})[0] == 200
+    with pytest.raises(openai.NotFoundError):
+        late()
+    assert admin("load_lora_adapter", {"lora_name": "late"})[0] == 200  # back, the same reply
+    assert late().choices[0].text == loaded.choices[0].text
+    assert admin("unload_lora_adapter", {"lora_name": "late"})[0] == 200
 
 
 @pytest.mark.parametrize("call, param", [
