@@ -50,6 +50,7 @@ from bench.lib.lora_adapters import TARGETS, ensure_adapters
 from bench.serving.clients import Send, run_level, torchserve_stream
 from bench.serving.levels import median_level, start
 from bench.serving.lora_report import report
+from bench.serving.servers import keep_levels, printed_report, start_each
 from bench.serving.turns import cpu_seconds, settle
 from bench.serving.vllm_peer import VLLMServer, vllm_stream
 from tests.support.serving_util import TorchServe
@@ -193,8 +194,7 @@ def options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if a.report:
-        print(report(json.loads(a.report.read_text())))
+    if printed_report(a.report, report):
         return
     if a.quick:
         a.concurrency, a.adapters, a.rounds, a.new_tokens = [1, 2], 2, 1, 8
@@ -212,17 +212,8 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                   "modules": list(TARGETS), "adapters": adapters, "check_tokens": a.check_tokens,
                   "vllm_cores": a.vllm_cores, "ckpt": str(ckpt), "cpu_flags": cpu_flags(), "servers": {}, "failed": {}}
     with contextlib.ExitStack() as stack:
-        up = {}
-        for name in a.servers:
-            try:
-                up[name] = start_served(name, a, adapters, ids, text, stack)
-            except Exception as exc:  # the others still take turns
-                data["failed"][name] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
-                print(f"[{name}] FAILED: {data['failed'][name]}", flush=True)
-        levels = taking_turns(up, list(adapters), a) if up else {}
-        for name, served in up.items():  # the same dict: the stop's outcome lands in it too
-            data["servers"][name] = served.info
-            served.info["levels"] = levels[name]
+        up = start_each(a.servers, lambda name: start_served(name, a, adapters, ids, text, stack), data["failed"])
+        keep_levels(data, up, taking_turns(up, list(adapters), a) if up else {})
     path = write_json(a.out, data)
     print(report(json.loads(path.read_text())))
     print(f"raw numbers: {path}")

@@ -37,7 +37,8 @@ from pathlib import Path
 from bench.lib.checkpoint import PRESETS, ensure_checkpoint
 from bench.lib.common import OUT, REPO, machine, table, write_json
 from bench.serving.clients import in_threads, openai_stream, percentile
-from bench.serving.servers import NAME, archive, git_describe, own_rendezvous, start_ready, vllm_folder, vllm_version
+from bench.serving.servers import (NAME, archive, git_describe, own_rendezvous, printed_report, start_ready, vllm_folder,
+                                   vllm_version)
 from bench.serving.vllm_peer import VLLM_VENV, VLLMServer, vllm_stream
 from tests.support.serving_util import TorchServe
 from tp_llama.kernels import cpu_flags
@@ -291,8 +292,7 @@ def options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if a.report:
-        print(report(json.loads(a.report.read_text())))
+    if printed_report(a.report, report):
         return
     if a.quick:
         a.system_tokens, a.system_clients, a.chat_clients, a.turns, a.requests = 256, [1, 4], [1], 3, 1

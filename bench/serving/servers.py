@@ -3,11 +3,14 @@ make_archive, TorchServe started and waited for, which code and which vLLM ran."
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.lib.common import OUT, REPO
 from bench.serving.vllm_peer import VLLM_VENV, convert_in_venv
@@ -78,3 +81,29 @@ def vllm_folder(ckpt_mp1: Path, work: Path, max_len: int) -> tuple[Path, int]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     return convert_in_venv(ckpt_mp1, OUT / "hf" / ckpt_mp1.name, max_len), free_ports(1)[0]
+
+
+def start_each(names: list[str], start: Callable[[str], Any], failed: dict[str, str]) -> dict[str, Any]:
+    """Each server by `start(name)`; one that fails is recorded in `failed` and the others still run."""
+    up = {}
+    for name in names:
+        try:
+            up[name] = start(name)
+        except Exception as exc:  # one server failing still leaves the others' numbers
+            failed[name] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+            print(f"[{name}] FAILED: {failed[name]}", flush=True)
+    return up
+
+
+def keep_levels(data: dict, up: dict[str, Any], levels: dict[str, list[dict]]) -> None:
+    """Each started server's info, its levels in it, into the run's data (the dict its stop's outcome lands in)."""
+    for name, served in up.items():
+        data["servers"][name] = served.info
+        served.info["levels"] = levels[name]
+
+
+def printed_report(path: Path | None, report: Callable[[dict], str]) -> bool:
+    """An earlier run's tables printed again (--report PATH) instead of a run."""
+    if path is not None:
+        print(report(json.loads(path.read_text())))
+    return path is not None

@@ -58,7 +58,8 @@ from bench.lib.checkpoint import PRESETS, ensure_checkpoint
 from bench.lib.common import OUT, REPO, write_json
 from bench.lib.generation import prompt_text
 from bench.lib.llamacpp import cpu_flags
-from bench.serving.servers import NAME, archive, git_describe, own_rendezvous, start_ready, vllm_folder, vllm_version
+from bench.serving.servers import (NAME, archive, git_describe, keep_levels, own_rendezvous, start_each, start_ready,
+                                   vllm_folder, vllm_version)
 from bench.serving.structured_report import report
 from bench.serving.clients import post_json
 from bench.serving.structured_requests import MODES, Target, completion, constrained_body, invalid, run_mode
@@ -254,17 +255,8 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     groups = [[name] for name in a.servers] if a.rounds == 1 else [list(a.servers)]
     for group in groups:
         with contextlib.ExitStack() as stack:
-            up = {}
-            for name in group:
-                try:
-                    up[name] = start(name, ids, text, ours_text, a, stack)
-                except Exception as exc:  # one server failing still leaves the others' numbers
-                    data["failed"][name] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
-                    print(f"[{name}] FAILED: {data['failed'][name]}", flush=True)
-            levels = taking_turns(up, ids, a) if up else {}
-            for name, target in up.items():  # the same dict: the stop's outcome lands in it too
-                data["servers"][name] = target.info
-                target.info["levels"] = levels[name]
+            up = start_each(group, lambda name: start(name, ids, text, ours_text, a, stack), data["failed"])
+            keep_levels(data, up, taking_turns(up, ids, a) if up else {})
     path = write_json(a.out, data)
     print(report(json.loads(path.read_text())))
     print(f"raw numbers: {path}")
