@@ -128,7 +128,7 @@ class Scheduler:
     def _check_fork(self, seq: Sequence, leader: Sequence) -> None:
         if (seq.prompt_ids, seq.params, seq.cache_salt, seq.adapter) != (leader.prompt_ids, leader.params,
                                                                          leader.cache_salt, leader.adapter):
-            raise ValueError("a fork has the prompt, params, cache_salt and adapter of the sequence it forks from")
+            raise ValueError("a fork has the prompt, params and cache_salt (and the adapter) of the sequence it forks from")
         if leader.fork_of is not None or leader.cached_tokens is not None or leader not in self.waiting:
             raise ValueError("a fork is added after its group's first sequence and before that one is scheduled")
         if seq.params.max_new_tokens < 1:
