@@ -41,10 +41,11 @@ class CRMSNorm(nn.Module):
 
 
 class GatedFeedForward(nn.Module):
+    lora_w13 = None  # LoRA adapters' w1/w3 delta, its columns in the tiles' order (lora/slots.py), where held
+
     def __init__(self, w13: Weight, w2: nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2
-        self.lora_w13 = None  # LoRA adapters' w1/w3 delta, its columns in the tiles' order (lora/slots.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_w13 is None or not self.lora_w13.step.groups:

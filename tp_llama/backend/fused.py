@@ -41,6 +41,8 @@ def serving_linear(module: nn.Module, kind: str, device: torch.device | None = N
 class FusedAttention(nn.Module):
     """The model's attention with q, k and v in one matmul."""
 
+    lora_qkv = None  # LoRA adapters' q/k/v delta (lora/slots.py's Projection), set on the instance where held
+
     def __init__(self, attention: Attention, kind: str, device: torch.device | None = None, bits: int = 16):
         super().__init__()
         self.head_dim = attention.head_dim
@@ -49,7 +51,6 @@ class FusedAttention(nn.Module):
         self.wqkv: Weight = held(prepare(fused, kind, device, bits))
         self.wo = serving_linear(attention.wo, kind, device, bits)
         self.cache = attention.cache
-        self.lora_qkv = None  # LoRA adapters' q/k/v delta (lora/slots.py's Projection)
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         return self.wo(self.attend(self.qkv(x), rotation, batch))
@@ -71,12 +72,13 @@ class FusedAttention(nn.Module):
 class FusedFeedForward(nn.Module):
     """The model's SwiGLU with w1 and w3 in one matmul."""
 
+    lora_w13 = None  # LoRA adapters' w1/w3 delta (lora/slots.py's Projection), set on the instance where held
+
     def __init__(self, ffn: FeedForward, kind: str, device: torch.device | None = None, bits: int = 16):
         super().__init__()
         w13 = torch.cat([ffn.w1.weight.detach(), ffn.w3.weight.detach()])
         self.w13: Weight = held(prepare(w13, kind, device, bits))
         self.w2 = serving_linear(ffn.w2, kind, device, bits)
-        self.lora_w13 = None  # LoRA adapters' w1/w3 delta (lora/slots.py's Projection)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w13 = linear(x, self.w13)

@@ -68,11 +68,12 @@ class LocalLinear(nn.Module):
     (column parallel, whole features on rank 0 only: the logits).
     """
 
+    lora = None  # LoRA adapters' delta (lora/slots.py's Projection), added before the collective, where held
+
     def __init__(self, weight: torch.Tensor, comm: str, group: dist.ProcessGroup | None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.comm, self.group = comm, group
-        self.lora = None  # LoRA adapters' delta (lora/slots.py's Projection), added before the collective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight)
