@@ -14,7 +14,7 @@ from tests.support.cli_util import launch_cli
 from tp_llama.testing.faults import fault_env
 from tp_llama.testing.synthetic import write_checkpoint
 
-FAIL_FAST_S = 45  # two interpreter start-ups and torchrun included; a hang would hit the 60 s collective timeout
+FAIL_FAST_S = 45  # the ranks' interpreter start-ups included; a hang would hit the 60 s collective timeout
 
 
 @pytest.fixture(scope="module")

@@ -84,9 +84,32 @@ def convert_every_layout() -> list[str]:
     return done
 
 
+def _helpers_then_every_layout() -> dict:
+    """On 2 ranks, one group for both tests of it (spawned ranks cost a torch import each): the helpers'
+    checks, then every layout; each part's result, or its traceback."""
+    import traceback
+
+    out = {}
+    for name, part in (("helpers", helper_checks), ("converted", convert_every_layout)):
+        try:
+            out[name] = part()
+        except Exception:  # noqa: BLE001 - reported by the part's own test
+            out[name] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_helpers_then_every_layout, 2, timeout=240)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_converted_state_dict_loads_into_fsdp_exactly(world_size):
-    done = run_ranks(convert_every_layout, world_size, timeout=240)
+def test_converted_state_dict_loads_into_fsdp_exactly(world_size, request):
+    if world_size == 2:
+        done = [result["converted"] for result in request.getfixturevalue("two_ranks")]
+        assert all(isinstance(d, list) for d in done), "\n".join(map(str, done))
+    else:
+        done = run_ranks(convert_every_layout, world_size, timeout=240)
     expected_cases = 2 * 2 * len([m for m in (1, 2, 4) if world_size % m == 0])
     assert all(len(d) == expected_cases for d in done)
 
@@ -119,8 +142,9 @@ def helper_checks() -> dict:
     return {"gathered_ok": gathered_ok, "mismatch": mismatch, "bad_world": bad_world, "bad_shard": bad_shard}
 
 
-def test_helpers_gather_verify_and_fail_together():
-    for result in run_ranks(helper_checks, 2):
+def test_helpers_gather_verify_and_fail_together(two_ranks):
+    for result in (ranks["helpers"] for ranks in two_ranks):
+        assert isinstance(result, dict), result
         assert result["gathered_ok"]
         assert "different parameters" in result["mismatch"]
         assert "not a multiple" in result["bad_world"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.compilers import unoptimised_compiler
 from tp_llama.kernels.cpu import ffi
 from tp_llama.kernels.cpu.build import COMMON_FLAGS, HEADERS, HERE, SOURCES, VARIANTS, runnable
 
@@ -107,11 +108,10 @@ def test_every_variant_compiles_on_any_x86_64(tmp_path: Path, variant: str):
 
 @needs_build
 def test_ranks_starting_together_build_once(tmp_path: Path):
-    """Three processes ask for the library of a cold cache at once: one compiles, the others wait for it."""
+    """Three processes ask for the library of a cold cache at once: one compiles, the others wait for it.
+    The compiler, counting its calls, builds at -O0: the lock and the cache are what is tested."""
     log = tmp_path / "compiles.log"
-    wrapper = tmp_path / "cc"
-    wrapper.write_text(f"#!/bin/sh\necho $$ >> {log}\nexec {COMPILER} \"$@\"\n")
-    wrapper.chmod(0o755)
+    wrapper = unoptimised_compiler(tmp_path, COMPILER, log)
     script = ("import sys; from tp_llama.kernels.cpu.build import build; "
               f"print(build('avx512', {str(wrapper)!r}))")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -136,7 +136,8 @@ def test_a_failed_build_falls_back_to_onednn_and_says_why(tmp_path: Path):
 
 @needs_build
 def test_a_non_editable_install_builds_the_kernels(tmp_path: Path):
-    """`pip install .` ships the C sources and the headers they include, so the installed copy builds."""
+    """`pip install .` ships the C sources and the headers they include, so the installed copy builds
+    (at -O0: that the files are there and compile is the point, not the optimised code)."""
     target = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                               "--target", str(target), str(REPO)], capture_output=True, text=True, timeout=600,
@@ -145,7 +146,8 @@ def test_a_non_editable_install_builds_the_kernels(tmp_path: Path):
     assert {p.name for p in (target / "tp_llama" / "kernels" / "cpu").iterdir()} >= {*SOURCES, *HEADERS}
     script = ("import tp_llama; from tp_llama.kernels.cpu import ffi; lib, why = ffi.load(); "
               "print(tp_llama.__file__, lib.path if lib else why)")
-    env = {**os.environ, "PYTHONPATH": str(target), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(target), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "CC": unoptimised_compiler(tmp_path, COMPILER)}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
                          cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]

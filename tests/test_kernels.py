@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.compilers import unoptimised_compiler
 from tp_llama.kernels import Tiled, choose, linear, onednn, prepare, prepare_swiglu
 from tp_llama.kernels.cpu import build as cpu_build
 from tp_llama.kernels.cpu import ffi, ops
@@ -364,12 +365,15 @@ def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
 def test_the_build_is_cached(monkeypatch, tmp_path):
+    """The second build is the first's file, untouched; the first skips a cache folder it cannot make.
+    Built at -O0 (tests/support/compilers.py): the cache is the point, not the optimised code."""
     monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path / "unwritable", tmp_path / "cache"])
     (tmp_path / "unwritable").write_text("a file where the folder should be")
-    first = build("avx512", COMPILER)
+    cc = unoptimised_compiler(tmp_path, COMPILER)
+    first = build("avx512", cc)
     assert first.parent == tmp_path / "cache" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert build("avx512", COMPILER) == first and first.stat().st_mtime_ns == stamp
+    assert build("avx512", cc) == first and first.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")

@@ -3,7 +3,7 @@ sequences preempted when the pool runs dry against the same sequences given room
 
 A hit prefills fewer rows through other kernels, so its logits are compared within float32
 rounding and its greedy tokens exactly; tp mode in process (the KV-cache pages of a hit are the
-cold run's own), fsdp mode and TP 2 through the CLI under torchrun.
+cold run's own), fsdp mode and TP 2 through the CLI on 2 ranks (tests/support/cli_util.py).
 """
 
 from __future__ import annotations

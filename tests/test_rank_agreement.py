@@ -31,18 +31,37 @@ def _block(failing: dict[int, BaseException]) -> str:
     return value
 
 
-def test_no_failure_lets_every_rank_go_on_with_what_its_block_made():
-    assert run_ranks(_block, 2, {}, timeout=60) == ["made on rank 0", "made on rank 1"]
+SCENARIOS = {
+    "none": {},
+    "one": {1: CheckpointError("consolidated.01.pth: cannot be read")},
+    "different": {0: CheckpointError("params.json: bad"), 1: MemoryError("pool")},
+}
 
 
-def test_one_rank_failing_fails_every_rank_with_its_cause():
-    seen = run_ranks(_block, 3, {1: CheckpointError("consolidated.01.pth: cannot be read")}, timeout=60)
-    assert seen == ["CheckpointError: rank 1: CheckpointError: consolidated.01.pth: cannot be read"] * 3
+def _blocks(scenarios: dict[str, dict[int, BaseException]]) -> dict[str, str]:
+    """Each scenario's block in turn on this rank, in one process group (each meeting ends before the next)."""
+    return {name: _block(failing) for name, failing in scenarios.items()}
 
 
-def test_different_failures_are_all_named_and_not_all_checkpoint_errors_make_a_runtime_error():
-    seen = run_ranks(_block, 2, {0: CheckpointError("params.json: bad"), 1: MemoryError("pool")}, timeout=60)
-    assert seen == ["RuntimeError: rank 0: CheckpointError: params.json: bad; rank 1: MemoryError: pool"] * 2
+@pytest.fixture(scope="module")
+def seen() -> dict[str, list[str]]:
+    """What each of 3 ranks saw in each scenario: one group for all of them (a group of spawned ranks
+    costs a torch import each)."""
+    by_rank = run_ranks(_blocks, 3, SCENARIOS, timeout=60)
+    return {name: [ranks[name] for ranks in by_rank] for name in SCENARIOS}
+
+
+def test_no_failure_lets_every_rank_go_on_with_what_its_block_made(seen):
+    assert seen["none"] == ["made on rank 0", "made on rank 1", "made on rank 2"]
+
+
+def test_one_rank_failing_fails_every_rank_with_its_cause(seen):
+    assert seen["one"] == ["CheckpointError: rank 1: CheckpointError: consolidated.01.pth: cannot be read"] * 3
+
+
+def test_different_failures_are_all_named_and_not_all_checkpoint_errors_make_a_runtime_error(seen):
+    """Rank 2's block went well: only the failures are named."""
+    assert seen["different"] == ["RuntimeError: rank 0: CheckpointError: params.json: bad; rank 1: MemoryError: pool"] * 3
 
 
 def test_alone_the_error_is_raised_as_it_is():

@@ -254,32 +254,49 @@ def _wait_gone(pids: list, timeout: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("name,fault,cause", LOAD_FAULTS, ids=[f[0] for f in LOAD_FAULTS])
-def test_load_fault_fails_fast_and_recovers_when_removed(server: TorchServe, checkpoint: Path, reference: dict,
-                                                         name: str, fault: dict | None, cause: str) -> None:
-    """A restart (rank 0 killed) reloads into the fault: every rank of that attempt must be gone
-    soon after the cause is logged, and the next attempt after the fault is removed must serve."""
+def test_load_faults_fail_fast_and_the_worker_recovers_when_removed(server: TorchServe, checkpoint: Path,
+                                                                    reference: dict) -> None:
+    """A restart (rank 0 killed) reloads into the first fault, and each failed attempt's own restart
+    (TorchServe retries a failed worker, after its back-off) into the next: each attempt must log its
+    cause and have every rank gone soon after its restart began, and the attempt after the last fault
+    is removed must serve, with no rank of any attempt left over. A fault is swapped for the next as
+    soon as its cause is logged (the attempt has read it; the next attempt has not started), so each
+    attempt meets the fault it is checked for."""
     ranks = rank_processes(server)
-    seen = server.model_log().count(cause)
     backup = None
-    if fault is None:
-        backup = _corrupt_rank1_shard(checkpoint)
-    else:
-        set_faults(server, [fault])
-    limit = FAIL_FAST_S + (COLLECTIVE_TIMEOUT_S if "hang" in name else 0)
-    try:
-        ranks[0].kill()  # the restart that follows loads the checkpoint again, into the fault
-        killed = time.monotonic()
-        cause_after = wait_for_log(server, cause, seen, timeout=limit + 30)
-        attempt = list(rank_processes(server).values())
-        _wait_gone(attempt, limit)
-        failed_after = time.monotonic() - killed
-    finally:
+    timings = []
+
+    def arm(index: int) -> None:
+        """LOAD_FAULTS[index] in place (a corrupt shard or a fault file), the ones before it removed."""
+        nonlocal backup
         if backup is not None:
             backup[0].write_bytes(backup[1])
-        set_faults(server, [])
+            backup = None
+        fault = LOAD_FAULTS[index][1] if index < len(LOAD_FAULTS) else None
+        if index < len(LOAD_FAULTS) and fault is None:
+            backup = _corrupt_rank1_shard(checkpoint)
+        set_faults(server, [fault] if fault is not None else [])
+
+    try:
+        arm(0)
+        log = server.model_log()
+        ranks[0].kill()  # the restart that follows loads the checkpoint again, into the first fault
+        began = time.monotonic()
+        for index, (name, _, cause) in enumerate(LOAD_FAULTS):
+            limit = FAIL_FAST_S + (COLLECTIVE_TIMEOUT_S if "hang" in name else 0)
+            cause_after = wait_for_log(server, cause, log.count(cause), timeout=limit + 30)
+            arm(index + 1)
+            attempt = list(rank_processes(server).values())
+            _wait_gone(attempt, limit)
+            gone = time.monotonic()
+            log = server.model_log()  # the next cause counts once this attempt is over
+            timings.append((name, cause_after, gone - began))
+            assert gone - began < limit, f"load fault '{name}': took {gone - began:.1f} s"
+            began = gone  # the next attempt's restart begins as this one's ranks are gone
+    finally:
+        arm(len(LOAD_FAULTS))
     recovered_after = wait_recovered(server, {p.pid for p in ranks.values()}, reference["probe"], reference["expected"])
-    print(f"\nload fault '{name}': cause logged {cause_after:.1f} s and every rank of that attempt gone "
-          f"{failed_after:.1f} s after the restart began; serving again {recovered_after:.1f} s after the fault "
-          "was removed")
-    assert failed_after < limit, f"took {failed_after:.1f} s"
+    for name, cause_after, failed_after in timings:
+        print(f"\nload fault '{name}': cause logged {cause_after:.1f} s and every rank of that attempt gone "
+              f"{failed_after:.1f} s after its restart began")
+    print(f"serving again {recovered_after:.1f} s after the last fault was removed")

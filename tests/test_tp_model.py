@@ -161,10 +161,32 @@ def loaded_matches_whole_and_dtensor(family: str, folders: dict[int, str]) -> st
     return "ok"
 
 
+def each_family(folders: dict[str, dict[int, str]]) -> dict[str, str]:
+    """loaded_matches_whole_and_dtensor for each family in turn on this rank: "ok", or its traceback."""
+    import traceback
+
+    verdicts = {}
+    for family, family_folders in folders.items():
+        try:
+            verdicts[family] = loaded_matches_whole_and_dtensor(family, family_folders)
+        except Exception:  # noqa: BLE001 - reported by the family's own test
+            verdicts[family] = traceback.format_exc()
+    return verdicts
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory) -> list[dict[str, str]]:
+    """Each rank's verdict for each family, both families on the same 2 ranks (spawned ranks cost a
+    torch import each)."""
+    root = tmp_path_factory.mktemp("tp")
+    folders = {family: {mp: str(write_checkpoint(root / family / f"mp{mp}", family, mp)) for mp in MPS}
+               for family in ARGS}
+    return run_ranks(each_family, 2, folders, timeout=240)
+
+
 @pytest.mark.parametrize("family", ["llama2", "llama3"])
-def test_loaded_local_model_matches_whole_model_and_dtensor_model(family, tmp_path):
-    folders = {mp: str(write_checkpoint(tmp_path / f"mp{mp}", family, mp)) for mp in MPS}
-    assert run_ranks(loaded_matches_whole_and_dtensor, 2, family, folders, timeout=150) == ["ok", "ok"]
+def test_loaded_local_model_matches_whole_model_and_dtensor_model(family, verdicts):
+    assert [verdict[family] for verdict in verdicts] == ["ok", "ok"], "\n".join(v[family] for v in verdicts)
 
 
 def test_tp1_load_is_the_plain_model_and_imports_nothing_heavy(tmp_path):
