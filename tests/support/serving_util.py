@@ -86,16 +86,13 @@ class TorchServe:
         *,
         management: bool = False,
         extra_config: Iterable[str] = (),
-        also: Iterable[str] = (),
     ) -> None:
         """`management=True` puts the management API on a free 127.0.0.1 port with the model API on
         (setup_model.sh --management); by default it is on a unix socket, as setup_model.sh does.
-        `extra_config`: further config.properties lines, e.g. "max_request_size=4096". `also`: the
-        names of further archives in MODEL_STORE served beside NAME."""
+        `extra_config`: further config.properties lines, e.g. "max_request_size=4096"."""
         self.workdir = workdir
         self.model_store = model_store
         self.name = name
-        self.also = tuple(also)
         (self.inference_port, self.metrics_port, self.grpc_inference_port, self.grpc_management_port,
          worker_port, distribution_port, management_port) = free_ports(7)
         self.management_port: int | None = management_port if management else None
@@ -139,7 +136,7 @@ class TorchServe:
         command = [
             str(VENV_BIN / "torchserve"), "--start", "--foreground", "--ncs",
             "--ts-config", str(self.config), "--model-store", str(self.model_store),
-            "--models", *(f"{name}={name}" for name in (self.name, *self.also)),
+            "--models", f"{self.name}={self.name}",
         ]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
