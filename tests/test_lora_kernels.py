@@ -16,6 +16,7 @@ from tp_llama.kernels import choose, prepare, prepare_swiglu
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.build import runnable
 from tp_llama.kernels.cpu.ffi import library
+from tp_llama.lora.slots import block_lines
 
 CPU = torch.device("cpu")
 KIND = choose(CPU, torch.float32)[0]
@@ -53,12 +54,33 @@ def scaled_tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
     return {"rtol": tol, "atol": tol * expected.abs().max().item()}
 
 
+def fused_lora(gen: torch.Generator, rank: int, k: int, widths: list[int],
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused projection's parts' adapters stacked as lora/slots.py stacks them, in `dtype`: A along the
+    rank, B^T block-diagonal (part j's ranks j * rank on, its columns after the parts before it)."""
+    parts = [random_lora(gen, rank, k, n) for n in widths]
+    bt = torch.zeros(SLOTS, rank * len(widths), sum(widths))
+    for j, (_, part) in enumerate(parts):
+        bt[:, j * rank : (j + 1) * rank, sum(widths[:j]) : sum(widths[: j + 1])] = part
+    return torch.cat([a for a, _ in parts], dim=1).to(dtype), bt.to(dtype)
+
+
+def unread_as_nan(bt: torch.Tensor, first: torch.Tensor, lines: int) -> torch.Tensor:
+    """bt with NaN at every rank each 16 columns' lines leave out: what the kernel must never read."""
+    out = bt.clone()
+    for v, r0 in enumerate(first.tolist()):
+        out[:, :r0, 16 * v : 16 * v + 16] = float("nan")
+        out[:, r0 + lines :, 16 * v : 16 * v + 16] = float("nan")
+    return out
+
+
 @DTYPES
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["f32-weights", "bf16-weights"])
 @pytest.mark.parametrize("rank", [8, 16, 48])
-def test_lora_add_matches_float64(dtype: torch.dtype, rank: int):
+def test_lora_add_matches_float64(dtype: torch.dtype, weights: torch.dtype, rank: int):
     gen = torch.Generator().manual_seed(rank)
     k, n = 72, 50  # neither a multiple of 16: masked lanes on both passes
-    a, bt = random_lora(gen, rank, k, n)
+    a, bt = (t.to(weights) for t in random_lora(gen, rank, k, n))
     lora = ops.lora_weights(a, bt)
     adapters = slots(2, 0, 1, 2, 3, 0, 1, 2, 2)
     x = torch.randn(len(adapters), k, generator=gen).to(dtype)
@@ -70,6 +92,42 @@ def test_lora_add_matches_float64(dtype: torch.dtype, rank: int):
     base = adapters == 0
     assert torch.equal(y[base], before[base])
     assert (y[~base] != before[~base]).float().mean() > 0.9
+
+
+@DTYPES
+def test_a_fused_projection_reads_only_its_blocks(dtype: torch.dtype):
+    """q/k/v's block-diagonal B^T read by its blocks' lines (block_lines): the float64 delta, the bits of
+    reading every rank, and the same with NaN everywhere the lines leave out."""
+    gen = torch.Generator().manual_seed(9)
+    k, rank, widths = 64, 8, {"wq": (64, 64), "wk": (64, 32), "wv": (64, 32)}
+    a, bt = fused_lora(gen, rank, k, [n for _, n in widths.values()], dtype)
+    lines = block_lines("qkv", widths, rank, None)
+    adapters = slots(1, 0, 3, 2, 1)
+    x = torch.randn(len(adapters), k, generator=gen).to(dtype)
+    y = torch.randn(len(adapters), bt.shape[2], generator=gen).to(dtype)
+    every, only, unread = y.clone(), y.clone(), y.clone()
+    ops.lora_add(x, adapters, ops.lora_weights(a, bt), every)
+    ops.lora_add(x, adapters, ops.lora_weights(a, bt, *lines), only)
+    ops.lora_add(x, adapters, ops.lora_weights(a, unread_as_nan(bt, *lines), *lines), unread)
+    assert torch.equal(only, every) and torch.equal(unread, every)
+    expected = y.double() + delta(x, adapters, a, bt)
+    torch.testing.assert_close(only.double(), expected, **scaled_tolerance(dtype, expected))
+    assert (lines[0].tolist(), lines[1]) == ([0] * 4 + [8] * 2 + [16] * 2, 8)
+    with pytest.raises(ValueError, match="runs of ranks"):
+        ops.lora_weights(a, bt, torch.tensor([0] * 7 + [17]), 8)
+
+
+def test_a_slot_written_again_is_read_again():
+    """lora_retile: the C kernels' copy of a slot follows what is written into bt."""
+    gen = torch.Generator().manual_seed(4)
+    a, bt = random_lora(gen, 8, 32, 40)
+    lora = ops.lora_weights(a, bt)
+    x, adapters = torch.randn(2, 32, generator=gen), slots(1, 3)
+    bt[3] = torch.randn(8, 40, generator=gen)
+    ops.lora_retile(lora, 3)
+    y = torch.zeros(2, 40)
+    ops.lora_add(x, adapters, lora, y)
+    torch.testing.assert_close(y.double(), delta(x, adapters, a, bt), rtol=2e-6, atol=1e-6)
 
 
 @DTYPES
@@ -99,7 +157,7 @@ def test_bad_adapters_are_refused():
         ops.lora_add(x, slots(0, 1, 2).long(), lora, y)
     with pytest.raises(ValueError, match="do not fit adapters"):
         ops.lora_add(x, slots(0, 1, 2), lora, torch.zeros(3, 17))
-    with pytest.raises(ValueError, match="float32 CPU"):
+    with pytest.raises(ValueError, match="of one type"):
         ops.lora_weights(torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4, 8))
 
 
@@ -123,7 +181,9 @@ def gate_tile_order(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 class Layer:
     """One small GQA layer in the C kernels' tiles with adapters on every projection, its rows each in
-    blocks of their own scattered over a paged cache, and the same layer op by op in float64."""
+    blocks of their own scattered over a paged cache, and the same layer op by op in float64. The adapters
+    are as the engine holds them: in the layer's type, q/k/v's and w1/w3's stacked, the C kernels' copies
+    NaN off the lines they read."""
 
     DIM, HEADS, KV, HD, FFN, BLOCK, RANK, EPS = 128, 4, 2, 32, 160, 16, 8, 1e-5
     POSITIONS = (5, 20, 0, 33, 16)
@@ -136,11 +196,16 @@ class Layer:
         self.w = {name: (torch.randn(shape, generator=gen) / math.sqrt(shape[1])).to(dtype)
                   for name, shape in shapes.items()}
         self.norms = tuple((1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype) for _ in range(2))
-        self.lora = {name: random_lora(gen, self.RANK, k, n) for name, (n, k) in shapes.items() if name != "w3"}
-        a13, bt1 = self.lora["w1"]
-        bt3 = torch.randn(bt1.shape, generator=gen) / math.sqrt(self.RANK)
-        bt3[0], bt3[2, self.RANK // 2:] = float("nan"), 0
-        self.lora["w3"] = (a13, bt3)
+        kv, r = self.KV * self.HD, self.RANK
+        self.lora = {"wqkv": fused_lora(gen, r, dim, [attn, kv, kv], dtype),
+                     "w13": fused_lora(gen, r, dim, [ffn, ffn], dtype),
+                     **{name: tuple(t.to(dtype) for t in random_lora(gen, r, k, n)) for name, (n, k) in shapes.items()
+                        if name in ("wo", "w2")}}
+        a13, bt13 = self.lora["w13"]
+        self.lora["w1"], self.lora["w3"] = (a13[:, :r], bt13[:, :r, :ffn]), (a13[:, r:], bt13[:, r:, ffn:])
+        self.lines = {"wqkv": block_lines("qkv", {"wq": (dim, attn), "wk": (dim, kv), "wv": (dim, kv)}, r, None),
+                      "w13": block_lines("w13", {"w1": (dim, ffn), "w3": (dim, ffn)}, r,
+                                         library().constants["GATE_RUN"])}
         rows, per_row = len(self.POSITIONS), -(-max(self.POSITIONS) // self.BLOCK) + 1
         n_blocks = rows * per_row + 1
         self.tables = torch.randperm(n_blocks, generator=gen)[:rows * per_row].view(rows, per_row)
@@ -154,8 +219,12 @@ class Layer:
         self.weights = weights = (  # held: the layer's structs hold only their addresses
             prepare(self.w["wqkv"], kind, bits=bits), prepare(self.w["wo"], kind, bits=bits),
             prepare_swiglu(self.w["w1"], self.w["w3"], kind, bits), prepare(self.w["w2"], kind, bits=bits))
-        adapters = (ops.lora_weights(*self.lora["wqkv"]), ops.lora_weights(*self.lora["wo"]),
-                    ops.lora_weights(a13, gate_tile_order(bt1, bt3)), ops.lora_weights(*self.lora["w2"]))
+        bt13 = gate_tile_order(bt13[..., :ffn], bt13[..., ffn:])
+        adapters = (ops.lora_weights(self.lora["wqkv"][0], unread_as_nan(self.lora["wqkv"][1], *self.lines["wqkv"]),
+                                     *self.lines["wqkv"]),
+                    ops.lora_weights(*self.lora["wo"]),
+                    ops.lora_weights(a13, unread_as_nan(bt13, *self.lines["w13"]), *self.lines["w13"]),
+                    ops.lora_weights(*self.lora["w2"]))
         self.c = ops.decode_layer(self.norms, weights, *self.cache, self.BLOCK, self.EPS, lora=adapters)
         self.plain = ops.decode_layer(self.norms, weights, *self.cache, self.BLOCK, self.EPS)
         assert self.c is not None and self.plain is not None

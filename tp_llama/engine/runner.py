@@ -126,7 +126,7 @@ class ModelRunner:
         self.adapters: ResidentAdapters | None = None
         if adapters:
             with every_rank_agrees():
-                self.adapters = resident_adapters(config, model, args, info)
+                self.adapters = resident_adapters(config, model, args, info, self.dtype)
         self.lora: LoraStep | None = self.adapters.step if self.adapters is not None else None
         compiled, why = compiles_decode(config, info.device, kind)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)

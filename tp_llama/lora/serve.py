@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from tp_llama.backend.cpu import CFeedForward, DecodeLayers, GatedFeedForward
@@ -41,7 +42,7 @@ class ResidentAdapters:
     """This rank's adapter slots, hooked into its model; on rank 0 also which adapter sits where (`refs`, by
     name, what the scheduler reads) and when each was last asked for."""
 
-    def __init__(self, config: EngineConfig, model: nn.Module, args: ModelArgs, info: DistInfo):
+    def __init__(self, config: EngineConfig, model: nn.Module, args: ModelArgs, info: DistInfo, dtype: torch.dtype):
         self.config, self.model, self.args, self.info = config, model, args, info
         blocks, self.gated_run = adapted_layers(model)
         # Every yaml adapter is read now, so a bad one fails the load; the first max_loras stay resident.
@@ -49,7 +50,8 @@ class ResidentAdapters:
         # Where adapters may arrive later, max_loras slots on every projection; otherwise the yaml's adapters' own.
         later = config.lora_runtime_loading or len(config.lora_adapters or {}) > config.max_loras
         slots = (config.max_loras if later else len(first)) + 1
-        self.layers = allocate_slots(first, args, config.max_lora_rank, info.world_size, slots, later)
+        self.layers = allocate_slots(first, args, config.max_lora_rank, info.world_size, slots, later, dtype,
+                                     self.gated_run)
         self.step = LoraStep()
         for block, projections in zip(blocks, self.layers):
             hooks = {"qkv": (block.attention, "lora_qkv"), "wo": (block.attention.wo, "lora"),
@@ -74,14 +76,18 @@ class ResidentAdapters:
 
     def _resident(self, weights: SlotWeights) -> SlotWeights:
         """Slots on the model's device, with the C kernels' view of them where the C layers run."""
-        weights = SlotWeights(weights.a.to(self.info.device), weights.bt.to(self.info.device))
+        weights = SlotWeights(weights.a.to(self.info.device), weights.bt.to(self.info.device), weights.lines)
         if self.gated_run is not None:
-            weights.c = ops.lora_weights(weights.a, weights.bt)
+            weights.c = ops.lora_weights(weights.a, weights.bt, *weights.lines)
         return weights
 
     def _write(self, slot: int, adapter: Adapter | None) -> None:
         write_slot(self.layers, slot, adapter, self.args, self.config.max_lora_rank, self.info.rank,
                    self.info.world_size, self.gated_run)
+        for projections in self.layers:
+            for weights in projections.values():
+                if weights.c is not None:
+                    ops.lora_retile(weights.c, slot)
         old = self.names[slot]
         if old is not None:
             self.refs.pop(old, None)
@@ -121,10 +127,10 @@ class ResidentAdapters:
         return self.refs[min(idle, key=lambda n: self.used[n])].slot if idle else None
 
 
-def resident_adapters(config: EngineConfig, model: nn.Module, args: ModelArgs,
-                      info: DistInfo) -> ResidentAdapters | None:
-    """The adapters' slots on this rank, None where no adapter can ever be served."""
+def resident_adapters(config: EngineConfig, model: nn.Module, args: ModelArgs, info: DistInfo,
+                      dtype: torch.dtype) -> ResidentAdapters | None:
+    """The adapters' slots on this rank in the model's `dtype`, None where no adapter can ever be served."""
     if not config.lora_adapters and not config.lora_runtime_loading:
         return None
-    return ResidentAdapters(config, model, args, info)
+    return ResidentAdapters(config, model, args, info, dtype)
 

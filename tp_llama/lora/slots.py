@@ -1,12 +1,13 @@
 """A rank's resident LoRA adapters, in fixed slots per fused projection, and their per-row deltas.
 
-Each adapted projection of a layer holds one A [slots, R, K] and one B^T [slots, R, N] in float32,
-slot 0 all zeros (the base), so a step may mix rows of any adapters and the base, and the tensors'
-shapes never change with the adapters loaded. A fused projection (q/k/v, w1/w3) stacks its parts'
-A along R (part j at ranks j * max_rank on) and its B^T is block-diagonal, so one delta serves the
-fused matmul's output. The shards are this rank's: a column-parallel part's B rows and a
-row-parallel one's A columns, as the base weight is split (parallel/layout.py), so the existing
-all-reduce sums a row-parallel adapter's partial outputs.
+Each adapted projection of a layer holds one A [slots, R, K] and one B^T [slots, R, N] in the model's
+type (deltas are summed in float32), slot 0 all zeros (the base), so a step may mix rows of any
+adapters and the base, and the tensors' shapes never change with the adapters loaded. A fused
+projection (q/k/v, w1/w3) stacks its parts' A along R (part j at ranks j * max_rank on) and its B^T
+is block-diagonal, so one delta serves the fused matmul's output; the C kernels read only the blocks
+(block_lines). The shards are this rank's: a column-parallel part's B rows and a row-parallel one's
+A columns, as the base weight is split (parallel/layout.py), so the existing all-reduce sums a
+row-parallel adapter's partial outputs.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ class AdapterRef:
 
 @dataclass
 class SlotWeights:
-    """One projection's adapters: a [slots, R, K], bt [slots, R, N] float32; c: the C kernels' view of them
-    (kernels.cpu.lora_ops), where the C layers run this projection."""
+    """One projection's adapters: a [slots, R, K], bt [slots, R, N] in the model's type; lines: each 16 columns'
+    ranks where bt may be other than zero (block_lines); c: the C kernels' view of them
+    (kernels.cpu.ops.lora_weights), where the C layers run this projection."""
 
     a: torch.Tensor
     bt: torch.Tensor
+    lines: tuple[torch.Tensor, int]
     c: Any = None
 
 
@@ -76,7 +79,7 @@ class Projection:
         if self.step.rows is not None:
             return self._add_every_slot(y, x, self.step.rows)
         for slot, rows in self.step.groups:
-            delta = (x[rows].float() @ self.weights.a[slot].t()) @ self.weights.bt[slot]
+            delta = (x[rows].float() @ self.weights.a[slot].float().t()) @ self.weights.bt[slot].float()
             y[rows] = (y[rows].float() + delta).to(y.dtype)
         return y
 
@@ -84,7 +87,7 @@ class Projection:
         """The same deltas with no host-side grouping, for a graph whose shapes never change: x through every
         slot's A, each row keeping its own slot's part (the base's slot holds zeros), then one matmul by every
         slot's B^T. It costs the slots' count in small matmuls, and it never gathers a row's factors."""
-        a, bt = self.weights.a, self.weights.bt
+        a, bt = self.weights.a.float(), self.weights.bt.float()
         count, rank = a.shape[0], a.shape[1]
         t = (x.float() @ a.flatten(0, 1).t()).unflatten(1, (count, rank))
         own = (torch.arange(count, device=x.device) == slots[: len(x)].unsqueeze(1)).unsqueeze(-1)
@@ -97,6 +100,21 @@ def tile_order(ffn: int, run: int) -> torch.Tensor:
     cols = torch.arange(ffn)
     tile, within = cols // run, cols % run
     return torch.cat([tile * 2 * run + within, tile * 2 * run + run + within])
+
+
+def block_lines(name: str, widths: dict[str, tuple[int, int]], max_rank: int,
+                gated_run: int | None) -> tuple[torch.Tensor, int]:
+    """For each 16 output columns of a projection's B^T, the first of the ranks that may be other than zero
+    there, and how many: a fused projection's parts' blocks (w1/w3's columns in the gated tiles' order where
+    gated_run is set), every rank for one part."""
+    parts = PROJECTIONS[name]
+    owner = torch.cat([torch.full((widths[m][1],), j) for j, m in enumerate(parts)])
+    if name == "w13" and gated_run is not None:
+        owner = owner[torch.argsort(tile_order(len(owner) // 2, gated_run))]
+    vectors = owner.split(16)
+    first = torch.tensor([int(v.min()) * max_rank for v in vectors], dtype=torch.int32)
+    lines = max(max_rank * (int(v.max()) - int(v.min()) + 1) for v in vectors)
+    return first.clamp(max=max_rank * len(parts) - lines), lines
 
 
 def local_widths(args: ModelArgs, world: int) -> dict[str, tuple[int, int]]:
@@ -119,18 +137,22 @@ def shard(a: torch.Tensor, b: torch.Tensor, module: str, family: str, rank: int,
 
 
 def allocate_slots(adapters: list[Adapter], args: ModelArgs, max_rank: int, world: int, slots: int,
-                   every_projection: bool) -> list[dict[str, SlotWeights]]:
+                   every_projection: bool, dtype: torch.dtype,
+                   gated_run: int | None = None) -> list[dict[str, SlotWeights]]:
     """Per layer, zeroed slots of each projection some adapter adapts (every projection where adapters may come
-    later: runtime loading, or more adapters than slots), slot 0 the base's."""
+    later: runtime loading, or more adapters than slots), slot 0 the base's, in `dtype`; gated_run as
+    write_slot's."""
     widths = local_widths(args, world)
+    lines = {name: block_lines(name, widths, max_rank, gated_run) for name in PROJECTIONS}
     layers: list[dict[str, SlotWeights]] = []
     for layer in range(args.n_layers):
         projections = {}
         for name, parts in PROJECTIONS.items():
             if every_projection or any((layer, m) in adapter.weights for adapter in adapters for m in parts):
                 k, n = widths[parts[0]][0], sum(widths[m][1] for m in parts)
-                projections[name] = SlotWeights(torch.zeros(slots, max_rank * len(parts), k),
-                                                torch.zeros(slots, max_rank * len(parts), n))
+                projections[name] = SlotWeights(torch.zeros(slots, max_rank * len(parts), k, dtype=dtype),
+                                                torch.zeros(slots, max_rank * len(parts), n, dtype=dtype),
+                                                lines[name])
         layers.append(projections)
     return layers
 

@@ -36,12 +36,17 @@
 #define TPL_NO_AMX -4       /* no AMX here (CPU, kernel permission, build) or a width it cannot take */
 #define TPL_BAD_TOKEN -5    /* a token id outside the vocabulary */
 
-/* One projection's LoRA adapters in fixed slots (lora.c): a [slots][rank][K] and bt, B^T with the scale
- * folded in, [slots][rank][N], both float32; slot 0 is the base and is never read. A smaller adapter, or
- * one that leaves the projection alone, is zeros there. */
+/* One projection's LoRA adapters in fixed slots (lora.c), float32 or, with bf16, bfloat16 (the model's
+ * type): a [slots][rank][K] and bt, B^T with the scale folded in, in vectors of 16 output columns,
+ * [slots][ceil(N / 16)][lines][16] (zeros past N): vector v holds ranks first[v] .. first[v] + lines - 1,
+ * B^T being zero at the others there (a fused projection's B is block-diagonal), so a step reads only
+ * the blocks, each vector's in one run. Slot 0 is the base and is never read. A smaller adapter, or one
+ * that leaves the projection alone, is zeros there. */
 struct LoraWeights {
-    const float *a, *bt;
-    int64_t slots, rank;
+    const void *a, *bt;
+    const int32_t *first;
+    int64_t slots, rank, lines;
+    int32_t bf16;
 };
 
 /* One layer's shapes (this rank's share) and tensors, for decode.c. lora_*: each projection's adapters,

@@ -208,23 +208,53 @@ def _meta_int4(weight: object) -> bool:
 
 @dataclass(frozen=True)
 class LoraTensors:
-    """One projection's LoRA adapters in fixed slots as lora.c reads them: a [slots, rank, in] and bt
-    [slots, rank, out] (B^T, the scale folded in), float32 and contiguous; slot 0 is the base. `c`, their
+    """One projection's LoRA adapters in fixed slots as lora.c reads them: a [slots, rank, in], bt [slots, rank,
+    out] (B^T, the scale folded in) and its copy in vectors of 16 columns, `tiles` [slots, vectors, lines, 16]
+    (lora_tiles, from the ranks `first` [vectors] on), float32 or bfloat16 alike, slot 0 the base. `c`, their
     struct LoraWeights, holds only their addresses: whoever holds `c` holds this too."""
 
     a: torch.Tensor
     bt: torch.Tensor
+    tiles: torch.Tensor
+    first: torch.Tensor
     c: ctypes.Structure
 
 
-def lora_weights(a: torch.Tensor, bt: torch.Tensor) -> LoraTensors:
-    """a [slots, rank, in] and bt [slots, rank, out] float32 CPU tensors as one projection's adapters."""
-    if a.dtype != torch.float32 or bt.dtype != torch.float32 or a.dim() != 3 or a.shape[:2] != bt.shape[:2] \
-            or a.device.type != "cpu" or bt.device.type != "cpu":
-        raise ValueError(f"LoRA weights are float32 CPU a [slots, rank, in] and bt [slots, rank, out], not "
-                         f"{a.dtype} {tuple(a.shape)} and {bt.dtype} {tuple(bt.shape)}")
-    a, bt = a.contiguous(), bt.contiguous()
-    return LoraTensors(a, bt, library().structs["LoraWeights"](a.data_ptr(), bt.data_ptr(), a.shape[0], a.shape[1]))
+def lora_tiles(bt: torch.Tensor, first: torch.Tensor, lines: int) -> torch.Tensor:
+    """bt [..., rank, out] in vectors of 16 columns (zeros past out): [..., vectors, lines, 16], vector v's lines
+    the ranks first[v] .. first[v] + lines - 1 of its columns."""
+    vectors = len(first)
+    padded = torch.nn.functional.pad(bt, (0, vectors * 16 - bt.shape[-1])).unflatten(-1, (vectors, 16))
+    ranks = first.long()[:, None] + torch.arange(lines)
+    return padded[..., ranks, torch.arange(vectors)[:, None], :]
+
+
+def lora_weights(a: torch.Tensor, bt: torch.Tensor, first: torch.Tensor | None = None,
+                 lines: int | None = None) -> LoraTensors:
+    """a [slots, rank, in] and bt [slots, rank, out] CPU tensors (both float32 or both bfloat16) as one
+    projection's adapters. first [ceil(out / 16)] and lines: each 16 columns' ranks first .. first + lines - 1,
+    where B^T is zero at the others (lora/slots.py's block_lines); None: every rank."""
+    if a.dtype != bt.dtype or a.dtype not in (torch.float32, torch.bfloat16) or a.dim() != 3 \
+            or a.shape[:2] != bt.shape[:2] or a.device.type != "cpu" or bt.device.type != "cpu":
+        raise ValueError(f"LoRA weights are float32 or bfloat16 CPU a [slots, rank, in] and bt [slots, rank, out] "
+                         f"of one type, not {a.dtype} {tuple(a.shape)} and {bt.dtype} {tuple(bt.shape)}")
+    rank, vectors = a.shape[1], -(-bt.shape[2] // 16)
+    if first is None:
+        first, lines = torch.zeros(vectors, dtype=torch.int32), rank
+    first = first.to(torch.int32).contiguous()
+    if first.shape != (vectors,) or lines is None or not 0 < lines <= rank \
+            or not bool(((0 <= first) & (first <= rank - lines)).all()):
+        raise ValueError(f"first [{vectors}] and lines are runs of ranks within 0 .. {rank}, not "
+                         f"{tuple(first.shape)} and {lines}")
+    a, tiles = a.contiguous(), lora_tiles(bt, first, lines).contiguous()
+    c = library().structs["LoraWeights"](a.data_ptr(), tiles.data_ptr(), first.data_ptr(), a.shape[0], rank, lines,
+                                         a.dtype == torch.bfloat16)
+    return LoraTensors(a, bt, tiles, first, c)
+
+
+def lora_retile(lora: LoraTensors, slot: int) -> None:
+    """The C kernels' copy of one slot's B^T made again from `lora.bt` (after an adapter is written there)."""
+    lora.tiles[slot].copy_(lora_tiles(lora.bt[slot], lora.first, lora.tiles.shape[2]))
 
 
 def _check_adapters(adapters: torch.Tensor, rows: int) -> None:
