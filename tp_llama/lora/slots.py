@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tp_llama.kernels.cpu import ops
 from tp_llama.model.args import ModelArgs
 from tp_llama.parallel.layout import tp_sharding
 
@@ -78,6 +79,11 @@ class Projection:
         each adapter's A and B read once for all its tokens."""
         if self.step.rows is not None:
             return self._add_every_slot(y, x, self.step.rows)
+        if self.weights.c is not None and self.step.groups and x.dtype == y.dtype and y.is_contiguous():
+            # The C kernels' copy (lora.c), which decode steps read too: a token's delta has the same bits in
+            # a prompt step as in a decode step, and no slot is converted to float32 per call.
+            ops.lora_add(x.contiguous(), self.step.slots, self.weights.c, y)
+            return y
         for slot, rows in self.step.groups:
             delta = (x[rows].float() @ self.weights.a[slot].float().t()) @ self.weights.bt[slot].float()
             y[rows] = (y[rows].float() + delta).to(y.dtype)
