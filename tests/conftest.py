@@ -32,8 +32,9 @@ def tokenizer(checkpoint: Path):
 
 # The files that take longest go to the workers first, so that the suite does not end on one worker
 # running a long file while the other has nothing left (xdist hands out files in collection order).
-LONGEST_FIRST = ("test_reliability", "test_decode_step", "test_parity", "test_serving_e2e", "test_openai",
-                 "test_bad_checkpoints", "test_prefix_cache", "test_kernel_build", "test_tp_model", "test_converter")
+LONGEST_FIRST = ("test_reliability", "test_parity", "test_serving_e2e", "test_decode_step", "test_kernels",
+                 "test_bad_checkpoints", "test_openai", "test_lora", "test_draft", "test_prefix_cache",
+                 "test_kernel_build", "test_tp_model", "test_converter", "test_gpu_profile", "test_metrics", "test_keys")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
