@@ -12,7 +12,8 @@ decodes to that text; llama-server: the GGUF's end-of-generation token). Servers
 for --rounds rounds of every prompt: ours bfloat16 at TP 1 without speculation and with n-gram lookup
 (prefix caching off: every round sends the same prompts); llama-server on the BF16 GGUF of the same
 weights with no speculation, `--spec-type ngram-simple`, `ngram-mod`, and `draft-simple` with the Q4_0
-GGUF drafting, prompt caching off, both on this machine's threads. Output tokens/s = a kind's tokens
+GGUF drafting, prompt caching off, both on this machine's threads, a fresh llama-server each round (so
+ngram-mod's table never holds the replies to the prompts it is sent). Output tokens/s = a kind's tokens
 over its requests' seconds; the median over the rounds.
 """
 
@@ -39,17 +40,22 @@ LLAMA_SETTINGS = {"none": [], "ngram-simple": ["--spec-type", "ngram-simple"], "
                   "draft-simple": ["--spec-type", "draft-simple", "-md", "DRAFT"]}
 
 
-def rates(send: Callable[[list[int]], dict], kinds: dict[str, list[list[int]]], rounds: int) -> dict[str, float]:
-    """Each kind's median output tokens/s over the rounds (its requests one after another)."""
-    out = {}
-    for kind, prompts in kinds.items():
-        per_round = []
-        for _ in range(rounds):
-            replies = [send(ids) for ids in prompts]
-            per_round.append(sum(r["tokens"] for r in replies) / sum(r["latency_s"] for r in replies))
-        out[kind] = statistics.median(per_round)
-        print(f"  {kind}: {out[kind]:.1f} tok/s (rounds {' '.join(f'{r:.0f}' for r in per_round)})", flush=True)
+def round_rate(send: Callable[[list[int]], dict], prompts: list[list[int]]) -> float:
+    """Output tokens/s of one round: the prompts one after another, their tokens over their seconds."""
+    replies = [send(ids) for ids in prompts]
+    return sum(r["tokens"] for r in replies) / sum(r["latency_s"] for r in replies)
+
+
+def medians(per_round: dict[str, list[float]]) -> dict[str, float]:
+    out = {kind: statistics.median(rates) for kind, rates in per_round.items()}
+    for kind, rates in per_round.items():
+        print(f"  {kind}: {out[kind]:.1f} tok/s (rounds {' '.join(f'{r:.0f}' for r in rates)})", flush=True)
     return out
+
+
+def rates(send: Callable[[list[int]], dict], kinds: dict[str, list[list[int]]], rounds: int) -> dict[str, float]:
+    """Each kind's median output tokens/s over the rounds, on one server."""
+    return medians({kind: [round_rate(send, prompts) for _ in range(rounds)] for kind, prompts in kinds.items()})
 
 
 def ours(speculative: str, kinds: dict, a: argparse.Namespace) -> dict[str, float]:
@@ -70,13 +76,21 @@ def ours(speculative: str, kinds: dict, a: argparse.Namespace) -> dict[str, floa
 
 
 def llama(setting: str, kinds: dict, a: argparse.Namespace) -> dict[str, float]:
+    """A fresh llama-server each round: its ngram-mod keeps one n-gram table across requests, so prompts sent
+    again would be answered from replies it has already seen, which a new prompt never is. Within a round it
+    still learns from the round's earlier prompts and replies, as it would serving."""
     extra = [str(a.ckpt / "model-q4_0.gguf") if arg == "DRAFT" else arg for arg in LLAMA_SETTINGS[setting]]
-    port = free_ports(1)[0]
-    with LlamaServer(a.ckpt / "model-bf16.gguf", port, WORK / f"llama-{setting}", 1, 2048, a.threads, extra) as server:
-        server.start()
-        server.wait_ready(timeout=300)
-        return rates(lambda ids: llamacpp_stream(port, ids, a.new_tokens, fields={"ignore_eos": False}), kinds,
-                     a.rounds)
+    per_round: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for round_ in range(a.rounds):
+        port = free_ports(1)[0]
+        with LlamaServer(a.ckpt / "model-bf16.gguf", port, WORK / f"llama-{setting}-{round_}", 1, 2048, a.threads,
+                         extra) as server:
+            server.start()
+            server.wait_ready(timeout=300)
+            for kind, prompts in kinds.items():
+                per_round[kind].append(round_rate(
+                    lambda ids: llamacpp_stream(port, ids, a.new_tokens, fields={"ignore_eos": False}), prompts))
+    return medians(per_round)
 
 
 def main(argv: list[str] | None = None) -> None:
