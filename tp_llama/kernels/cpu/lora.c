@@ -7,9 +7,9 @@
  *   y[m][n] = stored(y[m][n] + sum_r t[m][r] B_s^T[r][n])   threads split vectors of 16 columns
  * The second sum reads only the vector's lines of B^T, in one run: a fused projection's B^T is
  * block-diagonal, and the zeros off its blocks, read line by line, would be most of a step's time
- * (BENCHMARKS.md, LoRA adapters). Each
- * element's sum runs over k (or r) in order in its own accumulator, so a row's bits never depend on
- * which rows share its step. t stays float32; y is rounded to its type once, after the add.
+ * (BENCHMARKS.md, LoRA adapters). Each element's sum runs over k (or r) in order in its own
+ * accumulator, so a row's bits never depend on which rows share its step. t stays float32; y is
+ * rounded to its type once, after the add.
  */
 #include <stdlib.h>
 
