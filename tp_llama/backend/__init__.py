@@ -18,7 +18,9 @@ from torch import nn
 from tp_llama.backend import cpu, fused, metaquant
 from tp_llama.kernels import C_KINDS, Weight, choose
 from tp_llama.kernels.quant import BITS, check_groups
+from tp_llama.errors import CheckpointError
 from tp_llama.model import Transformer
+from tp_llama.model.llama4 import Llama4Block
 from tp_llama.parallel.modules import LocalLinear
 
 
@@ -37,7 +39,13 @@ class Preparation:
     device: torch.device
 
     def layer(self, block: nn.Module, name: str) -> None:
-        """One block's serving modules (name: its name in the model, for errors)."""
+        """One block's serving modules (name: its name in the model, for errors). Llama 4's blocks keep
+        PyTorch's modules as built: their kernels are not written yet."""
+        if isinstance(block, Llama4Block):
+            if self.bits != 16:
+                raise CheckpointError(f"{name}: quantizing a Llama 4 model at load is not served yet; "
+                                      "set quantize to none")
+            return
         if metaquant.holds_meta_weights(block):  # a checkpoint Meta quantized (its loader refuses self.bits)
             metaquant.apply_layer(block, self.kind, self.device)
             return
@@ -95,5 +103,6 @@ def matmul_weights(model: Transformer) -> list[Weight]:
     weights = [model.output.weight]
     for layer in model.layers:
         attention, ffn = layer.attention, layer.feed_forward
-        weights += [attention.wqkv, attention.wo.weight, ffn.w13, ffn.w2.weight]
+        if not isinstance(layer, Llama4Block):
+            weights += [attention.wqkv, attention.wo.weight, ffn.w13, ffn.w2.weight]
     return weights

@@ -18,6 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tp_llama.checkpoint.formats import read_format
+from tp_llama.checkpoint.llama4_keys import Llama4Files
 from tp_llama.checkpoint.quantized import Layout
 from tp_llama.checkpoint.reader import Piece, ShardFiles, local_shape, plan_local_shard, read_pieces
 from tp_llama.checkpoint.shards import check_keys, find_shards, load_shard
@@ -65,10 +66,15 @@ def assign(model: Transformer, state: dict[str, torch.Tensor], family: str, grou
     if group is not None:
         for key, tensor in state.items():
             name = key.removesuffix(".weight")
-            module = model.get_submodule(name)
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            module = getattr(owner, child)
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, local_module(name, tensor, family, group))
+                setattr(owner, child, local_module(name, tensor, family, group))
+            elif isinstance(module, nn.Parameter):  # Llama 4's router and experts (model/llama4.py)
+                setattr(owner, child, nn.Parameter(tensor, requires_grad=False))
+                if hasattr(owner, "group"):  # a MoE all-reduces its partial sums itself
+                    owner.group = group
     model.load_state_dict(state, strict=False, assign=True)
 
 
@@ -116,7 +122,11 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
         layout = quantized_layout(ckpt_dir, args, paths, tp, dtype, info.device, prepare)
         if layout.fmt.quantized:
             log(f"checkpoint format: {layout.fmt.describe()}", rank)
-        files = ShardFiles(paths, layout.full, layout.check_file if layout.fmt.quantized else None)
+        llama4 = Llama4Files(args) if args.family == "llama4" else None
+        if llama4 is not None and layout.fmt.quantized:
+            raise CheckpointError(f"{ckpt_dir}: a Llama 4 checkpoint in {layout.fmt.describe()} is not served yet; "
+                                  "use its bfloat16 download (handler.quantize quantizes it at load)")
+        files = ShardFiles(paths, layout.full, layout.check_file if layout.fmt.quantized else None, llama4)
         keys_in_order = list(layout.specs)
         for name, keys in _groups(keys_in_order) if prepare is not None else [(None, keys_in_order)]:
             state: dict[str, torch.Tensor] = {}
@@ -137,6 +147,8 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
             prepare.top(model)
             give_back_free_memory()
         files.close()
+        if llama4 is not None and llama4.vision_skipped:
+            log(f"{llama4.vision_skipped} tensors of the vision encoder in each file skipped: served text-only", rank)
         log(f"read {nbytes / 1e6:.0f} MB from {len(files.files_read())} of {len(files)} shard files "
             f"{[p.name for p in files.files_read()]} in {time.perf_counter() - start:.1f} s"
             + (" (each layer prepared for serving as read)" if prepare is not None else ""), rank)

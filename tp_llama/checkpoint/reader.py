@@ -64,10 +64,14 @@ class ShardFiles:
     """
 
     def __init__(self, paths: list[Path], expected: dict[str, tuple[int, ...]],
-                 check: Callable[[dict[str, torch.Tensor], Path], None] | None = None):
+                 check: Callable[[dict[str, torch.Tensor], Path], None] | None = None,
+                 rename: Callable[[dict[str, torch.Tensor], Path], dict[str, torch.Tensor]] | None = None):
         self.paths = paths
         self.expected = expected
         self.check = check  # the format's own checks of a file's tensors (checkpoint.quantized.Layout)
+        # A download under other names than the model's (checkpoint/llama4_keys.py): checks the file's own
+        # keys and gives the model's parameters as views of its tensors.
+        self.rename = rename
         self._open: dict[int, dict[str, torch.Tensor]] = {}
         self._offsets: dict[int, dict[str, int | None]] = {}
 
@@ -77,6 +81,8 @@ class ShardFiles:
     def _load(self, mp_rank: int) -> None:
         path = self.paths[mp_rank]
         state = load_shard(path)
+        if self.rename is not None:
+            state = self.rename(state, path)
         check_keys(state, self.expected, path)
         if self.check is not None:
             self.check(state, path)

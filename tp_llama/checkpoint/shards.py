@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tp_llama.errors import CheckpointError
-from tp_llama.parallel.layout import IGNORED_KEYS
+from tp_llama.parallel.layout import IGNORED_KEYS, IGNORED_SUFFIXES
 
 _SHARD_NAME = re.compile(r"consolidated\.(\d+)\.pth")
 
@@ -34,13 +35,16 @@ def find_shards(ckpt_dir: str | os.PathLike) -> list[Path]:
 
 
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
-    """Map one shard file lazily; weights_only refuses anything but tensors and containers."""
+    """Map one shard file lazily; weights_only refuses anything but tensors and containers, and the
+    io.BytesIO that Llama 4's files hold as `_extra_state` (dropped here with its other non-parameters)."""
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        with torch.serialization.safe_globals([io.BytesIO]):
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot be read as a PyTorch checkpoint ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    state = {key: value for key, value in state.items() if not key.endswith(IGNORED_SUFFIXES)}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")

@@ -41,13 +41,16 @@ def wants_compile(config: EngineConfig, device: torch.device) -> bool:
     return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
 
 
-def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None) -> tuple[bool, str]:
+def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None,
+                    family: str = "llama3") -> tuple[bool, str]:
     """(whether decode steps run compiled at static shapes, why not where they do not).
 
     kind: the matmuls of the `tp` mode (None under FSDP, which runs eagerly).
     """
     if not wants_compile(config, device):
         return False, f"compile={config.compile}"
+    if family == "llama4":
+        return False, "Llama 4's chunked attention runs eagerly"
     if kind is None:
         return False, "fsdp mode runs eagerly"
     if kind in C_KINDS:
@@ -128,7 +131,7 @@ class ModelRunner:
             with every_rank_agrees():
                 self.adapters = resident_adapters(config, model, args, info, self.dtype)
         self.lora: LoraStep | None = self.adapters.step if self.adapters is not None else None
-        compiled, why = compiles_decode(config, info.device, kind)
+        compiled, why = compiles_decode(config, info.device, kind, args.family)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
         self.cache = self._allocate_pool(config, args, pool or PoolShare())
         model.eval()

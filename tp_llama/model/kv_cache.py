@@ -75,24 +75,30 @@ class KVCache:
             blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
 
-def attend(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, done: int = 0) -> torch.Tensor:
+def attend(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, done: int = 0,
+           window: int | None = None) -> torch.Tensor:
     """Attention [T, heads, hd] of the batch's tokens from index `done` on (q, k rotated), after
-    writing their keys and values to the cache; tokens before `done` were attended elsewhere."""
+    writing their keys and values to the cache; tokens before `done` were attended elsewhere.
+
+    window: Llama 4's chunked attention: a query at position p sees only keys from p // window * window
+    on (its block of `window` absolute positions). The cache keeps every position all the same, so a
+    prefix cached for a global layer serves the chunked ones too.
+    """
     cache.write(batch.locations[done:], k, v)
-    return attend_written(cache, q, k, v, batch, done)
+    return attend_written(cache, q, k, v, batch, done, window)
 
 
 def attend_written(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
-                   done: int = 0) -> torch.Tensor:
+                   done: int = 0, window: int | None = None) -> torch.Tensor:
     """`attend`, for tokens whose keys and values are in the cache already."""
     if not batch.prefill:
-        return _decode(cache, q, batch)
+        return _decode(cache, q, batch, window)
     out = torch.empty_like(q)
     if batch.n_decode > done:
-        out[: batch.n_decode] = _decode(cache, q[: batch.n_decode], batch)
+        out[: batch.n_decode] = _decode(cache, q[: batch.n_decode], batch, window)
     for first, row, start, length in batch.prefill:
         chunk = slice(first - done, first - done + length)
-        out[chunk] = attend_chunk(cache, q[chunk], k[chunk], v[chunk], batch, row, start)
+        out[chunk] = attend_chunk(cache, q[chunk], k[chunk], v[chunk], batch, row, start, window)
     return out
 
 
@@ -118,27 +124,41 @@ def decode_splits(device: torch.device, rows: int, kv_heads: int) -> int:
     return max(2 * sms // (rows * kv_heads), MIN_DECODE_SPLITS)
 
 
-def _decode(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+def _decode(cache: KVCache, q: torch.Tensor, batch: Batch, window: int | None = None) -> torch.Tensor:
     """One query per decode row against its own blocks, gathered to the longest row and masked."""
     if batch.block_mask is not None:
+        if window is not None:
+            raise NotImplementedError("chunked attention (Llama 4) runs eager decode steps: handler.compile \"off\"")
         return _decode_by_index(cache, q, batch)
-    keys, values = cache.read(batch.tables[: batch.n_decode], batch.decode_mask.shape[-1])
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
+    mask = batch.decode_mask
+    if window is not None:
+        first = batch.positions[: batch.n_decode] // window * window
+        mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first.unsqueeze(1)).view(mask.shape)
+    keys, values = cache.read(batch.tables[: batch.n_decode], mask.shape[-1])
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
     return out.squeeze(2)
 
 
 def attend_chunk(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, row: int,
-                 start: int) -> torch.Tensor:
-    """A prompt chunk at positions start.. of row `row`: query i sees keys 0 .. start + i. A chunk
-    from position 0 attends over its own keys; a later one reads the earlier ones from its blocks."""
+                 start: int, window: int | None = None) -> torch.Tensor:
+    """A prompt chunk at positions start.. of row `row`: query i sees keys 0 .. start + i (from its
+    window's first position on, with a window). A chunk from position 0 attends over its own keys; a
+    later one reads the earlier ones from its blocks."""
     length = q.shape[0]
     queries = q.transpose(0, 1).unsqueeze(0)
-    if start == 0:
+    if start == 0 and window is None:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
     else:
-        keys, values = cache.read(batch.tables[row : row + 1], start + length)
-        mask = torch.arange(start + length, device=q.device) <= (start + torch.arange(length, device=q.device)).unsqueeze(1)
+        if start == 0:
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        else:
+            keys, values = cache.read(batch.tables[row : row + 1], start + length)
+        at = (start + torch.arange(length, device=q.device)).unsqueeze(1)
+        key_positions = torch.arange(start + length, device=q.device)
+        mask = key_positions <= at
+        if window is not None:
+            mask &= key_positions >= at // window * window
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
 

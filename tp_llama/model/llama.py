@@ -34,14 +34,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_frequencies(head_dim: int, theta: float, use_scaled_rope: bool) -> torch.Tensor:
-    """Per-pair rotation speeds; Llama 3.1 stretches the slow ones for its long context."""
+def rope_frequencies(head_dim: int, theta: float, use_scaled_rope: bool,
+                     scaling: tuple[float, float] = (8.0, 4.0)) -> torch.Tensor:
+    """Per-pair rotation speeds; Llama 3.1 and Llama 4 Scout stretch the slow ones for their long context
+    (scaling: the factor and the high-frequency factor, ModelArgs.rope_scaling)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not use_scaled_rope:
         return freqs
-    factor, low_freq_factor, high_freq_factor, old_context = 8.0, 1.0, 4.0, 8192.0
+    (factor, high_freq_factor), low_freq_factor, old_context = scaling, 1.0, 8192.0
     wavelen = 2 * math.pi / freqs
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    # Scout's factors are equal: no band is blended, and the division would make nans it never picks.
+    smooth = (old_context / wavelen - low_freq_factor) / max(high_freq_factor - low_freq_factor, 1e-9)
     blended = (1 - smooth) * freqs / factor + smooth * freqs
     scaled = torch.where(wavelen > old_context / low_freq_factor, freqs / factor, blended)
     return torch.where(wavelen < old_context / high_freq_factor, freqs, scaled)
@@ -53,7 +56,7 @@ def rope_table(args: ModelArgs, max_seq_len: int, device: torch.device) -> torch
     Real pairs rather than complex numbers: the same bytes as complex64, which compilers fuse and
     the C kernels read as they are.
     """
-    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope)
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope, args.rope_scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1).float().to(device)
 
@@ -90,11 +93,12 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        hidden = args.ffn_dim if hidden is None else hidden  # Llama 4's shared expert has the experts' width
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -113,6 +117,15 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def block(args: ModelArgs, layer: int) -> nn.Module:
+    """Layer `layer` of the family params.json names: Llama 4's blocks live in model/llama4.py."""
+    if args.family == "llama4":
+        from tp_llama.model.llama4 import Llama4Block  # it builds on this module's pieces
+
+        return Llama4Block(args, layer)
+    return TransformerBlock(args)
+
+
 class Layers(nn.ModuleList):
     """The blocks, run one after the other (a backend may run a whole step of them at once)."""
 
@@ -127,7 +140,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = Layers(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = Layers(block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope: torch.Tensor | None = None

@@ -14,6 +14,8 @@ from tp_llama.model.args import ModelArgs
 
 # Non-parameters some Meta files carry (Llama 2 writes the RoPE table); every loader drops them.
 IGNORED_KEYS = frozenset({"rope.freqs"})
+# Llama 4's files add training statistics of its routers and Transformer Engine's extra state.
+IGNORED_SUFFIXES = ("._extra_state", ".global_gate_stats_3E", ".expert_activation_DE")
 
 # Collectives a tensor-parallel module runs on its output (see TP_TABLE). GATHER collects the
 # pieces on rank 0 alone.
@@ -38,7 +40,8 @@ class Sharding:
 # embedding, where every rank needs whole activations, and gathered on rank 0 alone at the
 # output: only rank 0 samples, so no other rank ever holds a [rows, vocab] tensor.
 TP_TABLE: dict[str, Sharding | dict[str, Sharding]] = {
-    "tok_embeddings": {"llama2": Sharding(1, ALL_GATHER), "llama3": Sharding(0, ALL_REDUCE)},
+    "tok_embeddings": {"llama2": Sharding(1, ALL_GATHER), "llama3": Sharding(0, ALL_REDUCE),
+                       "llama4": Sharding(0, ALL_REDUCE)},
     "attention.wq": Sharding(0, NONE),
     "attention.wk": Sharding(0, NONE),
     "attention.wv": Sharding(0, NONE),
@@ -50,6 +53,15 @@ TP_TABLE: dict[str, Sharding | dict[str, Sharding]] = {
     "ffn_norm": Sharding(None, NONE),
     "norm": Sharding(None, NONE),
     "output": Sharding(0, GATHER),
+    # Llama 4's MoE layers: the router whole on every rank, the shared expert and every routed expert
+    # split on their width; their partial sums are added, then all-reduced once by the MoE itself.
+    "feed_forward.router_DE": Sharding(None, NONE),
+    "feed_forward.shared_expert.w1": Sharding(0, NONE),
+    "feed_forward.shared_expert.w3": Sharding(0, NONE),
+    "feed_forward.shared_expert.w2": Sharding(1, NONE),
+    "feed_forward.experts.w1": Sharding(2, NONE),
+    "feed_forward.experts.w3": Sharding(2, NONE),
+    "feed_forward.experts.w2": Sharding(1, NONE),
 }
 _LAYER = re.compile(r"layers\.\d+\.")
 
@@ -79,14 +91,25 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, d)
         shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, d)
         shapes[p + "attention.wo.weight"] = (d, args.n_heads * hd)
-        shapes[p + "feed_forward.w1.weight"] = (f, d)
-        shapes[p + "feed_forward.w2.weight"] = (d, f)
-        shapes[p + "feed_forward.w3.weight"] = (f, d)
+        if args.is_moe_layer(i):
+            shapes.update(moe_shapes(args, p + "feed_forward."))
+        else:
+            shapes[p + "feed_forward.w1.weight"] = (f, d)
+            shapes[p + "feed_forward.w2.weight"] = (d, f)
+            shapes[p + "feed_forward.w3.weight"] = (f, d)
         shapes[p + "attention_norm.weight"] = (d,)
         shapes[p + "ffn_norm.weight"] = (d,)
     shapes["norm.weight"] = (d,)
     shapes["output.weight"] = (v, d)
     return shapes
+
+
+def moe_shapes(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A Llama 4 MoE layer's parameters (model/llama4.py) and their unsharded shapes."""
+    d, e, f = args.dim, args.moe.experts, args.moe.expert_dim
+    return {prefix + "router_DE": (d, e), prefix + "shared_expert.w1.weight": (f, d),
+            prefix + "shared_expert.w2.weight": (d, f), prefix + "shared_expert.w3.weight": (f, d),
+            prefix + "experts.w1": (e, d, f), prefix + "experts.w3": (e, d, f), prefix + "experts.w2": (e, f, d)}
 
 
 def shard_dim(key: str, family: str) -> int | None:
@@ -122,6 +145,7 @@ def check_tp_size(args: ModelArgs, tp: int) -> None:
         "n_heads": args.n_heads,
         "n_kv_heads": args.n_kv_heads,
         "ffn hidden size": args.ffn_dim,
+        **({"experts' hidden size": args.moe.expert_dim} if args.moe else {}),
         "vocab_size": args.vocab_size,
         "dim": args.dim,
     }

@@ -1,0 +1,175 @@
+"""Llama 4 (MoE, iRoPE) loaded from Meta's download layout, against Meta's own model (llama-models 0.3.0).
+
+One small random config with every Llama 4 feature on (tests/support/meta_llama4.py: MoE every second
+layer, a NoPE layer with temperature tuning, QK-norm, 32-position attention chunks), written at MP 1, 2
+and 4 with the entries a loader must drop. The oracle is Meta's Transformer prefilling each prompt from
+position 0 over fairscale; ours is loaded by each rank reading its own slices, at TP 1, 2 and 4 from
+every relation of MP to TP. Meta's model applies the chunk mask only to a prefill, so our decode steps
+are checked by prefilling Meta's model with the prompt and our greedy reply: each reply token must be
+Meta's argmax at its position, up to near-ties.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tp_llama.checkpoint.loader import load_tp_model
+from tp_llama.checkpoint.params import read_params
+from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.scheduler import Sequence
+from tp_llama.errors import CheckpointError
+from tp_llama.parallel.distributed import DistInfo
+from tp_llama.testing.tokenizer_train import build_tokenizer
+
+from tests.support.dist_util import run_ranks
+from tests.support.meta_llama4 import META_VOCAB, meta_run, small_params, write_llama4_checkpoint
+from tests.support.run_model import dense_logits, setup_slots
+
+# 8 heads over 4 KV heads: TP 1, 2 and 4 all divide them. 2,304 ids: the least a trained tokenizer has
+# in Llama 4's format (256 byte-level tokens, then Llama 4's 2,048 special ids).
+PARAMS = small_params(n_kv_heads=4, vocab_size=256 + 2048)
+LENGTHS = (75, 40, 9)  # prompts across two chunk boundaries, across one, within the first chunk
+NEAR_TIE = 1e-3  # a top-2 gap below this is one float32 may legitimately flip
+CPU = DistInfo(0, 1, 0, torch.device("cpu"), "none")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The same weights at MP 1, 2 and 4, with Meta's non-parameter entries in every file."""
+    root = tmp_path_factory.mktemp("llama4")
+    folders = {mp: root / f"mp{mp}" for mp in (1, 2, 4)}
+    for mp, folder in folders.items():
+        write_llama4_checkpoint(folder, PARAMS, mp, seed=3, extra_entries=True)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, PARAMS["vocab_size"], (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def meta(checkpoints: dict[int, Path], prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Meta's logits at MP 2, informative enough to tell a wrong weight (spread, many different argmaxes)."""
+    logits = meta_run(checkpoints[2], prompts, mp=2)["logits"]
+    assert logits[0].std() > 1.0 and logits[0].argmax(-1).unique().numel() > 20
+    return logits
+
+
+def prefill_logits(folder: str, prompts: list[list[int]], info: DistInfo | None = None) -> list[torch.Tensor] | None:
+    """Ours: each prompt prefilled from position 0 in float32 (None on ranks but 0, which gathers the logits)."""
+    info = info or DistInfo(*_rank_and_world(), torch.device("cpu"), "gloo")
+    model = load_tp_model(folder, read_params(folder), info, torch.float32)
+    kv_heads = PARAMS["n_kv_heads"] // info.world_size
+    setup_slots(model, 1, max(map(len, prompts)), torch.float32, info.device, kv_heads)
+    out = [dense_logits(model, torch.tensor([p]), torch.tensor([0]), last_only=False)[0] for p in prompts]
+    return out if info.rank == 0 else None
+
+
+def _rank_and_world() -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size(), dist.get_rank()
+
+
+def tp_logits(folders: list[Path], prompts: list[list[int]]) -> list | None:
+    """Ours at this process group's TP size, from each folder in turn (one set of ranks for them all), as
+    arrays: a tensor sent from a spawned rank is shared memory that dies with it."""
+    got = [prefill_logits(str(folder), prompts) for folder in folders]
+    return None if got[0] is None else [[t.numpy() for t in logits] for logits in got]
+
+
+def assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], label: str) -> None:
+    for prompt, (a, b) in enumerate(zip(ours, theirs)):
+        a = torch.as_tensor(a)
+        assert a.shape == b.shape, label
+        worst = (a - b).abs().max().item()
+        assert worst < 1e-3 * b.abs().max().item(), f"{label}, prompt {prompt}: logits differ by {worst}"
+
+
+def test_tp1_from_every_mp_matches_meta(checkpoints, prompts, meta):
+    for mp, folder in checkpoints.items():
+        assert_close(prefill_logits(str(folder), prompts, CPU), meta, f"MP {mp} -> TP 1")
+
+
+def test_tp2_matches_meta(checkpoints, prompts, meta):
+    """MP 1 < TP, MP 2 == TP and MP 4 > TP, each rank reading only its slices of the experts."""
+    order = [1, 2, 4]
+    got = run_ranks(tp_logits, 2, [checkpoints[mp] for mp in order], prompts, timeout=120)[0]
+    for mp, logits in zip(order, got):
+        assert_close(logits, meta, f"MP {mp} -> TP 2")
+
+
+def test_tp4_matches_meta(checkpoints, prompts, meta):
+    got = run_ranks(tp_logits, 4, [checkpoints[2]], prompts, timeout=120)[0]
+    assert_close(got[0], meta, "MP 2 -> TP 4")
+
+
+def test_decode_across_chunks_matches_meta(checkpoints, prompts, tmp_path):
+    """Our greedy replies (prompt chunks, then decode steps across chunk boundaries, batched and alone)
+    are Meta's argmax at every position of a prefill of prompt + reply, up to near-ties; batched
+    requests give the replies they give alone."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for path in checkpoints[1].iterdir():
+        (folder / path.name).symlink_to(path)
+    build_tokenizer("llama3", folder / "tokenizer.model", 512)  # 256 base tokens, read in Llama 4's format
+    engine = Engine.load(EngineConfig(str(folder), "tp", "float32", max_seq_len=128, max_batch_size=4,
+                                      prefill_budget=48))
+
+    def replies(batch: list[list[int]]) -> list[list[int]]:
+        scheduler = engine.new_scheduler()
+        scheduler.stop_ids = frozenset()
+        seqs = [Sequence(str(i), p, SamplingParams(40)) for i, p in enumerate(batch)]
+        for seq in seqs:
+            scheduler.add(seq)
+        engine.run(scheduler)
+        return [seq.output for seq in seqs]
+
+    together = replies(prompts)
+    assert together == [replies([p])[0] for p in prompts]
+    full = [p + r for p, r in zip(prompts, together)]
+    logits = meta_run(checkpoints[1], full, mp=1)["logits"]
+    for prompt, reply, scores in zip(prompts, together, logits):
+        for i, token in enumerate(reply):
+            row = scores[len(prompt) - 1 + i]
+            top2 = row.topk(2).values
+            if row.argmax().item() != token:
+                assert top2[0] - top2[1] < NEAR_TIE, f"reply token {i} of a {len(prompt)}-token prompt"
+                break  # past a near-tie the two continuations differ
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"no_such_key": 1}, "no_such_key"),
+    ({"moe_args": {"num_experts": 0, "top_k": 1}}, "moe_args.num_experts"),
+    ({"moe_args": {"num_experts": 4, "top_k": 2}}, "moe_args.top_k"),
+    ({"moe_args": {"num_experts": 4, "routing": "x"}}, "moe_args.routing"),
+    ({"attention_chunk_size": -32}, "attention_chunk_size"),
+    ({"quantization_args": {"scheme": "int4_weight_int8_dynamic_activation"}}, "quantized"),
+])
+def test_bad_params_name_the_key(tmp_path, change, named):
+    (tmp_path / "params.json").write_text(json.dumps({**PARAMS, **change}))
+    with pytest.raises(CheckpointError, match=named):
+        read_params(tmp_path)
+
+
+def test_scout_params_give_scouts_shapes(tmp_path):
+    """Scout's params.json (its published values) gives its widths and its own RoPE scaling."""
+    scout = {"dim": 5120, "ffn_exp": 4.0, "ffn_dim_multiplier": 1.2, "multiple_of": 2048, "n_heads": 40,
+             "n_kv_heads": 8, "n_layers": 48, "norm_eps": 1e-05, "rope_theta": 500000.0, "use_scaled_rope": True,
+             "vocab_size": META_VOCAB, "nope_layer_interval": 4, "use_qk_norm": True, "attention_chunk_size": 8192,
+             "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+             "moe_args": {"num_experts": 16, "capacity_factor": 1.0, "auto_scale_F": True, "top_k": 1,
+                          "interleave_moe_layer_step": 1}}
+    (tmp_path / "params.json").write_text(json.dumps({"model": scout}))
+    args = read_params(tmp_path)
+    assert (args.family, args.ffn_dim, args.moe.expert_dim, args.moe.experts) == ("llama4", 16384, 8192, 16)
+    assert args.rope_scaling == (16.0, 1.0)
+    assert [args.is_nope_layer(i) for i in range(4)] == [False, False, False, True]

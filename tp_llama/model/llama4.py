@@ -1,0 +1,107 @@
+"""Llama 4's text transformer (Scout, Maverick): Llama's blocks with iRoPE attention and routed experts.
+
+What differs from Llama 2/3 (llama-models 0.3.0's `llama4/model.py` and `moe.py` are the reference):
+- attention: every `nope_layer_interval`-th layer has no RoPE and attends over the whole sequence, its
+  query scaled up with the position (temperature tuning, which leaves short contexts alone); the
+  others apply RoPE, then an RMSNorm without weight to q and k, and attend only within their block of
+  `attention_chunk_size` absolute positions;
+- feed-forward: every `interleave`-th layer is a mixture of experts: a router picks one expert per
+  token, whose input is scaled by the sigmoid of its score, beside a shared expert every token runs.
+
+Under tensor parallelism each rank holds every expert with its slice of their width, as Meta's files
+do, so routing needs no exchange: the shared and routed partial sums are added, then all-reduced once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tp_llama.model.args import ModelArgs
+from tp_llama.model.batch import Batch
+from tp_llama.model.kv_cache import attend
+from tp_llama.model.llama import Attention, FeedForward, RMSNorm, TransformerBlock, apply_rope
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over each head without a weight, in float32 (Meta's QK-norm)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """The query's factor at each position: 1 below floor_scale, growing with log(position / floor_scale)."""
+    return torch.log(torch.floor((positions.float() + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0
+
+
+class Llama4Attention(Attention):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__(args)
+        nope = args.is_nope_layer(layer)
+        self.rope = not nope
+        self.qk_norm_eps = args.norm_eps if args.use_qk_norm and not nope else None
+        self.window = None if nope else args.attention_chunk_size
+        self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and nope else None
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)) for w in (self.wq, self.wk, self.wv))
+        if self.rope:
+            q, k = apply_rope(q, rotation), apply_rope(k, rotation)
+        if self.qk_norm_eps is not None:
+            q, k = unit_rms_norm(q, self.qk_norm_eps), unit_rms_norm(k, self.qk_norm_eps)
+        if self.temperature is not None:
+            q = (q * temperature_scales(batch.positions, *self.temperature).view(-1, 1, 1)).to(q.dtype)
+        out = attend(self.cache, q, k, v, batch, window=self.window)
+        return self.wo(out.flatten(1))
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, in x @ W order as Meta stores them: w1, w3 [E, dim, F], w2 [E, F, dim]
+    (F: this rank's slice of the width under tensor parallelism)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        e, d, f = args.moe.experts, args.dim, args.moe.expert_dim
+        self.w1 = nn.Parameter(torch.empty(e, d, f))
+        self.w3 = nn.Parameter(torch.empty(e, d, f))
+        self.w2 = nn.Parameter(torch.empty(e, f, d))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return (F.silu(x @ self.w1[expert]) * (x @ self.w3[expert])) @ self.w2[expert]
+
+
+class MoE(nn.Module):
+    """Top-1 routed experts beside a shared expert. Each expert runs only its own tokens (Meta's reference
+    runs every expert on every token, the others' inputs zeroed, which gives the same sums)."""
+
+    group: dist.ProcessGroup | None = None  # the ranks whose partial sums make the output (set by the loader)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe.experts))
+        self.shared_expert = FeedForward(args, args.moe.expert_dim)
+        self.experts = Experts(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        score, chosen = (x @ self.router_DE).max(dim=-1)
+        routed = x * torch.sigmoid(score).unsqueeze(-1)
+        out = self.shared_expert(x)
+        for expert in chosen.unique().tolist():
+            rows = (chosen == expert).nonzero().squeeze(1)
+            out.index_add_(0, rows, self.experts(routed[rows], expert))
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)
+        return out
+
+
+class Llama4Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attention = Llama4Attention(args, layer)
+        self.feed_forward = MoE(args) if args.is_moe_layer(layer) else FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    forward = TransformerBlock.forward
+
