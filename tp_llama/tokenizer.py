@@ -1,7 +1,9 @@
-"""Load Meta's tokenizer.model in either of its two formats behind one interface.
+"""Load Meta's tokenizer.model in any of its formats behind one interface.
 
 Llama 1 and 2 ship a binary SentencePiece model; Llama 3.x ships a text file of byte-level BPE
-ranks read with tiktoken. The file name is the same, so the format is detected from content.
+ranks read with tiktoken, and Llama 4 a file of the same kind with its own ranks, pre-tokenizer and
+special tokens (llama4_format.py). The file name is the same, so the format is detected from content
+(and, between Llama 3 and 4, from the checkpoint's params.json beside it).
 The engine and the TorchServe handler only see :class:`Tokenizer`.
 """
 
@@ -10,11 +12,19 @@ from __future__ import annotations
 import abc
 import base64
 import binascii
+import json
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tp_llama.llama4_format import (
+    LLAMA4_NUM_RANKS,
+    LLAMA4_SPECIAL_TOKENS,
+    LLAMA4_SPLIT_PATTERN,
+    is_llama4_params,
+)
 
 if TYPE_CHECKING:
     import sentencepiece as spm
@@ -53,12 +63,12 @@ LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED_SPECIALS + [
 
 CHAT_ROLES = ("system", "user", "assistant")
 
-# Long inputs are cut exactly where Meta's reference tokenizer (llama-models) cuts them, so the
-# ids match Meta's for any input: the text is taken in slices of 400,000 characters, cut blindly
-# (tiktoken can fail on longer calls), and inside a slice any run of more than 25,000 consecutive
-# whitespace or non-whitespace characters is cut every 25,000 characters (BPE on one huge
-# pre-token is slow). Whitespace is ``str.isspace``, which is what ``re``'s ``\s`` matches
-# (the ``regex`` module's ``\s`` differs on U+001C..U+001F).
+# Long inputs are cut exactly where Meta's reference tokenizers (llama-models, Llama 3's and 4's
+# alike) cut them, so the ids match Meta's for any input: the text is taken in slices of 400,000
+# characters, cut blindly (tiktoken can fail on longer calls), and inside a slice any run of more
+# than 25,000 consecutive whitespace or non-whitespace characters is cut every 25,000 characters
+# (BPE on one huge pre-token is slow). Whitespace is ``str.isspace``, which is what ``re``'s ``\s``
+# matches (the ``regex`` module's ``\s`` differs on U+001C..U+001F).
 LLAMA3_SLICE_CHARS = 400_000
 LLAMA3_MAX_RUN_CHARS = 25_000
 _RUN = re.compile(r"\s+|\S+")
@@ -176,28 +186,32 @@ class SentencePieceTokenizer(Tokenizer):
         return ids
 
 
-class TiktokenTokenizer(Tokenizer):
-    """Llama 3.x tokenizer: byte-level BPE ranks plus 256 special tokens appended after them."""
+class TiktokenBase(Tokenizer):
+    """What the tiktoken families share: byte-level BPE ranks with the special tokens numbered right
+    after them, and chat turns framed by header tokens. A subclass names its family's values."""
 
-    family = "llama3"
+    split_pattern: str
+    special_tokens: list[str]
+    header: tuple[str, str]  # the tokens around a turn's role
+    end_of_turn: str
+    stop_tokens: tuple[str, ...]
+    strip_chat: bool  # whether Meta's ChatFormat strips a message's text before encoding it
 
     def __init__(self, ranks: dict[bytes, int], name: str) -> None:
         n_base = len(ranks)
-        self.special_ids = {tok: n_base + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self.special_ids = {tok: n_base + i for i, tok in enumerate(self.special_tokens)}
         import tiktoken  # here, so the engine imports on machines without the tokenizers (checks/gpu_check.py)
 
         self._enc = tiktoken.Encoding(
             name=name,
-            pat_str=LLAMA3_SPLIT_PATTERN,
+            pat_str=self.split_pattern,
             mergeable_ranks=ranks,
             special_tokens=self.special_ids,
         )
-        self.n_words = n_base + LLAMA3_NUM_SPECIAL
+        self.n_words = n_base + len(self.special_tokens)
         self.bos_id = self.special_ids["<|begin_of_text|>"]
         self.eos_id = self.special_ids["<|end_of_text|>"]
-        self.stop_ids = frozenset(
-            self.special_ids[t] for t in ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
-        )
+        self.stop_ids = frozenset(self.special_ids[t] for t in self.stop_tokens)
 
     def _encode_text(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -209,38 +223,71 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.decode(ids)
 
     def token_bytes(self) -> list[bytes]:
-        n_base = self.n_words - LLAMA3_NUM_SPECIAL
+        n_base = self.n_words - len(self.special_tokens)
         pieces = [self._enc.decode_single_token_bytes(i) for i in range(n_base)]
-        return pieces + [b"\xff" + name.encode("ascii") for name in LLAMA3_SPECIAL_TOKENS]
+        return pieces + [b"\xff" + name.encode("ascii") for name in self.special_tokens]
 
     def special_names(self) -> dict[int, str]:
         return {i: name for name, i in self.special_ids.items()}
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Llama 3 header format, ending with an open assistant header."""
+        """The family's header format, ending with an open assistant header."""
         ids = [self.bos_id]
         for role, content in _validate_messages(messages):
             ids += self._header(role)
-            ids += self.encode(content.strip(), bos=False)
-            ids.append(self.special_ids["<|eot_id|>"])
+            ids += self.encode(content.strip() if self.strip_chat else content, bos=False)
+            ids.append(self.special_ids[self.end_of_turn])
         ids += self._header("assistant")
         return ids
 
     def _header(self, role: str) -> list[int]:
+        start, end = self.header
         return (
-            [self.special_ids["<|start_header_id|>"]]
+            [self.special_ids[start]]
             + self.encode(role, bos=False)
-            + [self.special_ids["<|end_header_id|>"]]
+            + [self.special_ids[end]]
             + self.encode("\n\n", bos=False)
         )
 
 
+class TiktokenTokenizer(TiktokenBase):
+    """Llama 3.x tokenizer: byte-level BPE ranks plus 256 special tokens appended after them."""
+
+    family = "llama3"
+    split_pattern = LLAMA3_SPLIT_PATTERN
+    special_tokens = LLAMA3_SPECIAL_TOKENS
+    header = ("<|start_header_id|>", "<|end_header_id|>")
+    end_of_turn = "<|eot_id|>"
+    stop_tokens = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+    strip_chat = True
+
+
+class Llama4Tokenizer(TiktokenBase):
+    """Llama 4 tokenizer: o200k's pre-tokenizer, 2,048 special tokens after the ranks, turns in
+    ``<|header_start|>`` headers ending ``<|eot|>``, each message's text encoded as sent."""
+
+    family = "llama4"
+    split_pattern = LLAMA4_SPLIT_PATTERN
+    special_tokens = LLAMA4_SPECIAL_TOKENS
+    header = ("<|header_start|>", "<|header_end|>")
+    end_of_turn = "<|eot|>"
+    stop_tokens = ("<|eot|>", "<|eom|>", "<|end_of_text|>")
+    strip_chat = False
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load ``path`` as a tiktoken BPE file or a SentencePiece model, whichever it is."""
+    """Load ``path`` as a tiktoken BPE file or a SentencePiece model, whichever it is.
+
+    A tiktoken file does not name its family, and Llama 3 and 4 number different special tokens
+    after the ranks: it is Llama 4's when it has Llama 4's 200,000 ranks or when the checkpoint's
+    params.json beside it is Llama 4's (a smaller vocabulary, as test checkpoints have), else Llama 3's.
+    """
     path = Path(path)
     data = path.read_bytes()
     if _looks_like_tiktoken(data):
-        return TiktokenTokenizer(_parse_tiktoken_ranks(data, path), name=path.name)
+        ranks = _parse_tiktoken_ranks(data, path)
+        llama4 = len(ranks) == LLAMA4_NUM_RANKS or _llama4_params_beside(path)
+        return (Llama4Tokenizer if llama4 else TiktokenTokenizer)(ranks, name=path.name)
     import sentencepiece as spm
 
     processor = spm.SentencePieceProcessor()
@@ -253,8 +300,17 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return SentencePieceTokenizer(processor)
 
 
+def _llama4_params_beside(path: Path) -> bool:
+    """Whether the params.json next to ``path`` is a Llama 4 one; a missing or unreadable one is not
+    (reading params.json reports its own errors)."""
+    try:
+        return is_llama4_params(json.loads((path.parent / "params.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def _looks_like_tiktoken(data: bytes) -> bool:
-    """True when every line is "<base64> <rank>", the Llama 3 tokenizer.model layout."""
+    """True when every line is "<base64> <rank>", the Llama 3 and 4 tokenizer.model layout."""
     lines = data.splitlines()
     return bool(lines) and all(_TIKTOKEN_LINE.fullmatch(line) for line in lines)
 
@@ -263,7 +319,7 @@ def _parse_tiktoken_ranks(data: bytes, path: Path) -> dict[bytes, int]:
     """Read the ranks of a tiktoken file, checking what byte-level BPE relies on.
 
     Every single byte must be a token so any text can be encoded, and ranks must be exactly
-    0..N-1 because Llama 3 places its special tokens right after them.
+    0..N-1 because Llama 3 and 4 place their special tokens right after them.
     """
     lines = data.splitlines()
     ranks: dict[bytes, int] = {}

@@ -1,4 +1,4 @@
-"""Reading tool calls out of a Llama 3.x reply, and the llguidance grammar that makes a reply a valid call.
+"""Reading tool calls out of a Llama 3.x or 4 reply, and the llguidance grammar that makes a reply a valid call.
 
 What each format allows (tool_format.py writes the prompts):
 
@@ -7,6 +7,9 @@ What each format allows (tool_format.py writes the prompts):
   supports a single call per reply in this format, so ``parallel`` changes nothing here.
 - ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1), g(b="x")]``: 1 to
   MAX_CALLS calls when ``parallel`` is true, exactly one when false.
+- ``llama4_pythonic``: the same list, as Llama 4 writes it bare; read back also wrapped in
+  ``<|python_start|>`` / ``<|python_end|>`` and followed by ``<|eot|>`` or ``<|eom|>``, the
+  markers Meta's Llama 4 ChatFormat drops when it decodes a reply.
 
 The grammar is Lark for llguidance. JSON calls embed each tool's ``parameters`` schema with
 ``%json``, so llguidance itself enforces every JSON schema feature it supports and rejects the rest
@@ -60,12 +63,23 @@ def parse_tool_calls(text: str, tool_format: str, tools: list[dict] | None) -> l
     check_tool_format(tool_format)
     names = {f["name"] for f in tool_functions(tools)}
     body = text.strip(_SPACE)
-    if body.startswith("<|python_tag|>"):
+    if tool_format == "llama4_pythonic":
+        body = _llama4_body(body)
+    elif body.startswith("<|python_tag|>"):
         body = body[len("<|python_tag|>"):].strip(_SPACE)
     calls = _json_call(body) if tool_format == "llama3_json" else _pythonic_calls(body)
     if calls is None or any(call["name"] not in names for call in calls):
         return None
     return calls
+
+
+def _llama4_body(body: str) -> str:
+    """A Llama 4 reply without the end-of-turn marker and the code markers around it."""
+    for end in ("<|eot|>", "<|eom|>"):
+        body = body.removesuffix(end).strip(_SPACE)
+    if body.startswith("<|python_start|>"):
+        body = body[len("<|python_start|>"):].removesuffix("<|python_end|>").strip(_SPACE)
+    return body
 
 
 def _json_call(body: str) -> list[dict] | None:
@@ -125,7 +139,8 @@ def tool_call_grammar(tools: list[dict], choice: str | dict, tool_format: str, p
     ``{"type": "function", "function": {"name": ...}}`` (a call to that one), or "auto" (plain text
     that does not start like a call, i.e. with ``{``, ``[`` or ``<|python_tag|>`` after any
     whitespace, or else a call constrained from its first token on). The stop token is left to
-    the tokenizer's EOS set: the grammar accepts where the call (or the text) is complete.
+    the tokenizer's EOS set: the grammar accepts where the call (or the text) is complete. A Llama 4
+    call opens with no marker (its tokenizer has no ``<|python_tag|>``), as Meta's prompt format shows.
     """
     check_tool_format(tool_format)
     functions = tool_functions(tools)
@@ -142,7 +157,7 @@ def tool_call_grammar(tools: list[dict], choice: str | dict, tool_format: str, p
     else:
         call = rules.new(" | ".join(_pythonic_call(rules, f) for f in chosen))
         call = f'"[" {call} (", " {call}){{0,{MAX_CALLS - 1}}} "]"' if parallel else f'"[" {call} "]"'
-    start = f"<|python_tag|>? ({call})"
+    start = call if tool_format == "llama4_pythonic" else f"<|python_tag|>? ({call})"
     head = f"start: TEXT | {start}\n{_TEXT_RULE}" if choice == "auto" else f"start: {start}"
     return head + "\n" + "\n".join(f"{k}: {v}" for k, v in rules.rules.items()) + "\n"
 

@@ -1,6 +1,6 @@
-"""Meta's tool-calling prompts for Llama 3.x: an OpenAI chat history with tools as prompt ids.
+"""Meta's tool-calling prompts for Llama 3.x and 4: an OpenAI chat history with tools as prompt ids.
 
-Two formats, named as vLLM names its parsers:
+Three formats, named as vLLM names its parsers:
 
 - ``llama3_json`` (Llama 3.1 / 3.3): the model answers one call per reply, as a JSON object
   ``{"name": ..., "parameters": {...}}`` (Meta's own encoding adds ``"type": "function"`` first,
@@ -9,11 +9,16 @@ Two formats, named as vLLM names its parsers:
   generators write it whenever there are tools), and only then does a call end with ``<|eom_id|>``.
 - ``pythonic`` (Llama 3.2): the model answers a Python list of calls,
   ``[get_weather(city="Paris"), other(n=[1, 2])]``; every turn ends with ``<|eot_id|>``.
+- ``llama4_pythonic`` (Llama 4): the same list, ending ``<|eot|>``, after Llama 4's own system prompt
+  of rules (llama4_format.py, from Meta's Llama 4 prompt format); the turns are framed as
+  ``llama_models.llama4.chat_format.ChatFormat`` frames them: ``<|header_start|>`` headers, text as
+  sent, tool results in the ``ipython`` role ending ``<|eom|>``, and an earlier assistant turn that
+  made calls ending ``<|eom|>`` too, as ChatFormat writes one (the model itself ends a call ``<|eot|>``).
 
 The texts are those of Meta's prompt generators in llama-models (``JsonCustomToolGenerator``,
 ``PythonListCustomToolGenerator``, the system prompt of its Llama 3.1 prompt guide) and the turns
 are framed as ``llama_models.llama3.chat_format.ChatFormat`` frames them; tests/test_tool_format.py
-checks both token for token. Where Meta's templates write a string raw (a description holding a
+checks both token for token (tests/test_llama4_tokenizer.py the Llama 4 format). Where Meta's templates write a string raw (a description holding a
 quote) this module writes it JSON-escaped, and a missing description is empty rather than "None".
 """
 
@@ -23,9 +28,10 @@ import json
 import math
 from datetime import datetime
 
-from tp_llama.tokenizer import TiktokenTokenizer, Tokenizer
+from tp_llama.llama4_format import LLAMA4_TOOLS_HEAD
+from tp_llama.tokenizer import TiktokenBase, Tokenizer
 
-TOOL_FORMATS = ("llama3_json", "pythonic")
+TOOL_FORMATS = ("llama3_json", "pythonic", "llama4_pythonic")
 
 _JSON_TOOLS_HEAD = (
     "Answer the user's question by making use of the following functions if needed.\n"
@@ -140,16 +146,20 @@ def encode_tool_chat(
     prompt guide and llama-stack put custom tools ("Instructions for tools added as a user
     message"). ``pythonic``: the definitions (PythonListCustomToolGenerator's text) open the
     system prompt and the caller's system message follows them, as llama-stack appends it for
-    Llama 3.2. A required or named ``tool_choice`` adds llama-stack's one-line instruction to the
-    system prompt. ``today`` ("21 September 2024") defaults to the current date, as Meta's does.
+    Llama 3.2. ``llama4_pythonic``: as ``pythonic``, the definitions after Llama 4's rules. A required
+    or named ``tool_choice`` adds llama-stack's one-line instruction to the system prompt. ``today``
+    ("21 September 2024") defaults to the current date, as Meta's does.
     ``ipython=False`` leaves out "Environment: ipython" (llama3_json), and calls then end <|eot_id|>.
     Assistant ``tool_calls`` are written as Meta's ``encode_tool_call`` writes them (a pythonic
     message's calls as one list), and ``tool`` messages become the ``ipython`` role.
     """
-    if not isinstance(tokenizer, TiktokenTokenizer):
-        raise ValueError(f"tools need a Llama 3 checkpoint (a tiktoken tokenizer.model); this one is "
-                         f"{getattr(tokenizer, 'family', type(tokenizer).__name__)}")
+    if not isinstance(tokenizer, TiktokenBase):
+        raise ValueError(f"tools need a Llama 3 checkpoint (or a Llama 4 one: a tiktoken tokenizer.model); this "
+                         f"one is {getattr(tokenizer, 'family', type(tokenizer).__name__)}")
     check_tool_format(tool_format)
+    if (tokenizer.family == "llama4") != (tool_format == "llama4_pythonic"):
+        raise ValueError(f"tool_format {tool_format!r} is not a {tokenizer.family} format: Llama 4 calls in "
+                         "llama4_pythonic, Llama 3 in llama3_json or pythonic")
     functions = tool_functions(tools)
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
@@ -158,6 +168,9 @@ def encode_tool_chat(
         system = _text(messages[0], 0)
     choice = _choice_line(tool_choice, functions)
     eom = tool_format == "llama3_json" and ipython and bool(functions)
+    eot = tokenizer.end_of_turn
+    # Meta's Llama 4 ChatFormat ends both a turn that made calls and a tool result <|eom|>.
+    call_end, result_end = ("<|eom|>",) * 2 if tool_format == "llama4_pythonic" else ("<|eom_id|>" if eom else eot, eot)
     if tool_format == "llama3_json":
         env = "Environment: ipython\n\n" if eom else ""
         today = today or datetime.now().strftime("%d %B %Y")
@@ -167,14 +180,15 @@ def encode_tool_chat(
             turns.append(("user", _JSON_TOOLS_HEAD + "".join(_json_tool(f) + "\n" for f in functions)
                           + _JSON_TOOLS_TAIL))
     else:
-        text = _PYTHONIC_HEAD + _pythonic_tools(functions) + "\n" if functions else ""
+        head = LLAMA4_TOOLS_HEAD if tool_format == "llama4_pythonic" else _PYTHONIC_HEAD
+        text = head + _pythonic_tools(functions) + "\n" if functions else ""
         text = (text + (system or "") + choice).strip("\n")
         turns = [("system", text)] if text else []
     ids = [tokenizer.bos_id]
     for role, text in turns:
-        ids += _turn(tokenizer, role, [text], "<|eot_id|>")
+        ids += _turn(tokenizer, role, [text], eot)
     for i, message in enumerate(messages[1:] if system is not None else messages, start=int(system is not None)):
-        ids += _message(tokenizer, message, i, tool_format, eom)
+        ids += _message(tokenizer, message, i, tool_format, call_end, result_end)
     return ids + tokenizer._header("assistant")
 
 
@@ -188,30 +202,31 @@ def _choice_line(tool_choice: str | dict, functions: list[dict]) -> str:
     return ""
 
 
-def _message(tokenizer: TiktokenTokenizer, message: object, i: int, tool_format: str, eom: bool) -> list[int]:
-    """One history message: user and tool turns as text, assistant turns with their calls."""
+def _message(tokenizer: TiktokenBase, message: object, i: int, tool_format: str, call_end: str,
+             result_end: str) -> list[int]:
+    """One history message: user and tool turns as text, assistant turns with their calls; a turn with
+    calls ends ``call_end``, a tool result ``result_end``, any other the family's end of turn."""
     if not isinstance(message, dict):
         raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
-    role = message.get("role")
+    role, eot = message.get("role"), tokenizer.end_of_turn
     if role == "user":
-        return _turn(tokenizer, "user", [_text(message, i)], "<|eot_id|>")
+        return _turn(tokenizer, "user", [_text(message, i)], eot)
     if role == "tool":
-        return _turn(tokenizer, "ipython", [_text(message, i)], "<|eot_id|>")
+        return _turn(tokenizer, "ipython", [_text(message, i)], result_end)
     if role != "assistant":
         raise ValueError(f"message {i}: role must be 'user', 'assistant' or 'tool' (a system message "
                          f"only comes first), got {role!r}")
     calls = _calls(message, i)
     content = "" if message.get("content") is None and calls else _text(message, i)
     if not calls:
-        return _turn(tokenizer, "assistant", [content], "<|eot_id|>")
+        return _turn(tokenizer, "assistant", [content], eot)
     if tool_format == "llama3_json":
         if len(calls) > 1:
             raise ValueError(f"message {i}: llama3_json carries one tool call per assistant message "
                              f"(Meta's Llama 3.1 format), got {len(calls)}")
-        return _turn(tokenizer, "assistant", [content, _encode_call(*calls[0], tool_format)],
-                     "<|eom_id|>" if eom else "<|eot_id|>")
+        return _turn(tokenizer, "assistant", [content, _encode_call(*calls[0], tool_format)], call_end)
     listed = "[" + ", ".join(_encode_call(name, args, tool_format) for name, args in calls) + "]"
-    return _turn(tokenizer, "assistant", [content, listed], "<|eot_id|>")
+    return _turn(tokenizer, "assistant", [content, listed], call_end)
 
 
 def _calls(message: dict, i: int) -> list[tuple[str, dict]]:
@@ -245,7 +260,7 @@ def _text(message: dict, i: int) -> str:
     return content
 
 
-def _turn(tokenizer: TiktokenTokenizer, role: str, pieces: list[str], end: str) -> list[int]:
+def _turn(tokenizer: TiktokenBase, role: str, pieces: list[str], end: str) -> list[int]:
     """A header, then each piece encoded on its own as Meta's ChatFormat does, then the end token."""
     ids = tokenizer._header(role)
     for piece in pieces:

@@ -29,8 +29,8 @@ class HandlerSettings:
     temperature: float = bounded(0.6, 0)
     top_p: float = bounded(0.9, 0)  # in (0, 1]
     max_request_bytes: int = bounded(1_048_576, 64)
-    # Tool calls' prompt and reply format: "llama3_json" (Llama 3.1 / 3.3), "pythonic" (Llama 3.2), "none"
-    # (tools refused), or "auto": from the checkpoint (serving/tool_use.py).
+    # Tool calls' prompt and reply format: "llama3_json" (Llama 3.1 / 3.3), "pythonic" (Llama 3.2),
+    # "llama4_pythonic" (Llama 4), "none" (tools refused), or "auto": from the checkpoint (serving/tool_use.py).
     tool_format: str = "auto"
     # The key a load_lora_adapter / unload_lora_adapter request sends in X-Lora-Admin-Key (serving/lora_admin.py).
     lora_admin_key: str | None = None
@@ -39,8 +39,9 @@ class HandlerSettings:
         check_fields(self)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.tool_format not in ("auto", "llama3_json", "pythonic", "none"):
-            raise ValueError(f"tool_format must be auto, llama3_json, pythonic or none, got {self.tool_format!r}")
+        if self.tool_format not in ("auto", "llama3_json", "pythonic", "llama4_pythonic", "none"):
+            raise ValueError("tool_format must be auto, llama3_json, pythonic, llama4_pythonic or none, "
+                             f"got {self.tool_format!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
         if self.lora_admin_key is not None and (not isinstance(self.lora_admin_key, str) or len(self.lora_admin_key) < 16):

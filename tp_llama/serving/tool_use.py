@@ -2,8 +2,9 @@
 the prompt and grammar they make, and the reply's `tool_calls`, whole or streamed as OpenAI's deltas.
 
 The prompt and the reply formats are Meta's (tp_llama/tool_format.py, tool_calls.py): `llama3_json`
-(Llama 3.1 / 3.3: one call per reply) or `pythonic` (Llama 3.2: a list of calls), chosen by the yaml's
-`tool_format` (by default from the checkpoint: the 1B and 3B shapes are Llama 3.2's). `required`
+(Llama 3.1 / 3.3: one call per reply), `pythonic` (Llama 3.2: a list of calls) or `llama4_pythonic`
+(Llama 4: a list of calls), chosen by the yaml's `tool_format` (by default from the checkpoint: a
+Llama 4 tokenizer is Llama 4's, the 1B and 3B shapes are Llama 3.2's). `required`
 and named choices are enforced by a grammar built from the tools' parameter schemas, so the call
 always parses and its arguments validate; `auto` lets the model answer in text or start a call, and
 a started call is held to the schemas from its first token on; `none` adds no grammar.
@@ -21,16 +22,19 @@ from tp_llama.serving.structured import constrained_reply
 from tp_llama.tool_calls import parse_tool_calls, tool_call_grammar
 from tp_llama.tool_format import encode_tool_chat, tool_functions
 
-TOOL_FORMATS = ("auto", "llama3_json", "pythonic", "none")
+TOOL_FORMATS = ("auto", "llama3_json", "pythonic", "llama4_pythonic", "none")
 LLAMA32_MAX_DIM = 3072  # Llama 3.2's text models (1B: 2048, 3B: 3072); Llama 3.1 / 3.3 start at 8B (4096)
 PYTHON_TAG = "<|python_tag|>"
 
 
 def resolve_tool_format(setting: str, family: str, dim: int | None = None) -> str:
     """The yaml's `tool_format` with "auto" resolved from the checkpoint: "none" for a Llama 2 (it has no
-    tool-calling format), Llama 3.2's pythonic list for its 1B and 3B shapes, else Llama 3.1's JSON."""
+    tool-calling format), Llama 4's list for a Llama 4, Llama 3.2's pythonic list for its 1B and 3B
+    shapes, else Llama 3.1's JSON."""
     if setting != "auto":
         return setting
+    if family == "llama4":
+        return "llama4_pythonic"
     if family != "llama3":
         return "none"
     return "pythonic" if dim is not None and dim <= LLAMA32_MAX_DIM else "llama3_json"
@@ -79,6 +83,10 @@ def tool_use(body: dict[str, Any], tool_format: str, family: str | None) -> Tool
     if tool_format == "none":
         raise RequestError("tools are off for this model: a Llama 2 checkpoint has no tool-calling format, or the "
                            "yaml's handler.tool_format is none", param="tools")
+    if (tool_format == "llama4_pythonic") != (family == "llama4"):
+        raise RequestError(f"tools: the yaml's handler.tool_format {tool_format} does not fit this {family} checkpoint "
+                           "(Llama 4 calls in llama4_pythonic, Llama 3 in llama3_json or pythonic); set auto",
+                           param="tools")
     try:
         tool_functions(tools)
     except ValueError as exc:
