@@ -173,3 +173,19 @@ def test_scout_params_give_scouts_shapes(tmp_path):
     assert (args.family, args.ffn_dim, args.moe.expert_dim, args.moe.experts) == ("llama4", 16384, 8192, 16)
     assert args.rope_scaling == (16.0, 1.0)
     assert [args.is_nope_layer(i) for i in range(4)] == [False, False, False, True]
+
+
+def test_served_modules_match_meta_and_keep_a_rows_bits(checkpoints, prompts, meta):
+    """Prepared for serving (the C kernels' tiles where they run: fused q/k/v, gated w1/w3, one weight per
+    expert, the router on the same kernels): Meta's logits still, and a row's logits have the same bits
+    alone as beside other rows (its expert chosen and computed without them)."""
+    from tp_llama import backend
+
+    folder = str(checkpoints[1])
+    model = load_tp_model(folder, read_params(folder), CPU, torch.float32, backend.plan(CPU.device, torch.float32))
+    setup_slots(model, 3, max(map(len, prompts)), torch.float32, CPU.device)
+    assert_close([dense_logits(model, torch.tensor([p]), torch.tensor([0]), last_only=False)[0] for p in prompts],
+                 meta, "served modules")
+    alone = [dense_logits(model, torch.tensor([p[:9]]), torch.tensor([0]), first_slot=i) for i, p in enumerate(prompts)]
+    together = dense_logits(model, torch.tensor([p[:9] for p in prompts]), torch.tensor([0, 0, 0]))
+    assert all(torch.equal(a[0], b) for a, b in zip(alone, together))

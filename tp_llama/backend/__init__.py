@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tp_llama.backend import cpu, fused, metaquant
+from tp_llama.backend import cpu, fused, llama4, metaquant
 from tp_llama.kernels import C_KINDS, Weight, choose
 from tp_llama.kernels.quant import BITS, check_groups
-from tp_llama.errors import CheckpointError
 from tp_llama.model import Transformer
 from tp_llama.model.llama4 import Llama4Block
 from tp_llama.parallel.modules import LocalLinear
@@ -39,13 +38,7 @@ class Preparation:
     device: torch.device
 
     def layer(self, block: nn.Module, name: str) -> None:
-        """One block's serving modules (name: its name in the model, for errors). Llama 4's blocks keep
-        PyTorch's modules as built: their kernels are not written yet."""
-        if isinstance(block, Llama4Block):
-            if self.bits != 16:
-                raise CheckpointError(f"{name}: quantizing a Llama 4 model at load is not served yet; "
-                                      "set quantize to none")
-            return
+        """One block's serving modules (name: its name in the model, for errors)."""
         if metaquant.holds_meta_weights(block):  # a checkpoint Meta quantized (its loader refuses self.bits)
             metaquant.apply_layer(block, self.kind, self.device)
             return
@@ -53,7 +46,9 @@ class Preparation:
             for child, module in block.named_modules():
                 if isinstance(module, (nn.Linear, LocalLinear)):
                     check_groups(f"{name}.{child}", module.weight)
-        if self.kind in C_KINDS:
+        if isinstance(block, Llama4Block):
+            llama4.apply_layer(block, self.kind, self.device, self.bits, name)
+        elif self.kind in C_KINDS:
             cpu.apply_layer(block, self.kind, self.bits)
         else:
             fused.apply_layer(block, self.kind, self.device, self.bits)
@@ -101,8 +96,8 @@ def optimize(model: Transformer, device: torch.device | None = None, traced: boo
 def matmul_weights(model: Transformer) -> list[Weight]:
     """Every weight a matmul reads, in its prepared form (for kernels.warm_up)."""
     weights = [model.output.weight]
-    for layer in model.layers:
-        attention, ffn = layer.attention, layer.feed_forward
-        if not isinstance(layer, Llama4Block):
-            weights += [attention.wqkv, attention.wo.weight, ffn.w13, ffn.w2.weight]
+    for module in model.layers.modules():  # fused projections, Llama 4's routers and experts among them
+        weights += [getattr(module, name) for name in ("wqkv", "w13", "router") if hasattr(module, name)]
+        if isinstance(module, LocalLinear):
+            weights.append(module.weight)
     return weights

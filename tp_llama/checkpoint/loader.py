@@ -24,7 +24,7 @@ from tp_llama.checkpoint.reader import Piece, ShardFiles, local_shape, plan_loca
 from tp_llama.checkpoint.shards import check_keys, find_shards, load_shard
 from tp_llama.errors import CheckpointError
 from tp_llama.kernels import C_KINDS
-from tp_llama.model import ModelArgs, Transformer
+from tp_llama.model import ModelArgs, Transformer, build
 from tp_llama.parallel.distributed import DistInfo, every_rank_agrees, log
 from tp_llama.parallel.layout import check_tp_size, full_shapes
 from tp_llama.parallel.modules import local_module
@@ -57,7 +57,7 @@ class Preparer(Protocol):
 
 def skeleton(args: ModelArgs) -> Transformer:
     with torch.device("meta"), _SkipInit():
-        return Transformer(args)
+        return build(args)
 
 
 def assign(model: Transformer, state: dict[str, torch.Tensor], family: str, group: dist.ProcessGroup | None) -> None:
@@ -179,6 +179,8 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
     from tp_llama.parallel.converter import build_distributed_state_dict_from_consolidated
     from tp_llama.parallel.fsdp import apply_fsdp, make_mesh
 
+    if args.family == "llama4":
+        raise CheckpointError(f"{ckpt_dir}: fsdp mode reads Llama 2 and 3 checkpoints; serve Llama 4 in mode 'tp'")
     paths = find_shards(ckpt_dir)
     mp = len(paths)
     fmt = read_format(ckpt_dir, mp)

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tp_llama.errors import CheckpointError
-from tp_llama.checkpoint.params_llama4 import is_llama4, llama4_fields
+from tp_llama.checkpoint.params_llama4 import llama4_fields
+from tp_llama.llama4_format import is_llama4_params
 from tp_llama.model.args import ModelArgs, ffn_hidden_dim
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def parse_params(raw: dict, path: Path, tokenizer_vocab: int | None = None) -> M
         raise CheckpointError(f"{path}: key 'multiple_of' must be positive, got {multiple_of}")
 
     vocab_size = raw.get("vocab_size", -1)
-    family = "llama4" if is_llama4(raw) else "llama3" if vocab_size > 0 else "llama2"
+    family = "llama4" if is_llama4_params(raw) else "llama3" if vocab_size > 0 else "llama2"
     llama4 = llama4_fields(raw, path) if family == "llama4" else {}
     if vocab_size <= 0:
         if tokenizer_vocab is None:

@@ -24,11 +24,6 @@ MOE_KNOWN = frozenset({"num_experts", "capacity_factor", "auto_scale_F", "top_k"
 NUMBER = (int, float)
 
 
-def is_llama4(raw: dict) -> bool:
-    """Llama 4's params.json is the one with moe_args (Scout and Maverick both carry it)."""
-    return "moe_args" in raw
-
-
 def _get(raw: dict, key: str, kind: type | tuple[type, ...], default: object, path: Path, where: str = "") -> object:
     value = raw.get(key, default)
     if value is None and default is None:

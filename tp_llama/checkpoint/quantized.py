@@ -21,13 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tp_llama.checkpoint.formats import (FP8, INT8_TABLES, LINEARS, ROW_PARALLEL, CheckpointFormat, TensorSpec,
                                          check_int4_file, int4_specs, table_scale_spec)
 from tp_llama.checkpoint.shards import load_shard
 from tp_llama.errors import CheckpointError
-from tp_llama.kernels.metaquant import (Fp8Weight, Int4Weight, check_int4, dequantize_fp8, dequantize_rows, fp8_matmuls,
+from tp_llama.kernels.metaquant import (Fp8Weight, Int4Weight, check_int4, dequantize_rows, fp8_matmuls,
                                        int8_tiles)
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.parallel.layout import NONE, full_shapes, shard_dim, tp_sharding

@@ -14,6 +14,7 @@ scheduler planned. Only attention looks at rows (tp_llama.model.kv_cache).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -117,15 +118,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def block(args: ModelArgs, layer: int) -> nn.Module:
-    """Layer `layer` of the family params.json names: Llama 4's blocks live in model/llama4.py."""
-    if args.family == "llama4":
-        from tp_llama.model.llama4 import Llama4Block  # it builds on this module's pieces
-
-        return Llama4Block(args, layer)
-    return TransformerBlock(args)
-
-
 class Layers(nn.ModuleList):
     """The blocks, run one after the other (a backend may run a whole step of them at once)."""
 
@@ -136,10 +128,12 @@ class Layers(nn.ModuleList):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, block: Callable[[ModelArgs, int], nn.Module] | None = None):
+        """block(args, layer): the family's block (tp_llama.model.build chooses it from params.json)."""
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        block = block or (lambda args, layer: TransformerBlock(args))
         self.layers = Layers(block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

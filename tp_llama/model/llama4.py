@@ -14,6 +14,9 @@ do, so routing needs no exchange: the shared and routed partial sums are added, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,7 +24,7 @@ from torch import nn
 
 from tp_llama.model.args import ModelArgs
 from tp_llama.model.batch import Batch
-from tp_llama.model.kv_cache import attend
+from tp_llama.model.kv_cache import KVCache, attend
 from tp_llama.model.llama import Attention, FeedForward, RMSNorm, TransformerBlock, apply_rope
 
 
@@ -35,25 +38,42 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
     return torch.log(torch.floor((positions.float() + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0
 
 
-class Llama4Attention(Attention):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__(args)
-        nope = args.is_nope_layer(layer)
-        self.rope = not nope
-        self.qk_norm_eps = args.norm_eps if args.use_qk_norm and not nope else None
-        self.window = None if nope else args.attention_chunk_size
-        self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and nope else None
+@dataclass(frozen=True)
+class IRoPE:
+    """What a layer of iRoPE does between its projections and attention (model/llama4.py's docstring)."""
 
-    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
-        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)) for w in (self.wq, self.wk, self.wv))
+    rope: bool
+    qk_norm_eps: float | None
+    window: int | None  # attention within blocks of this many absolute positions (None: global)
+    temperature: tuple[float, float] | None  # (floor_scale, attn_scale) of the query's scaling by position
+
+    @classmethod
+    def of_layer(cls, args: ModelArgs, layer: int) -> IRoPE:
+        nope = args.is_nope_layer(layer)
+        return cls(not nope, args.norm_eps if args.use_qk_norm and not nope else None,
+                   None if nope else args.attention_chunk_size,
+                   (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and nope else None)
+
+    def attend(self, cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor,
+               batch: Batch) -> torch.Tensor:
+        """Attention [T, heads, hd] of the batch's tokens from their projections q, k, v [T, heads, hd]."""
         if self.rope:
             q, k = apply_rope(q, rotation), apply_rope(k, rotation)
         if self.qk_norm_eps is not None:
             q, k = unit_rms_norm(q, self.qk_norm_eps), unit_rms_norm(k, self.qk_norm_eps)
         if self.temperature is not None:
             q = (q * temperature_scales(batch.positions, *self.temperature).view(-1, 1, 1)).to(q.dtype)
-        out = attend(self.cache, q, k, v, batch, window=self.window)
-        return self.wo(out.flatten(1))
+        return attend(cache, q, k, v, batch, window=self.window)
+
+
+class Llama4Attention(Attention):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__(args)
+        self.irope = IRoPE.of_layer(args, layer)
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)) for w in (self.wq, self.wk, self.wv))
+        return self.wo(self.irope.attend(self.cache, q, k, v, rotation, batch).flatten(1))
 
 
 class Experts(nn.Module):
@@ -84,15 +104,22 @@ class MoE(nn.Module):
         self.experts = Experts(args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        score, chosen = (x @ self.router_DE).max(dim=-1)
-        routed = x * torch.sigmoid(score).unsqueeze(-1)
-        out = self.shared_expert(x)
-        for expert in chosen.unique().tolist():
-            rows = (chosen == expert).nonzero().squeeze(1)
-            out.index_add_(0, rows, self.experts(routed[rows], expert))
-        if self.group is not None:
-            dist.all_reduce(out, group=self.group)
-        return out
+        return route(x, x @ self.router_DE, self.shared_expert, self.experts, self.group)
+
+
+def route(x: torch.Tensor, scores: torch.Tensor, shared: nn.Module, experts: Callable[[torch.Tensor, int], torch.Tensor],
+          group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Top-1 routing of x [T, dim] by its router scores [T, E]: the shared expert's output plus each token's
+    chosen expert's, on its input scaled by the sigmoid of its score; all-reduced over `group`."""
+    score, chosen = scores.max(dim=-1)
+    routed = x * torch.sigmoid(score.to(x.dtype)).unsqueeze(-1)
+    out = shared(x)
+    for expert in chosen.unique().tolist():
+        rows = (chosen == expert).nonzero().squeeze(1)
+        out.index_add_(0, rows, experts(routed[rows], expert))
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out
 
 
 class Llama4Block(nn.Module):

@@ -1,0 +1,89 @@
+"""Llama 4's blocks prepared for serving: their matmuls in the kernels' forms, the experts one weight each.
+
+q/k/v run as one matmul and the FFNs' w1/w3 as one (with the C kernels, tiles that end in SwiGLU), as
+for Llama 2/3 (backend/fused.py, backend/cpu.py); iRoPE's steps between the projections and attention
+stay PyTorch's (model/llama4.py). Each routed expert is a feed-forward of its own, so a decode row reads
+only the weights of the expert it was routed to, and a prompt step reads each chosen expert's weights
+once for all its rows. The router runs on the same kernels, so with the C kernels a row's expert and
+result do not depend on the rows beside it (their tiles compute each row alone).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from tp_llama.backend import cpu
+from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held
+from tp_llama.kernels import C_KINDS, linear, prepare
+from tp_llama.kernels.quant import check_groups
+from tp_llama.model.batch import Batch
+from tp_llama.model.llama import FeedForward
+from tp_llama.model.llama4 import Llama4Attention, Llama4Block, MoE, route
+from tp_llama.parallel.layout import NONE
+from tp_llama.parallel.modules import LocalLinear
+
+
+class ServingAttention(FusedAttention):
+    """Llama 4's attention with q, k and v in one matmul."""
+
+    def __init__(self, attention: Llama4Attention, kind: str, device: torch.device | None = None, bits: int = 16):
+        super().__init__(attention, kind, device, bits)
+        self.irope = attention.irope
+
+    def attend(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int = 0) -> torch.Tensor:
+        n_q, n_kv = self.widths
+        q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv.split([n_q, n_kv, n_kv], dim=1))
+        return self.irope.attend(self.cache, q, k, v, rotation, batch).flatten(1)
+
+
+def feed_forward(ffn: FeedForward | SimpleNamespace, kind: str, device: torch.device | None, bits: int) -> nn.Module:
+    """A SwiGLU with w1/w3 fused: the C kernels' gated tiles where they run, else one fused matmul."""
+    if kind in C_KINDS:
+        return cpu.feed_forward(ffn, kind, bits)
+    return FusedFeedForward(ffn, kind, device, bits)
+
+
+class ServingMoE(nn.Module):
+    """The MoE's router, shared expert and routed experts as prepared weights (the routing: model/llama4.py)."""
+
+    def __init__(self, moe: MoE, kind: str, device: torch.device | None, bits: int, name: str):
+        super().__init__()
+        self.group = moe.group
+        # The router stays at the model's precision at any `bits`: its scores pick the expert.
+        self.router = held(prepare(moe.router_DE.detach().t().contiguous(), kind, device, 16))
+        self.shared_expert = feed_forward(moe.shared_expert, kind, device, bits)
+        self.routed = nn.ModuleList()
+        experts = moe.experts
+        for e in range(experts.w1.shape[0]):
+            parts = {w: experts_weight(experts, w, e) for w in ("w1", "w3", "w2")}
+            if bits != 16:
+                for w, weight in parts.items():
+                    check_groups(f"{name}.experts.{w}[{e}]", weight)
+            ffn = SimpleNamespace(**{w: LocalLinear(weight, NONE, None) for w, weight in parts.items()})
+            self.routed.append(feed_forward(ffn, kind, device, bits))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return route(x, linear(x, self.router), self.shared_expert, self.expert, self.group)
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return self.routed[e](x)
+
+
+def experts_weight(experts: nn.Module, w: str, e: int) -> torch.Tensor:
+    """Expert e's `w` as a Linear's [out, in] weight (Meta stores them in x @ W order)."""
+    return getattr(experts, w)[e].detach().t().contiguous()
+
+
+def apply_layer(block: Llama4Block, kind: str, device: torch.device | None, bits: int, name: str) -> None:
+    """One Llama 4 block's serving modules, every matmul weight prepared for `kind`, quantized to `bits`."""
+    block.attention = ServingAttention(block.attention, kind, device, bits)
+    if isinstance(block.feed_forward, MoE):
+        block.feed_forward = ServingMoE(block.feed_forward, kind, device, bits, f"{name}.feed_forward")
+    else:
+        block.feed_forward = feed_forward(block.feed_forward, kind, device, bits)
+    if kind in C_KINDS:
+        block.attention_norm, block.ffn_norm = cpu.CRMSNorm(block.attention_norm), cpu.CRMSNorm(block.ffn_norm)
+
