@@ -207,6 +207,7 @@ class LlamaHandler(BaseHandler):
         self.metrics.update_gauges(snapshot.decoding, snapshot.waiting, snapshot.blocks_used)
         self.metrics.cache_counts(snapshot.prefix_queries, snapshot.prefix_hits, snapshot.preemptions)
         self.metrics.speculation(snapshot.proposed, snapshot.accepted, list(snapshot.accepted_at))
+        self.metrics.experts(self.engine.expert_tokens())
         self.metrics.flush()
 
     def _count(self, outcome: str, seqs: list[Sequence] = ()) -> None:

@@ -25,10 +25,11 @@ from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.errors import CheckpointError
 from tp_llama.parallel.distributed import DistInfo
+from tp_llama.serving.metrics import EXPERT_TOKENS, ServingMetrics
 from tp_llama.testing.tokenizer_train import build_tokenizer
 
 from tests.support.dist_util import run_ranks
-from tests.support.meta_llama4 import META_VOCAB, meta_run, small_params, write_llama4_checkpoint
+from tests.support.meta_llama4 import META_VOCAB, is_moe_layer, meta_run, small_params, write_llama4_checkpoint
 from tests.support.run_model import dense_logits, setup_slots
 
 # 8 heads over 4 KV heads: TP 1, 2 and 4 all divide them. 2,304 ids: the least a trained tokenizer has
@@ -135,6 +136,16 @@ def test_decode_across_chunks_matches_meta(checkpoints, prompts, tmp_path):
 
     together = replies(prompts)
     assert together == [replies([p])[0] for p in prompts]
+    # Every token fed (each prompt's, then each reply's but its last), in both runs, was routed once per MoE layer.
+    fed = 2 * sum(len(p) + len(r) - 1 for p, r in zip(prompts, together))
+    per_layer: dict[int, int] = {}
+    for (layer, _), count in engine.expert_tokens().items():
+        per_layer[layer] = per_layer.get(layer, 0) + count
+    assert per_layer == {layer: fed for layer in range(PARAMS["n_layers"]) if is_moe_layer(PARAMS, layer)}
+    metrics = ServingMetrics(None, "llama4", 8)
+    metrics.experts(engine.expert_tokens())
+    metrics.flush()
+    assert sum(n for (name, _), n in metrics.totals.items() if name == EXPERT_TOKENS) == fed * len(per_layer)
     full = [p + r for p, r in zip(prompts, together)]
     logits = meta_run(checkpoints[1], full, mp=1)["logits"]
     for prompt, reply, scores in zip(prompts, together, logits):

@@ -57,6 +57,8 @@ class ServingMoE(nn.Module):
         self.shared_expert = feed_forward(moe.shared_expert, kind, device, bits)
         self.routed = nn.ModuleList()
         experts = moe.experts
+        # Tokens routed to each expert since load (prompt, generated and verified ones), for the metrics.
+        self.register_buffer("tokens_per_expert", torch.zeros(experts.w1.shape[0], dtype=torch.long), persistent=False)
         for e in range(experts.w1.shape[0]):
             parts = {w: experts_weight(experts, w, e) for w in ("w1", "w3", "w2")}
             if bits != 16:
@@ -66,7 +68,7 @@ class ServingMoE(nn.Module):
             self.routed.append(feed_forward(ffn, kind, device, bits))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return route(x, linear(x, self.router), self.shared_expert, self.expert, self.group)
+        return route(x, linear(x, self.router), self.shared_expert, self.expert, self.group, self.tokens_per_expert)
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return self.routed[e](x)

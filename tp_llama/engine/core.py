@@ -149,6 +149,15 @@ class Engine:
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
 
+    def expert_tokens(self) -> dict[tuple[int, int], int]:
+        """Llama 4: the tokens routed to each (layer, expert) since load, on this rank ({} for a dense model)."""
+        counts = {}
+        for i, layer in enumerate(self.runner.model.layers):
+            routed = getattr(layer.feed_forward, "tokens_per_expert", None)
+            if routed is not None:
+                counts.update(((i, e), n) for e, n in enumerate(routed.tolist()))
+        return counts
+
     def new_scheduler(self) -> Scheduler:
         c = self.config
         pool = BlockPool(self.cache.n_blocks, c.kv_block_size, c.prefix_caching)

@@ -108,10 +108,13 @@ class MoE(nn.Module):
 
 
 def route(x: torch.Tensor, scores: torch.Tensor, shared: nn.Module, experts: Callable[[torch.Tensor, int], torch.Tensor],
-          group: dist.ProcessGroup | None) -> torch.Tensor:
+          group: dist.ProcessGroup | None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Top-1 routing of x [T, dim] by its router scores [T, E]: the shared expert's output plus each token's
-    chosen expert's, on its input scaled by the sigmoid of its score; all-reduced over `group`."""
+    chosen expert's, on its input scaled by the sigmoid of its score; all-reduced over `group`. counts [E]:
+    the tokens each expert was given, added to."""
     score, chosen = scores.max(dim=-1)
+    if counts is not None:
+        counts += torch.bincount(chosen, minlength=len(counts))
     routed = x * torch.sigmoid(score.to(x.dtype)).unsqueeze(-1)
     out = shared(x)
     for expert in chosen.unique().tolist():

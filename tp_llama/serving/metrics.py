@@ -45,12 +45,15 @@ SPEC_ACCEPTED_AT = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 LORA_SEQUENCES = PREFIX + "lora_sequences_total"
 LORA_PROMPT_TOKENS = PREFIX + "lora_prompt_tokens_total"
 LORA_GENERATED_TOKENS = PREFIX + "lora_generation_tokens_total"
+# Llama 4: tokens routed to each expert of each MoE layer (prompt, generated and verified proposals).
+EXPERT_TOKENS = PREFIX + "moe_expert_tokens_total"
 OUTCOMES = ("ok", "4xx", "cancelled", "failed")
 
 MODEL = "model_name"
 OUTCOME = "outcome"
 POSITION = "position"
 ADAPTER = "adapter"
+LAYER, EXPERT = "layer", "expert"
 
 
 class ServingMetrics:
@@ -66,7 +69,7 @@ class ServingMetrics:
         self.totals: Counter[tuple[str, str]] = Counter()  # (name, outcome, position or "") -> value, for tests
         self.observations: Counter[str] = Counter()  # histogram name -> observations, for tests
         self.gauges: dict[str, float] = {}
-        self._counts: Counter[tuple[str, str]] = Counter()
+        self._counts: Counter[tuple[str, str | tuple[str, ...]]] = Counter()  # labels: one, or (layer, expert)
         if cache is not None:
             try:
                 self._declare(cache)
@@ -80,6 +83,7 @@ class ServingMetrics:
             self._emit(name, 0)
         self._scheduler_totals = (0, 0, 0)
         self._speculated: tuple[int, int, list[int]] = (0, 0, [])
+        self._routed: dict[tuple[int, int], int] = {}
         self._set(KV_BLOCKS_TOTAL, kv_blocks)
         self.update_gauges(0, 0, 0)
 
@@ -105,6 +109,7 @@ class ServingMetrics:
             (LORA_SEQUENCES, "sequences", MetricTypes.COUNTER, [MODEL, ADAPTER]),
             (LORA_PROMPT_TOKENS, "tokens", MetricTypes.COUNTER, [MODEL, ADAPTER]),
             (LORA_GENERATED_TOKENS, "tokens", MetricTypes.COUNTER, [MODEL, ADAPTER]),
+            (EXPERT_TOKENS, "tokens", MetricTypes.COUNTER, [MODEL, LAYER, EXPERT]),
         ):
             self.metrics[name] = cache.add_metric_to_cache(name, unit, dims, kind)
 
@@ -156,6 +161,13 @@ class ServingMetrics:
             self._counts[(SPEC_ACCEPTED_AT, str(i + 1))] += now - (before_at[i] if i < len(before_at) else 0)
         self._speculated = (proposed, accepted, list(accepted_at))
 
+    def experts(self, routed: dict[tuple[int, int], int]) -> None:
+        """The engine's running totals of tokens per (layer, expert) (Engine.expert_tokens); what grew is
+        counted, labelled (layer, expert)."""
+        for (layer, expert), now in routed.items():
+            self._counts[(EXPERT_TOKENS, (str(layer), str(expert)))] += now - self._routed.get((layer, expert), 0)
+        self._routed = dict(routed)
+
     def _set(self, name: str, value: float) -> None:
         if self.gauges.get(name) != value:
             self.gauges[name] = value
@@ -166,5 +178,5 @@ class ServingMetrics:
         for (name, label), value in self._counts.items():
             if value:
                 self.totals[(name, label)] += value
-                self._emit(name, value, *([label] if label else []))
+                self._emit(name, value, *(label if isinstance(label, tuple) else [label] if label else []))
         self._counts.clear()
