@@ -37,6 +37,8 @@ from tp_llama.serving.settings import HandlerSettings
 from tp_llama.serving.tool_use import chat_ids, reply_constraint
 
 MODELS = "v1/models"
+# Chat content parts that carry media (OpenAI's, and vLLM's URL forms), which a text-only server refuses by name.
+MEDIA_PARTS = ("image_url", "input_audio", "file", "audio_url", "video_url")
 PATHS = (COMPLETIONS, CHAT)
 MAX_STOP_STRINGS = 4
 MAX_ECHO_LOGPROBS = 5  # OpenAI's legacy limit; every prompt position then carries this many alternatives
@@ -203,7 +205,11 @@ def _max_new_tokens(body: dict[str, Any], key: str, prompts: list[list[int]], ec
 
 
 def chat_messages(messages: Any) -> Any:
-    """OpenAI's content-part arrays of text parts become plain strings; the shared rules do the rest."""
+    """OpenAI's content-part arrays of text parts become plain strings; the shared rules do the rest.
+
+    A media part is refused as such, whatever the checkpoint: a client sending an image to a model that
+    could see one (Llama 4) learns that this server never loads a vision encoder, not that its part is malformed.
+    """
     if not isinstance(messages, list):
         return messages
     plain = []
@@ -211,7 +217,11 @@ def chat_messages(messages: Any) -> Any:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind in MEDIA_PARTS:
+                    raise RequestError(f"messages[{i}].content[{j}]: {kind} parts are not supported: "
+                                       "this server is text-only", param="messages")
                 if not (isinstance(part, dict) and part.get("type") == "text" and set(part) == {"type", "text"}
                         and isinstance(part["text"], str)):
                     raise RequestError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
