@@ -47,7 +47,7 @@ class Preparation:
                 if isinstance(module, (nn.Linear, LocalLinear)):
                     check_groups(f"{name}.{child}", module.weight)
         if isinstance(block, Llama4Block):
-            llama4.apply_layer(block, self.kind, self.device, self.bits, name)
+            llama4.apply_layer(block, self.kind, self.device, self.bits)
         elif self.kind in C_KINDS:
             cpu.apply_layer(block, self.kind, self.bits)
         else:

@@ -18,7 +18,6 @@ from torch import nn
 from tp_llama.backend import cpu
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held
 from tp_llama.kernels import C_KINDS, linear, prepare
-from tp_llama.kernels.quant import check_groups
 from tp_llama.model.batch import Batch
 from tp_llama.model.llama import FeedForward
 from tp_llama.model.llama4 import Llama4Attention, Llama4Block, MoE, route
@@ -49,7 +48,7 @@ def feed_forward(ffn: FeedForward | SimpleNamespace, kind: str, device: torch.de
 class ServingMoE(nn.Module):
     """The MoE's router, shared expert and routed experts as prepared weights (the routing: model/llama4.py)."""
 
-    def __init__(self, moe: MoE, kind: str, device: torch.device | None, bits: int, name: str):
+    def __init__(self, moe: MoE, kind: str, device: torch.device | None, bits: int):
         super().__init__()
         self.group = moe.group
         # The router stays at the model's precision at any `bits`: its scores pick the expert.
@@ -60,10 +59,8 @@ class ServingMoE(nn.Module):
         # Tokens routed to each expert since load (prompt, generated and verified ones), for the metrics.
         self.register_buffer("tokens_per_expert", torch.zeros(experts.w1.shape[0], dtype=torch.long), persistent=False)
         for e in range(experts.w1.shape[0]):
+            # Their widths are the shared expert's, whose groups Preparation.layer checked.
             parts = {w: experts_weight(experts, w, e) for w in ("w1", "w3", "w2")}
-            if bits != 16:
-                for w, weight in parts.items():
-                    check_groups(f"{name}.experts.{w}[{e}]", weight)
             ffn = SimpleNamespace(**{w: LocalLinear(weight, NONE, None) for w, weight in parts.items()})
             self.routed.append(feed_forward(ffn, kind, device, bits))
 
@@ -79,11 +76,11 @@ def experts_weight(experts: nn.Module, w: str, e: int) -> torch.Tensor:
     return getattr(experts, w)[e].detach().t().contiguous()
 
 
-def apply_layer(block: Llama4Block, kind: str, device: torch.device | None, bits: int, name: str) -> None:
+def apply_layer(block: Llama4Block, kind: str, device: torch.device | None, bits: int) -> None:
     """One Llama 4 block's serving modules, every matmul weight prepared for `kind`, quantized to `bits`."""
     block.attention = ServingAttention(block.attention, kind, device, bits)
     if isinstance(block.feed_forward, MoE):
-        block.feed_forward = ServingMoE(block.feed_forward, kind, device, bits, f"{name}.feed_forward")
+        block.feed_forward = ServingMoE(block.feed_forward, kind, device, bits)
     else:
         block.feed_forward = feed_forward(block.feed_forward, kind, device, bits)
     if kind in C_KINDS:
