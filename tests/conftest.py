@@ -34,7 +34,8 @@ def tokenizer(checkpoint: Path):
 # running a long file while the other has nothing left (xdist hands out files in collection order).
 LONGEST_FIRST = ("test_reliability", "test_parity", "test_serving_e2e", "test_decode_step", "test_kernels",
                  "test_bad_checkpoints", "test_openai", "test_lora", "test_draft", "test_prefix_cache",
-                 "test_kernel_build", "test_tp_model", "test_converter", "test_gpu_profile", "test_metrics", "test_keys")
+                 "test_llama4", "test_kernel_build", "test_tp_model", "test_converter", "test_llama4_served",
+                 "test_gpu_profile", "test_metrics", "test_keys")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
