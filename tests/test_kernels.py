@@ -384,7 +384,7 @@ def test_the_build_is_cached(monkeypatch, tmp_path):
 ])
 def test_the_prefetches_survive_compilation(source: str, hint: str, variant: str):
     """gcc 12 deleted attention's prefetches (ipa-modref) without a word: the kernel ran 1.5x slower. The
-    widest and the narrowest builds: `avx512` compiles avx512-bf16's code less its bfloat16 dot products."""
+    widest and the narrowest builds: `avx512` compiles avx512-bf16's code less its bfloat16 and VNNI dot products."""
     flags = [flag for flag in [*COMMON_FLAGS, *VARIANTS[variant][1]] if flag not in ("-shared", "-fPIC")]
     path = HERE / source
     listing = subprocess.run([COMPILER, *flags, "-S", "-o", "-", str(path)], check=True, capture_output=True,
