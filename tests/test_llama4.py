@@ -117,7 +117,8 @@ def test_tp4_matches_meta(checkpoints, prompts, meta):
 def test_decode_across_chunks_matches_meta(checkpoints, prompts, tmp_path):
     """Our greedy replies (prompt chunks, then decode steps across chunk boundaries, batched and alone)
     are Meta's argmax at every position of a prefill of prompt + reply, up to near-ties; batched
-    requests give the replies they give alone."""
+    requests give the replies they give alone, and a prompt whose first chunks are cached the reply it
+    gets cold."""
     folder = tmp_path / "ckpt"
     folder.mkdir()
     for path in checkpoints[1].iterdir():
@@ -126,8 +127,8 @@ def test_decode_across_chunks_matches_meta(checkpoints, prompts, tmp_path):
     engine = Engine.load(EngineConfig(str(folder), "tp", "float32", max_seq_len=128, max_batch_size=4,
                                       prefill_budget=48))
 
-    def replies(batch: list[list[int]]) -> list[list[int]]:
-        scheduler = engine.new_scheduler()
+    def replies(batch: list[list[int]], scheduler=None) -> list[list[int]]:
+        scheduler = scheduler or engine.new_scheduler()
         scheduler.stop_ids = frozenset()
         seqs = [Sequence(str(i), p, SamplingParams(40)) for i, p in enumerate(batch)]
         for seq in seqs:
@@ -137,8 +138,17 @@ def test_decode_across_chunks_matches_meta(checkpoints, prompts, tmp_path):
 
     together = replies(prompts)
     assert together == [replies([p])[0] for p in prompts]
+    # The prefix cache serves the chunked layers too: a prompt sharing 48 positions (a chunk and a half) with
+    # one seen before gets them from the cache, its second chunk's first 16 keys among them, and the tokens
+    # it gets cold.
+    warm = engine.new_scheduler()
+    replies([prompts[0]], warm)
+    hits = warm.prefix_hits
+    assert replies([prompts[0][:48] + prompts[2]], warm) == replies([prompts[0][:48] + prompts[2]])
+    assert warm.prefix_hits - hits == 48
     # Every token fed (each prompt's, then each reply's but its last), in both runs, was routed once per MoE layer.
-    fed = 2 * sum(len(p) + len(r) - 1 for p, r in zip(prompts, together))
+    fed = 2 * sum(len(p) + len(r) - 1 for p, r in zip(prompts, together)) + len(prompts[0]) + 39
+    fed += 2 * (48 + len(prompts[2]) + 39) - 48  # the shared prompt, cold and warm (its 48 cached positions not fed)
     per_layer: dict[int, int] = {}
     for (layer, _), count in engine.expert_tokens().items():
         per_layer[layer] = per_layer.get(layer, 0) + count
