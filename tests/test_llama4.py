@@ -11,6 +11,7 @@ Meta's argmax at its position, up to near-ties.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -211,3 +212,48 @@ def test_served_modules_match_meta_and_keep_a_rows_bits(checkpoints, prompts, me
     alone = [dense_logits(model, torch.tensor([p[:9]]), torch.tensor([0]), first_slot=i) for i, p in enumerate(prompts)]
     together = dense_logits(model, torch.tensor([p[:9] for p in prompts]), torch.tensor([0, 0, 0]))
     assert all(torch.equal(a[0], b) for a, b in zip(alone, together))
+
+
+def test_grouped_experts_and_the_static_decode_step_match(checkpoints, prompts, meta, monkeypatch):
+    """PyTorch's matmuls as on a GPU (`plain`): the experts in two grouped matmuls give Meta's logits, and the
+    decode step at static shapes that CUDA graphs capture (block masks per window, no host sync), run
+    here uncompiled, gives the logits of an ordinary step for rows on both sides of a chunk boundary."""
+    from tp_llama import backend
+    from tp_llama.engine.decode_step import DecodeStep
+    from tp_llama.engine.plan import Row
+    from tests.support.run_model import slot_batch, slot_blocks
+
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
+    folder = str(checkpoints[1])
+    plan = backend.plan(CPU.device, torch.float32)
+    model = load_tp_model(folder, read_params(folder), CPU, torch.float32, plan)
+    assert plan.kind == "plain" and all(layer.feed_forward.grouped for layer in model.layers[1::2])
+    setup_slots(model, 3, 80, torch.float32, CPU.device)
+    with torch.inference_mode():
+        prefilled = [dense_logits(model, torch.tensor([p]), torch.tensor([0]), first_slot=i, last_only=False)[0]
+                     for i, p in enumerate(prompts)]
+        assert_close(prefilled, meta, "grouped experts")
+        rows = [Row(len(p), [p[0]], True, slot_blocks(model, i, len(p) + 1)) for i, p in enumerate(prompts)]
+        want = model(slot_batch(model, [(i, r.start, r.tokens, True) for i, r in enumerate(rows)]))
+        step = DecodeStep(model, 4, slot_blocks(model, 0, 80)[-1] + 1, CPU.device, compiled=False)
+        assert step.windows == (PARAMS["attention_chunk_size"],)
+        torch.testing.assert_close(step(rows), want, rtol=0, atol=1e-4)
+
+
+
+def test_llama4_refuses_lora_and_compiles_only_where_it_can(checkpoints):
+    """Adapters on Llama 4 fail the load saying what to remove; its decode steps compile in bfloat16 with
+    chunks of whole KV blocks only (grouped matmuls want bfloat16, the step's block masks whole blocks)."""
+    from tp_llama.engine.runner import compiles_decode
+    from tp_llama.lora.adapters import AdapterError
+    from tp_llama.lora.serve import resident_adapters
+
+    args = read_params(checkpoints[1])
+    config = EngineConfig(str(checkpoints[1]), "tp", "float32", lora_runtime_loading=True, lora_folder="/adapters")
+    with pytest.raises(AdapterError, match="Llama 4.*lora_runtime_loading"):
+        resident_adapters(config, None, args, CPU, torch.float32)
+    cuda, on = torch.device("cuda"), EngineConfig("-", compile="on")
+    assert compiles_decode(on, cuda, "plain", args, torch.bfloat16) == (True, "")
+    assert "bfloat16" in compiles_decode(on, cuda, "plain", args, torch.float32)[1]
+    odd = dataclasses.replace(args, attention_chunk_size=40)
+    assert "40" in compiles_decode(on, cuda, "plain", odd, torch.bfloat16)[1]

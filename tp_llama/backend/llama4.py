@@ -20,7 +20,7 @@ from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held
 from tp_llama.kernels import C_KINDS, linear, prepare
 from tp_llama.model.batch import Batch
 from tp_llama.model.llama import FeedForward
-from tp_llama.model.llama4 import Llama4Attention, Llama4Block, MoE, route
+from tp_llama.model.llama4 import Llama4Attention, Llama4Block, MoE, each_expert, grouped_experts, route
 from tp_llama.parallel.layout import NONE
 from tp_llama.parallel.modules import LocalLinear
 
@@ -46,7 +46,11 @@ def feed_forward(ffn: FeedForward | SimpleNamespace, kind: str, device: torch.de
 
 
 class ServingMoE(nn.Module):
-    """The MoE's router, shared expert and routed experts as prepared weights (the routing: model/llama4.py)."""
+    """The MoE's router, shared expert and routed experts as prepared weights (the routing: model/llama4.py).
+
+    Where PyTorch's matmuls run unquantized (`plain`: CUDA GPUs) the experts stay stacked for grouped matmuls
+    (`grouped`), which a CUDA graph can capture; elsewhere each expert is a feed-forward of its own.
+    """
 
     def __init__(self, moe: MoE, kind: str, device: torch.device | None, bits: int):
         super().__init__()
@@ -54,10 +58,15 @@ class ServingMoE(nn.Module):
         # The router stays at the model's precision at any `bits`: its scores pick the expert.
         self.router = held(prepare(moe.router_DE.detach().t().contiguous(), kind, device, 16))
         self.shared_expert = feed_forward(moe.shared_expert, kind, device, bits)
-        self.routed = nn.ModuleList()
         experts = moe.experts
         # Tokens routed to each expert since load (prompt, generated and verified ones), for the metrics.
         self.register_buffer("tokens_per_expert", torch.zeros(experts.w1.shape[0], dtype=torch.long), persistent=False)
+        self.routed = nn.ModuleList()
+        self.grouped = kind == "plain" and bits == 16 and groupable(experts.w1.dtype, device)
+        if self.grouped:
+            self.w13 = nn.Parameter(torch.cat([experts.w1.detach(), experts.w3.detach()], dim=2), requires_grad=False)
+            self.w2 = nn.Parameter(experts.w2.detach().contiguous(), requires_grad=False)
+            return
         for e in range(experts.w1.shape[0]):
             # Their widths are the shared expert's, whose groups Preparation.layer checked.
             parts = {w: experts_weight(experts, w, e) for w in ("w1", "w3", "w2")}
@@ -65,10 +74,18 @@ class ServingMoE(nn.Module):
             self.routed.append(feed_forward(ffn, kind, device, bits))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return route(x, linear(x, self.router), self.shared_expert, self.expert, self.group, self.tokens_per_expert)
+        experts = grouped_experts(self.w13, self.w2) if self.grouped else each_expert(self.expert)
+        return route(x, linear(x, self.router), self.shared_expert, experts, self.group, self.tokens_per_expert)
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return self.routed[e](x)
+
+
+def groupable(dtype: torch.dtype, device: torch.device | None) -> bool:
+    """PyTorch's grouped matmul runs on CPUs, and on CUDA GPUs in bfloat16 (compute capability 8.0 on)."""
+    if device is None or device.type == "cpu":
+        return True
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def experts_weight(experts: nn.Module, w: str, e: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from tp_llama.engine.plan import Row
 from tp_llama.lora.slots import LoraStep
 from tp_llama.model.batch import Batch, cache_index, padded_table, to_device
+from tp_llama.model.llama4 import attention_windows
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -35,6 +36,7 @@ class DecodeStep:
         """lora: the adapted projections' step, where LoRA adapters are resident: each row's slot is then an
         input of the step's graph, which adds every row's adapter delta (slot 0, the base's, adds zeros)."""
         self.model, self.device, self.width, self.lora = model, device, width, lora
+        self.windows = attention_windows(model)
         self.sizes = bucket_sizes(max_rows)
         cache = model.layers[0].attention.cache
         self.block_size, self.spare, self.pool_blocks = cache.block_size, cache.spare, cache.pool_blocks
@@ -118,7 +120,7 @@ class DecodeStep:
         if self.lora is not None:
             self.lora.rows = adapters
         return self.model(Batch.decode_by_index(tokens, positions, locations, tables, self.block_size,
-                                                self.pool_blocks))
+                                                self.pool_blocks, self.windows))
 
 
 @dataclass

@@ -42,15 +42,20 @@ def wants_compile(config: EngineConfig, device: torch.device) -> bool:
 
 
 def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None,
-                    family: str = "llama3") -> tuple[bool, str]:
+                    args: ModelArgs | None = None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
     """(whether decode steps run compiled at static shapes, why not where they do not).
 
-    kind: the matmuls of the `tp` mode (None under FSDP, which runs eagerly).
+    kind: the matmuls of the `tp` mode (None under FSDP, which runs eagerly). args, dtype: a Llama 4 compiles
+    in bfloat16 (its experts' grouped matmuls), with chunks of whole KV blocks (the step's block masks).
     """
     if not wants_compile(config, device):
         return False, f"compile={config.compile}"
-    if family == "llama4":
-        return False, "Llama 4's chunked attention runs eagerly"
+    if args is not None and args.family == "llama4":
+        chunk = args.attention_chunk_size
+        if dtype != torch.bfloat16:
+            return False, "Llama 4's experts compile as grouped matmuls in bfloat16 only"
+        if chunk and chunk % config.kv_block_size:
+            return False, f"attention_chunk_size {chunk} is no whole number of {config.kv_block_size}-position KV blocks"
     if kind is None:
         return False, "fsdp mode runs eagerly"
     if kind in C_KINDS:
@@ -131,7 +136,7 @@ class ModelRunner:
             with every_rank_agrees():
                 self.adapters = resident_adapters(config, model, args, info, self.dtype)
         self.lora: LoraStep | None = self.adapters.step if self.adapters is not None else None
-        compiled, why = compiles_decode(config, info.device, kind, args.family)
+        compiled, why = compiles_decode(config, info.device, kind, args, self.dtype)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
         self.cache = self._allocate_pool(config, args, pool or PoolShare())
         model.eval()

@@ -19,7 +19,7 @@ from tp_llama.backend.fused import FusedAttention, FusedFeedForward
 from tp_llama.config import EngineConfig
 from tp_llama.kernels.cpu import ops
 from tp_llama.kernels.cpu.ffi import library
-from tp_llama.lora.adapters import Adapter, read_adapter
+from tp_llama.lora.adapters import Adapter, AdapterError, read_adapter
 from tp_llama.lora.slots import AdapterRef, LoraStep, Projection, SlotWeights, allocate_slots, write_slot
 from tp_llama.model.args import ModelArgs
 from tp_llama.parallel.distributed import DistInfo, log
@@ -132,5 +132,8 @@ def resident_adapters(config: EngineConfig, model: nn.Module, args: ModelArgs, i
     """The adapters' slots on this rank in the model's `dtype`, None where no adapter can ever be served."""
     if not config.lora_adapters and not config.lora_runtime_loading:
         return None
+    if args.family == "llama4":  # its MoE layers have no w1/w3/w2 of their own to adapt
+        raise AdapterError("LoRA adapters on Llama 4 are not served: remove handler.lora_adapters and "
+                           "handler.lora_runtime_loading")
     return ResidentAdapters(config, model, args, info, dtype)
 

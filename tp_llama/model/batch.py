@@ -37,6 +37,8 @@ class Batch:
     # in use but the base's (lora/slots.py).
     adapters: torch.Tensor | None = None
     adapter_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # decode_by_index: Llama 4's chunked attention, the blocks each row reads for each window size.
+    window_masks: dict[int, BlockMask] = field(default_factory=dict)
 
     @classmethod
     def build(cls, rows: list[tuple[int, list[int], int, list[int]]], block_size: int, spare: int,
@@ -95,17 +97,18 @@ class Batch:
 
     @classmethod
     def decode_by_index(cls, tokens: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor,
-                        tables: torch.Tensor, block_size: int, pool_blocks: int) -> Batch:
+                        tables: torch.Tensor, block_size: int, pool_blocks: int, windows: tuple[int, ...] = ()) -> Batch:
         """Decode rows given as device tensors (token, position, cache index and block table per row),
         for a step of static shapes: nothing here depends on their values, so one compiled graph
         serves them all.
 
         Attention reads each row's blocks only up to its own length, not padded to the longest row,
-        through one block mask that every layer shares.
+        through one block mask that every layer shares (and one for each of Llama 4's `windows`).
         """
         rows = torch.arange(len(tokens), device=tokens.device)
+        windowed = {w: paged_block_mask(tables, positions, locations, block_size, pool_blocks, w) for w in windows}
         return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), None, [],
-                   paged_block_mask(tables, positions, locations, block_size, pool_blocks))
+                   paged_block_mask(tables, positions, locations, block_size, pool_blocks), window_masks=windowed)
 
 
 def adapter_slots(row_slots: list[int], token_rows: list[int],
@@ -121,11 +124,12 @@ def adapter_slots(row_slots: list[int], token_rows: list[int],
 
 
 def paged_block_mask(tables: torch.Tensor, positions: torch.Tensor, locations: torch.Tensor, block_size: int,
-                     pool_blocks: int) -> BlockMask:
+                     pool_blocks: int, window: int | None = None) -> BlockMask:
     """FlexAttention's mask of one query per row over the whole pool: row b reads the blocks of its
     table up to the one holding its position, and sees in that last block only the cache indices up
     to its own (locations[b]). Built on the device from the step's tensors, once a step, with no
-    transposed (backward) block lists.
+    transposed (backward) block lists. window (a whole number of blocks): the blocks from the first of
+    the row's window on (Llama 4's chunked attention).
 
     Every block goes in as a partial one (the mask evaluated there), none as full: FlexAttention's
     decoding kernel splits a row's partial blocks evenly over its parallel splits, but gives full
@@ -133,10 +137,12 @@ def paged_block_mask(tables: torch.Tensor, positions: torch.Tensor, locations: t
     one after another (bench/gpu_profile.py).
     """
     rows, width = tables.shape
-    count = (positions // block_size + 1).to(torch.int32).view(rows, 1, 1)
+    first = positions // window * window // block_size if window else torch.zeros_like(positions)
+    count = (positions // block_size + 1 - first).to(torch.int32).view(rows, 1, 1)
     # FlexAttention wants index lists as wide as the pool; entries past a row's count are never read.
     indices = torch.zeros((rows, 1, 1, pool_blocks), dtype=torch.int32, device=tables.device)
-    indices[..., :width] = tables.view(rows, 1, 1, width)
+    ahead = (first.unsqueeze(1) + torch.arange(width, device=tables.device)).clamp(max=width - 1)
+    indices[..., :width] = tables.gather(1, ahead).view(rows, 1, 1, width)
 
     if torch.compiler.is_compiling():
         def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
@@ -150,7 +156,7 @@ def paged_block_mask(tables: torch.Tensor, positions: torch.Tensor, locations: t
 
         def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             logical = owner[b, kv_idx // block_size]
-            return (logical >= 0) & (logical * block_size + kv_idx % block_size <= positions[b])
+            return (logical >= first[b]) & (logical * block_size + kv_idx % block_size <= positions[b])
 
     return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=block_size, mask_mod=visible,
                                     seq_lengths=(1, pool_blocks * block_size), compute_q_blocks=False)

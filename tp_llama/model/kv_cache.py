@@ -102,7 +102,7 @@ def attend_written(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out
 
 
-def _decode_by_index(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+def _decode_by_index(cache: KVCache, q: torch.Tensor, batch: Batch, window: int | None = None) -> torch.Tensor:
     """One query per row against the blocks of its table, read to its position (FlexAttention:
     every row a batch entry over the whole pool, its block mask listing only its own blocks).
 
@@ -112,7 +112,8 @@ def _decode_by_index(cache: KVCache, q: torch.Tensor, batch: Batch) -> torch.Ten
     queries = q.unsqueeze(2) * (1 / math.sqrt(q.shape[-1]))
     options = {"SPLIT_KV": decode_splits(q.device, len(q), cache.k.shape[0])} if q.is_cuda else None
     out = flex_attention(queries, cache.k.unsqueeze(0), cache.v.unsqueeze(0), scale=1.0, enable_gqa=True,
-                         block_mask=batch.block_mask, kernel_options=options)
+                         block_mask=batch.block_mask if window is None else batch.window_masks[window],
+                         kernel_options=options)
     return out.squeeze(2)
 
 
@@ -127,9 +128,7 @@ def decode_splits(device: torch.device, rows: int, kv_heads: int) -> int:
 def _decode(cache: KVCache, q: torch.Tensor, batch: Batch, window: int | None = None) -> torch.Tensor:
     """One query per decode row against its own blocks, gathered to the longest row and masked."""
     if batch.block_mask is not None:
-        if window is not None:
-            raise NotImplementedError("chunked attention (Llama 4) runs eager decode steps: handler.compile \"off\"")
-        return _decode_by_index(cache, q, batch)
+        return _decode_by_index(cache, q, batch, window)
     mask = batch.decode_mask
     if window is not None:
         first = batch.positions[: batch.n_decode] // window * window

@@ -66,6 +66,12 @@ class IRoPE:
         return attend(cache, q, k, v, batch, window=self.window)
 
 
+def attention_windows(model: nn.Module) -> tuple[int, ...]:
+    """The window sizes the model's layers attend within (none for Llama 2/3), for a step's block masks."""
+    return tuple(sorted({layer.attention.irope.window for layer in model.layers
+                         if getattr(getattr(layer.attention, "irope", None), "window", None)}))
+
+
 class Llama4Attention(Attention):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(args)
@@ -104,25 +110,48 @@ class MoE(nn.Module):
         self.experts = Experts(args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return route(x, x @ self.router_DE, self.shared_expert, self.experts, self.group)
+        return route(x, x @ self.router_DE, self.shared_expert, each_expert(self.experts), self.group)
 
 
-def route(x: torch.Tensor, scores: torch.Tensor, shared: nn.Module, experts: Callable[[torch.Tensor, int], torch.Tensor],
-          group: dist.ProcessGroup | None, counts: torch.Tensor | None = None) -> torch.Tensor:
+def route(x: torch.Tensor, scores: torch.Tensor, shared: nn.Module,
+          experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: dist.ProcessGroup | None,
+          counts: torch.Tensor | None = None) -> torch.Tensor:
     """Top-1 routing of x [T, dim] by its router scores [T, E]: the shared expert's output plus each token's
-    chosen expert's, on its input scaled by the sigmoid of its score; all-reduced over `group`. counts [E]:
-    the tokens each expert was given, added to."""
+    chosen expert's (experts(routed, chosen)), on its input scaled by the sigmoid of its score; all-reduced
+    over `group`. counts [E]: the tokens each expert was given, added to."""
     score, chosen = scores.max(dim=-1)
-    if counts is not None:
-        counts += torch.bincount(chosen, minlength=len(counts))
-    routed = x * torch.sigmoid(score.to(x.dtype)).unsqueeze(-1)
+    if counts is not None:  # a scatter, not bincount, whose output size waits for the device
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen))
     out = shared(x)
-    for expert in chosen.unique().tolist():
-        rows = (chosen == expert).nonzero().squeeze(1)
-        out.index_add_(0, rows, experts(routed[rows], expert))
+    out += experts(x * torch.sigmoid(score.to(x.dtype)).unsqueeze(-1), chosen)
     if group is not None:
         dist.all_reduce(out, group=group)
     return out
+
+
+def each_expert(run: Callable[[torch.Tensor, int], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Experts run one at a time on their own rows: each chosen expert's weights read once, in whichever form
+    `run(rows, expert)` holds them; listing the chosen experts waits for the device."""
+    def experts(routed: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(routed)
+        for expert in chosen.unique().tolist():
+            rows = (chosen == expert).nonzero().squeeze(1)
+            out.index_add_(0, rows, run(routed[rows], expert))
+        return out
+    return experts
+
+
+def grouped_experts(w13: torch.Tensor, w2: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Experts in two grouped matmuls over the rows sorted by expert (w13 [E, dim, 2F]: w1 then w3; w2 [E, F,
+    dim]): static shapes and no host sync, so a CUDA graph can hold them."""
+    def experts(routed: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        order = chosen.argsort(stable=True)
+        ends = torch.zeros(w13.shape[0], dtype=torch.long, device=chosen.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen)).cumsum(0).to(torch.int32)
+        gate, up = F.grouped_mm(routed[order], w13, offs=ends).chunk(2, dim=-1)
+        out = F.grouped_mm(F.silu(gate) * up, w2, offs=ends)
+        return torch.empty_like(out).index_copy_(0, order, out)
+    return experts
 
 
 class Llama4Block(nn.Module):
