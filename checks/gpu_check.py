@@ -9,7 +9,7 @@ table of:
    logits within 1e-3 and greedy tokens identical, bfloat16 logits within 5% of the logit scale;
    prefill and a decode step, with eager steps and with compiled (CUDA-graph) decode steps;
    and steps whose rows carry speculative decoding's proposals (the reference's own tokens: every one
-   must be taken);
+   must be taken); and a Llama 4 (MoE, iRoPE) against its own float32 run on the CPU, compiled too;
 2. TP 2: two ranks over gloo sharing the one GPU (NCCL wants a GPU per rank), greedy tokens;
 3. NCCL at world size 1: the model's collectives on CUDA tensors, then greedy tokens;
 4. decode speed on a Llama 3 8B-shaped model in bfloat16: ms per step at 1/8/32 rows, eager and
@@ -54,6 +54,7 @@ from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.engine.speculate import Speculator
 from tp_llama.model import ModelArgs, Transformer
+from tp_llama.model.args import MoEArgs
 from tp_llama.model.batch import Batch
 from tp_llama.parallel.distributed import DistInfo, init_distributed
 from tp_llama.parallel.layout import full_shapes, shard_dim
@@ -63,6 +64,9 @@ SMALL = ModelArgs(dim=256, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=1024,
                   use_scaled_rope=True, family="llama3")
 LLAMA3_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
                       rope_theta=500000.0, use_scaled_rope=True, family="llama3")
+LLAMA4 = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=1024, ffn_dim=640, rope_theta=500000.0,
+                   family="llama4", moe=MoEArgs(4, 256, interleave=2), nope_layer_interval=4, use_qk_norm=True,
+                   attention_chunk_size=16, attn_temperature_tuning=True, floor_scale=8.0)
 QUANTIZED_TARGETS = {"int8": 0.7, "int4": 0.55}  # a 1-row captured step's time over bfloat16's
 MATMULS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
 PROMPTS = [[1, 17, 300, 45, 9, 800, 3], [1, 5], [1, 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 2, 77]]
@@ -237,6 +241,24 @@ def speculative_parity(device: str, expected: Expected) -> None:
                proposer.proposed > 0 and proposer.accepted == proposer.proposed)
 
 
+def llama4_parity(device: str) -> None:
+    """Llama 4 (MoE, iRoPE: a NoPE layer, 16-position chunks) on the device against the same weights on the
+    CPU in float32, eager (checked against Meta's model by tests/test_llama4.py): float32 and bfloat16, the
+    bfloat16 decode step also compiled (grouped experts, windowed block masks, a CUDA graph)."""
+    state, ids = random_state(LLAMA4, 1), PROMPTS[2] + PROMPTS[0]  # 21 positions: across a chunk boundary
+    cpu = served_engine(LLAMA4, state, DistInfo(0, 1, 0, torch.device("cpu"), "none"), "float32", "off")
+    want_prefill, want_decode = step_logits(cpu, ids)
+    scale = want_prefill.abs().max().item()
+    info = DistInfo(0, 1, 0, torch.device(device), "none")
+    settings = [("float32", "off"), ("bfloat16", "off"), ("bfloat16", "on")] if device == "cuda" else [("float32", "off")]
+    for dtype, compile_ in settings:
+        prefill, decode = step_logits(served_engine(LLAMA4, state, info, dtype, compile_), ids)
+        share = max((prefill - want_prefill).abs().max().item(), (decode - want_decode).abs().max().item()) / scale
+        limit = 1e-4 if dtype == "float32" else 0.05
+        record("llama4: logits", f"{device} {dtype} decode {'compiled' if compile_ == 'on' else 'eager'}",
+               f"max abs diff {share:.1e} of the logit scale {scale:.1f} (limit {limit:g})", share < limit)
+
+
 def _tp_rank(rank: int, port: int, device: str, out: str) -> None:
     os.environ["TP_LLAMA_MATMUL"] = "plain"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -399,6 +421,7 @@ def main() -> int:
     expected = Expected.small()
     parity(a.device, expected)
     speculative_parity(a.device, expected)
+    llama4_parity(a.device)
     if a.quantized:
         quantized_parity(a.device, expected)
         meta_matmuls.rows(a.device, record)
