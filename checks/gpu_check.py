@@ -90,7 +90,8 @@ def random_state(args: ModelArgs, seed: int, device: str = "cpu", dtype: torch.d
         if key.endswith("norm.weight"):
             state[key] = 1 + 0.1 * torch.randn(shape, generator=gen, device=device)
         else:
-            std = 1.0 if key == "tok_embeddings.weight" else shape[1] ** -0.5
+            fan_in = shape[0] if ".experts." in key or "router" in key else shape[-1]  # Llama 4's x @ W tensors
+            std = 1.0 if key == "tok_embeddings.weight" else fan_in ** -0.5
             state[key] = torch.randn(shape, generator=gen, device=device) * std
         state[key] = state[key].to(dtype)
     return state

@@ -58,20 +58,27 @@ class ServingMoE(nn.Module):
         # The router stays at the model's precision at any `bits`: its scores pick the expert.
         self.router = held(prepare(moe.router_DE.detach().t().contiguous(), kind, device, 16))
         self.shared_expert = feed_forward(moe.shared_expert, kind, device, bits)
-        experts = moe.experts
+        experts, count = moe.experts, len(moe.experts.w1)
         # Tokens routed to each expert since load (prompt, generated and verified ones), for the metrics.
-        self.register_buffer("tokens_per_expert", torch.zeros(experts.w1.shape[0], dtype=torch.long), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(count, dtype=torch.long), persistent=False)
         self.routed = nn.ModuleList()
-        self.grouped = kind == "plain" and bits == 16 and groupable(experts.w1.dtype, device)
+        dim, width = experts.w1[0].shape
+        self.grouped = kind == "plain" and bits == 16 and groupable(experts.w1[0].dtype, device)
         if self.grouped:
-            self.w13 = nn.Parameter(torch.cat([experts.w1.detach(), experts.w3.detach()], dim=2), requires_grad=False)
-            self.w2 = nn.Parameter(experts.w2.detach().contiguous(), requires_grad=False)
-            return
-        for e in range(experts.w1.shape[0]):
-            # Their widths are the shared expert's, whose groups Preparation.layer checked.
-            parts = {w: experts_weight(experts, w, e) for w in ("w1", "w3", "w2")}
-            ffn = SimpleNamespace(**{w: LocalLinear(weight, NONE, None) for w, weight in parts.items()})
+            w13 = torch.empty(count, dim, 2 * width, dtype=experts.w1[0].dtype)
+            w2 = torch.empty(count, width, dim, dtype=experts.w2[0].dtype)
+        # One expert at a time, each dropped once prepared: a load holds the layer's prepared experts and one
+        # as read (their widths are the shared expert's, whose groups Preparation.layer checked).
+        for e in range(count):
+            w1_e, w3_e, w2_e = (take(getattr(experts, w), e) for w in ("w1", "w3", "w2"))
+            if self.grouped:
+                w13[e, :, :width], w13[e, :, width:], w2[e] = w1_e, w3_e, w2_e
+                continue
+            parts = {"w1": w1_e.t(), "w3": w3_e.t(), "w2": w2_e.t()}  # as Linear weights [out, in]
+            ffn = SimpleNamespace(**{w: LocalLinear(weight.contiguous(), NONE, None) for w, weight in parts.items()})
             self.routed.append(feed_forward(ffn, kind, device, bits))
+        if self.grouped:
+            self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = grouped_experts(self.w13, self.w2) if self.grouped else each_expert(self.expert)
@@ -88,9 +95,11 @@ def groupable(dtype: torch.dtype, device: torch.device | None) -> bool:
     return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def experts_weight(experts: nn.Module, w: str, e: int) -> torch.Tensor:
-    """Expert e's `w` as a Linear's [out, in] weight (Meta stores them in x @ W order)."""
-    return getattr(experts, w)[e].detach().t().contiguous()
+def take(weights: nn.ParameterList, e: int) -> torch.Tensor:
+    """weights[e], its place in the list emptied (the tensor is freed once its caller drops it)."""
+    weight = weights[e].detach()
+    weights[e] = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+    return weight
 
 
 def apply_layer(block: Llama4Block, kind: str, device: torch.device | None, bits: int) -> None:

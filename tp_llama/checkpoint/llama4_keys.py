@@ -4,9 +4,10 @@ Meta's Llama 4 files keep the names of its training code: q/k/v fused per shard 
 dense FFN's w1 and w3 stacked per shard (`feed_forward.mlp.fc1_weight`), the norms under the layers they
 feed, the shared expert as `w_*_shared_*`, and the routed experts flattened to 2-D in x @ W order, every
 shard holding all experts with a slice of their width (llama-models 0.3.0's load hooks undo this at
-load). Here each model parameter names its file tensor and, per file, a block of its rows or a 3-D
-view of it; both are views of the memory-mapped file, so the reader (checkpoint/reader.py) still reads
-each rank's slices alone, from any MP onto any TP.
+load). Here each model parameter names its file tensor and, per file, a block of its rows (each expert is
+a parameter of its own: its block of the flattened rows, so a load can prepare and drop one expert at a
+time); a block of rows is a view of the memory-mapped file, so the reader (checkpoint/reader.py) still
+reads each rank's slices alone, from any MP onto any TP.
 """
 
 from __future__ import annotations
@@ -26,12 +27,10 @@ VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
 
 @dataclass(frozen=True)
 class Source:
-    """A parameter's tensor in the files: `key`, then rows [start/parts, end/parts) of each file's tensor
-    (rows), or each file's tensor viewed with `view` (-1 where the file's slice of the split dim goes)."""
+    """A parameter's tensor in the files: `key`, and rows [start/parts, end/parts) of each file's tensor (rows)."""
 
     key: str
     rows: tuple[int, int, int] | None = None
-    view: tuple[int, ...] | None = None
 
 
 def sources(args: ModelArgs) -> dict[str, Source]:
@@ -48,15 +47,16 @@ def sources(args: ModelArgs) -> dict[str, Source]:
         out[p + "attention.wo.weight"] = Source(p + "attention.wo.weight")
         out[p + "attention_norm.weight"] = Source(p + "attention.wqkv.layer_norm_weight")
         if args.is_moe_layer(i):
-            e, d = args.moe.experts, args.dim
+            e = args.moe.experts
             out[p + "ffn_norm.weight"] = Source(ffn + "norm.weight")
             out[ffn + "router_DE"] = Source(ffn + "router_DE")
             out[ffn + "shared_expert.w1.weight"] = Source(ffn + "w_in_shared_FD.weight")
             out[ffn + "shared_expert.w3.weight"] = Source(ffn + "w_swiglu_FD.weight")
             out[ffn + "shared_expert.w2.weight"] = Source(ffn + "w_out_shared_DF.weight")
-            out[ffn + "experts.w1"] = Source(ffn + "experts.moe_w_in_eD_F", view=(e, d, -1))
-            out[ffn + "experts.w3"] = Source(ffn + "experts.moe_w_swiglu_eD_F", view=(e, d, -1))
-            out[ffn + "experts.w2"] = Source(ffn + "experts.moe_w_out_eF_D", view=(e, -1, d))
+            for x in range(e):  # expert x: its block of each file's rows
+                out[f"{ffn}experts.w1.{x}"] = Source(ffn + "experts.moe_w_in_eD_F", (x, x + 1, e))
+                out[f"{ffn}experts.w3.{x}"] = Source(ffn + "experts.moe_w_swiglu_eD_F", (x, x + 1, e))
+                out[f"{ffn}experts.w2.{x}"] = Source(ffn + "experts.moe_w_out_eF_D", (x, x + 1, e))
         else:
             out[p + "ffn_norm.weight"] = Source(ffn + "mlp.layer_norm_weight")
             out[ffn + "w1.weight"] = Source(ffn + "mlp.fc1_weight", (0, 1, 2))
@@ -74,8 +74,6 @@ def _part(tensor: torch.Tensor, source: Source, path: Path) -> torch.Tensor:
             raise CheckpointError(f"{path}: tensor {source.key!r} has {rows} rows, which do not split into its {parts} "
                              "stacked parts")
         return tensor[rows * start // parts : rows * end // parts]
-    if source.view is not None:
-        return tensor.view(source.view)
     return tensor
 
 

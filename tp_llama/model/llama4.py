@@ -83,15 +83,16 @@ class Llama4Attention(Attention):
 
 
 class Experts(nn.Module):
-    """The routed experts' SwiGLU weights, in x @ W order as Meta stores them: w1, w3 [E, dim, F], w2 [E, F, dim]
-    (F: this rank's slice of the width under tensor parallelism)."""
+    """The routed experts' SwiGLU weights, one tensor each, in x @ W order as Meta stores them: w1[e], w3[e]
+    [dim, F], w2[e] [F, dim] (F: this rank's slice of the width under tensor parallelism). Apart, so that a
+    load prepares and drops them one expert at a time (backend/llama4.py)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         e, d, f = args.moe.experts, args.dim, args.moe.expert_dim
-        self.w1 = nn.Parameter(torch.empty(e, d, f))
-        self.w3 = nn.Parameter(torch.empty(e, d, f))
-        self.w2 = nn.Parameter(torch.empty(e, f, d))
+        self.w1 = nn.ParameterList(torch.empty(d, f) for _ in range(e))
+        self.w3 = nn.ParameterList(torch.empty(d, f) for _ in range(e))
+        self.w2 = nn.ParameterList(torch.empty(f, d) for _ in range(e))
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         return (F.silu(x @ self.w1[expert]) * (x @ self.w3[expert])) @ self.w2[expert]

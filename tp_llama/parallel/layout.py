@@ -59,16 +59,17 @@ TP_TABLE: dict[str, Sharding | dict[str, Sharding]] = {
     "feed_forward.shared_expert.w1": Sharding(0, NONE),
     "feed_forward.shared_expert.w3": Sharding(0, NONE),
     "feed_forward.shared_expert.w2": Sharding(1, NONE),
-    "feed_forward.experts.w1": Sharding(2, NONE),
-    "feed_forward.experts.w3": Sharding(2, NONE),
-    "feed_forward.experts.w2": Sharding(1, NONE),
+    "feed_forward.experts.w1": Sharding(1, NONE),  # each expert a tensor of its own, in x @ W order
+    "feed_forward.experts.w3": Sharding(1, NONE),
+    "feed_forward.experts.w2": Sharding(0, NONE),
 }
 _LAYER = re.compile(r"layers\.\d+\.")
+_EXPERT = re.compile(r"\.\d+$")  # Llama 4's routed experts: experts.w1.3 is expert 3's w1
 
 
 def tp_sharding(key: str, family: str) -> Sharding:
     """TP_TABLE's row for a parameter (`layers.3.attention.wo.weight`) or module (`layers.3.attention.wo`)."""
-    module = _LAYER.sub("", key, count=1).removesuffix(".weight")
+    module = _EXPERT.sub("", _LAYER.sub("", key, count=1).removesuffix(".weight"))
     if module not in TP_TABLE:
         raise KeyError(f"{key!r} is not a parameter of the Llama model")
     entry = TP_TABLE[module]
@@ -77,7 +78,7 @@ def tp_sharding(key: str, family: str) -> Sharding:
 
 def is_sharded(key: str) -> bool:
     """Whether fairscale split this parameter across its files (in either family)."""
-    entry = TP_TABLE[_LAYER.sub("", key, count=1).removesuffix(".weight")]
+    entry = TP_TABLE[_EXPERT.sub("", _LAYER.sub("", key, count=1).removesuffix(".weight"))]
     return any(rule.dim is not None for rule in (entry.values() if isinstance(entry, dict) else [entry]))
 
 
@@ -107,9 +108,11 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 def moe_shapes(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...]]:
     """A Llama 4 MoE layer's parameters (model/llama4.py) and their unsharded shapes."""
     d, e, f = args.dim, args.moe.experts, args.moe.expert_dim
-    return {prefix + "router_DE": (d, e), prefix + "shared_expert.w1.weight": (f, d),
-            prefix + "shared_expert.w2.weight": (d, f), prefix + "shared_expert.w3.weight": (f, d),
-            prefix + "experts.w1": (e, d, f), prefix + "experts.w3": (e, d, f), prefix + "experts.w2": (e, f, d)}
+    shapes = {prefix + "router_DE": (d, e), prefix + "shared_expert.w1.weight": (f, d),
+              prefix + "shared_expert.w2.weight": (d, f), prefix + "shared_expert.w3.weight": (f, d)}
+    for i in range(e):
+        shapes |= {f"{prefix}experts.w1.{i}": (d, f), f"{prefix}experts.w3.{i}": (d, f), f"{prefix}experts.w2.{i}": (f, d)}
+    return shapes
 
 
 def shard_dim(key: str, family: str) -> int | None:
