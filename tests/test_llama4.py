@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,16 @@ PARAMS = small_params(n_kv_heads=4, vocab_size=256 + 2048)
 LENGTHS = (75, 40, 9)  # prompts across two chunk boundaries, across one, within the first chunk
 NEAR_TIE = 1e-3  # a top-2 gap below this is one float32 may legitimately flip
 CPU = DistInfo(0, 1, 0, torch.device("cpu"), "none")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One CPU thread: the models are tiny, and the C kernels' threads wait on each other manyfold whenever
+    another process (the suite's other worker) holds a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
