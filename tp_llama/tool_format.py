@@ -18,8 +18,9 @@ Three formats, named as vLLM names its parsers:
 The texts are those of Meta's prompt generators in llama-models (``JsonCustomToolGenerator``,
 ``PythonListCustomToolGenerator``, the system prompt of its Llama 3.1 prompt guide) and the turns
 are framed as ``llama_models.llama3.chat_format.ChatFormat`` frames them; tests/test_tool_format.py
-checks both token for token (tests/test_llama4_tokenizer.py the Llama 4 format). Where Meta's templates write a string raw (a description holding a
-quote) this module writes it JSON-escaped, and a missing description is empty rather than "None".
+checks both token for token (tests/test_llama4_tokenizer.py the Llama 4 format). Where Meta's templates
+write a string raw (a description holding a quote) this module writes it JSON-escaped, and a missing
+description is empty rather than "None".
 """
 
 from __future__ import annotations

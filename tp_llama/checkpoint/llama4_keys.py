@@ -71,8 +71,8 @@ def _part(tensor: torch.Tensor, source: Source, path: Path) -> torch.Tensor:
         start, end, parts = source.rows
         rows = tensor.shape[0]
         if rows % parts:
-            raise CheckpointError(f"{path}: tensor {source.key!r} has {rows} rows, which do not split into its {parts} "
-                             "stacked parts")
+            raise CheckpointError(f"{path}: tensor {source.key!r} has {rows} rows, which do not split into its "
+                                  f"{parts} stacked parts")
         return tensor[rows * start // parts : rows * end // parts]
     return tensor
 
