@@ -151,12 +151,12 @@ class Engine:
 
     def expert_tokens(self) -> dict[tuple[int, int], int]:
         """Llama 4: the tokens routed to each (layer, expert) since load, on this rank ({} for a dense model)."""
-        counts = {}
-        for i, layer in enumerate(self.runner.model.layers):
-            routed = getattr(layer.feed_forward, "tokens_per_expert", None)
-            if routed is not None:
-                counts.update(((i, e), n) for e, n in enumerate(routed.tolist()))
-        return counts
+        layers = [(i, layer.feed_forward.tokens_per_expert) for i, layer in enumerate(self.runner.model.layers)
+                  if hasattr(layer.feed_forward, "tokens_per_expert")]
+        if not layers:
+            return {}
+        totals = torch.stack([routed for _, routed in layers]).tolist()  # one read of the device, not one a layer
+        return {(i, e): n for (i, _), row in zip(layers, totals) for e, n in enumerate(row)}
 
     def new_scheduler(self) -> Scheduler:
         c = self.config
