@@ -11,6 +11,7 @@ which the handler reads from ckpt_dir. Used by setup_model.sh and the server tes
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -47,12 +48,15 @@ def apply_override(config: dict[str, Any], assignment: str) -> None:
         raise ValueError(f"--set {assignment}: the value is not YAML ({exc})") from None
 
 
-def archiver_command() -> str:
-    """torch-model-archiver next to this Python (the venv), else from PATH."""
+def archiver_command() -> list[str]:
+    """torch-model-archiver next to this Python (the venv), else from PATH, else its module run by this
+    Python (the GPU check's machine has it only on PYTHONPATH: checks/gpu_bundle.py)."""
     found = shutil.which("torch-model-archiver", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    if found is None:
-        raise FileNotFoundError("torch-model-archiver not found; pip install -r requirements.txt")
-    return found
+    if found is not None:
+        return [found]
+    if importlib.util.find_spec("model_archiver") is not None:
+        return [sys.executable, "-c", "from model_archiver.model_packaging import generate_model_archive as g; g()"]
+    raise FileNotFoundError("torch-model-archiver not found; pip install -r requirements.txt")
 
 
 def model_config(template: Path, ckpt_dir: Path, tp: int, overrides: list[str]) -> dict[str, Any]:
@@ -103,7 +107,7 @@ def build_archive(
         (stage / "tmp").mkdir()
         env = dict(os.environ, TMPDIR=str(stage / "tmp"))
         command = [
-            archiver_command(),
+            *archiver_command(),
             "--model-name", name, "--version", "1.0",
             "--handler", str(HANDLER),
             "--config-file", str(config_file),
