@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: stop the worker on the way out
     work = a.work or Path(tempfile.mkdtemp(prefix="tpls-gs-", dir="/tmp"))
     started = time.perf_counter()
+    levels: list[dict] = []
+    offline: dict[int, float] = {}
     try:
         ckpt = write_checkpoint(work / "ckpt", "small" if a.small else "8b", a.device)
         record("checkpoint written", f"{time.perf_counter() - started:.0f} s", True)
@@ -250,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         (work / "worker").mkdir(exist_ok=True)
         worker = WorkerGroup(model_dir, work / "worker", device_ids="0" if a.device == "cuda" else None)
         front = Frontend(worker)
-        levels = []
         try:
             loading = time.perf_counter()
             worker.start()
@@ -258,25 +259,26 @@ def main(argv: list[str] | None = None) -> int:
             record("worker loaded", f"{time.perf_counter() - loading:.0f} s (load, compile, capture)", True)
             front.start()
             api_checks(front.port, "llama")
-            levels = served_levels(front.port, "llama", a.clients, a.per_client, a.prompt, a.new)
+            levels += served_levels(front.port, "llama", a.clients, a.per_client, a.prompt, a.new)
         except Exception as exc:
             record("serving", f"{type(exc).__name__}: {exc}\n{worker.log_tail()}", False)
         finally:
             front.stop()
             worker.stop()
-        offline = {}
         try:
-            offline = offline_rates(model_dir, a.clients, a.prompt, a.new)
+            offline.update(offline_rates(model_dir, a.clients, a.prompt, a.new))
             record("offline engine", ", ".join(f"{c}: {r:.0f}" for c, r in offline.items()) + " tokens/s", True)
         except Exception as exc:
             record("offline engine", f"{type(exc).__name__}: {exc}", False)
+    except SystemExit:
+        record("stopped", "by SIGTERM (a time limit) before the end", False)
     finally:
         if a.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    device = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
-    print(f"checks.gpu_serve on {device}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s; "
-          f"prompt {a.prompt}, {a.new} new tokens, {a.per_client} requests a client")
-    print(table(levels, offline))
+        device = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
+        print(f"checks.gpu_serve on {device}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s; "
+              f"prompt {a.prompt}, {a.new} new tokens, {a.per_client} requests a client")
+        print(table(levels, offline))
     return 0 if all(ok for _, _, ok in ROWS) else 1
 
 
