@@ -23,6 +23,7 @@ jar alone is 44 MiB; BENCHMARKS.md, "H100 / H200"), so checks/ts_frontend.py sta
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
@@ -42,12 +43,21 @@ def size_mib(path: Path) -> float:
 
 
 def package_source(name: str) -> Path:
-    """A package's folder, or a single-module package's file, as this Python imports it."""
+    """A package's folder, as this Python imports it."""
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
         raise SystemExit(f"gpu_bundle: {name} is not installed here; pip install -r requirements.txt")
-    origin = Path(spec.origin)
-    return origin.parent if origin.name == "__init__.py" else origin
+    return Path(spec.origin).parent
+
+
+def dist_info(package: str) -> Path:
+    """The installed distribution's metadata folder (NAME-VERSION.dist-info) for a top-level package."""
+    name = importlib.metadata.packages_distributions()[package][0]
+    dist = importlib.metadata.distribution(name)
+    found = Path(dist.locate_file(f"{name.replace('-', '_')}-{dist.version}.dist-info"))
+    if not found.is_dir():
+        raise SystemExit(f"gpu_bundle: no metadata folder {found} for {name}")
+    return found
 
 
 def llama3_tokenizer() -> Path:
@@ -78,11 +88,10 @@ def build(out: Path, java: bool = False) -> dict[str, float]:
     sizes = {}
     for name in PACKAGES:
         source = package_source(name)
-        if source.is_dir():
-            shutil.copytree(source, out / source.name, ignore=SKIP)
-        else:
-            shutil.copy2(source, out / source.name)
-        sizes[name] = size_mib(out / source.name)
+        shutil.copytree(source, out / source.name, ignore=SKIP)
+        info = dist_info(name)  # llguidance reads its own version from it at import
+        shutil.copytree(info, out / info.name)
+        sizes[name] = size_mib(out / source.name) + size_mib(out / info.name)
     shutil.copy2(llama3_tokenizer(), out / "tokenizer.model")
     sizes["tokenizer.model"] = size_mib(out / "tokenizer.model")
     if java:

@@ -171,10 +171,13 @@ class WorkerGroup:
         self.reader = Reader(self.conns[0])
 
     def load(self, batch_size: int, gpu: int) -> None:
-        """The load message to every rank; raises unless each answers 200."""
+        """The load message to every rank; wait_loaded() reads their answers."""
         message = load_message(self.name, self.model_dir, batch_size, "llama_handler.py", gpu)
         for conn in self.conns:
             conn.sendall(message)
+
+    def wait_loaded(self) -> None:
+        """Raises unless every rank answered its load with 200."""
         for rank, conn in enumerate(self.conns):
             code, text, _ = (self.reader if rank == 0 else Reader(conn)).reply()
             if code != 200:

@@ -30,12 +30,14 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_bundle_holds_what_the_gpu_machine_lacks_and_no_java(bundle: Path):
-    assert {p.name for p in bundle.iterdir()} == {"ts", "model_archiver", "llguidance", "tokenizer.model"}
+    assert {p.name.split("-")[0] for p in bundle.iterdir()} == {
+        "ts", "torchserve", "model_archiver", "torch_model_archiver", "llguidance", "tokenizer.model"}
     assert not list(bundle.rglob("*.jar")) and not list(bundle.rglob("__pycache__"))
     assert gpu_bundle.size_mib(bundle) < gpu_bundle.LIMIT_MIB
     # First on PYTHONPATH, the bundle's copies are the ones imported (here they are also installed).
-    probe = ("import ts, ts.model_service_worker, model_archiver.model_packaging, llguidance, json;"
-             "print(json.dumps([ts.__file__, model_archiver.__file__, llguidance.__file__]))")
+    probe = ("import ts, ts.model_service_worker, model_archiver.model_packaging, llguidance, json, importlib.metadata;"
+             "print(json.dumps([ts.__file__, model_archiver.__file__, llguidance.__file__,"
+             "str(importlib.metadata.distribution('llguidance').locate_file('llguidance'))]))")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": f"{bundle}{os.pathsep}{REPO}"})
     assert run.returncode == 0, run.stderr[-2000:]
