@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
     bandwidth = copy_bandwidth(device) if a.device == "cuda" else 1e10
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if a.device == "cuda" else 0
     print(f"{name}, torch {torch.__version__}, copy {bandwidth / 1e9:.0f} GB/s; {LAYERS} layers' attention, "
           f"context {a.context}\n")
     print("| KV block | rows | splits | ms (32 layers) | floor ms | of the floor |\n|---|---|---|---|---|---|")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 cache, batch = step_inputs(rows, a.context, block, device)
                 floor = LAYERS * rows * a.context * 2 * KV_HEADS * HEAD_DIM * 2 / bandwidth * 1e3
                 for splits in [None, *a.splits]:
-                    label = (f"auto ({kv_cache.decode_splits(device, rows, KV_HEADS)})"
+                    label = (f"auto ({kv_cache.decode_splits(sms, rows, KV_HEADS)})"
                              if splits is None and a.device == "cuda" else splits or "auto")
                     try:
                         ms = layers_ms(cache, batch, rows, splits, compiled=a.device == "cuda")

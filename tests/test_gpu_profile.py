@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench.gpu_profile import category
+from tp_llama.model.kv_cache import decode_splits
 
 H200_KERNELS = {  # names from the profile's tables on an H200 (torch 2.11), and what each kernel is
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1": "matmul",
@@ -38,3 +39,19 @@ def test_the_profile_runs_here_on_cpu():
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert run.stdout.count("### ") == 2 and "GPU idle within the step" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("rows, want", [(1, 33), (2, 16), (16, 16), (17, 4), (32, 4)])
+def test_decode_splits_on_an_h200(rows: int, want: int):
+    """132 multiprocessors, 8 KV heads (the 8B shape at TP 1): the kernel's own two CTAs per multiprocessor
+    while rows x heads leave some without one (at least 16), four parts once they fill them."""
+    assert decode_splits(132, rows, 8) == want
+
+
+def test_the_attention_sweep_runs_here_on_cpu():
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_attention", "--device", "cpu", "--rows", "2",
+                          "--context", "24", "--blocks", "16", "--splits", "4"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert [line.split(" | ")[:3] for line in run.stdout.splitlines() if line.startswith("| 16 ")] == [
+        ["| 16", "2", "auto"], ["| 16", "2", "4"]], run.stdout

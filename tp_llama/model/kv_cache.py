@@ -23,7 +23,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from tp_llama.model.batch import Batch
 
 
-MIN_DECODE_SPLITS = 16
+MIN_DECODE_SPLITS = 16  # while a step's rows x KV heads leave multiprocessors without a CTA of their own
+FULL_GRID_SPLITS = 4  # once they give every multiprocessor one (bench/gpu_attention.py)
 
 
 class KVCache:
@@ -110,18 +111,24 @@ def _decode_by_index(cache: KVCache, q: torch.Tensor, batch: Batch, window: int 
     of its own, and a view of the 3-d projection is not one.
     """
     queries = q.unsqueeze(2) * (1 / math.sqrt(q.shape[-1]))
-    options = {"SPLIT_KV": decode_splits(q.device, len(q), cache.k.shape[0])} if q.is_cuda else None
+    options = None
+    if q.is_cuda:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        options = {"SPLIT_KV": decode_splits(sms, len(q), cache.k.shape[0])}
     out = flex_attention(queries, cache.k.unsqueeze(0), cache.v.unsqueeze(0), scale=1.0, enable_gqa=True,
                          block_mask=batch.block_mask if window is None else batch.window_masks[window],
                          kernel_options=options)
     return out.squeeze(2)
 
 
-def decode_splits(device: torch.device, rows: int, kv_heads: int) -> int:
-    """How many parallel parts FlexAttention's GPU decoding kernel cuts each row's blocks into: its
-    own choice (two CTAs per multiprocessor over rows x KV heads), but at least MIN_DECODE_SPLITS, so
-    that a batch of many rows does not walk each row's blocks in one CTA (bench/gpu_profile.py)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+def decode_splits(sms: int, rows: int, kv_heads: int) -> int:
+    """How many parallel parts FlexAttention's GPU decoding kernel cuts each row's blocks into, on a GPU
+    of `sms` multiprocessors. While rows x KV heads are fewer than the multiprocessors: the kernel's own
+    choice (two CTAs per multiprocessor), but at least MIN_DECODE_SPLITS, so that a row's blocks are not
+    walked by few CTAs. Once they are as many, FULL_GRID_SPLITS: more parts only add work to merge them
+    (bench/gpu_attention.py at 32 rows on an H200)."""
+    if rows * kv_heads >= sms:
+        return FULL_GRID_SPLITS
     return max(2 * sms // (rows * kv_heads), MIN_DECODE_SPLITS)
 
 
