@@ -21,7 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from tp_llama.tokenizer import Tokenizer
@@ -124,15 +123,18 @@ class Masks:
             first[sampler] = at
             jobs.append((constraint.matcher, at, proposals))
             at += 1 + len(proposals)
-        bits = llguidance.torch.allocate_token_bitmask(at, n_words)
+        bits = torch.full((at, (n_words + 31) // 32), -1, dtype=torch.int32)  # a bit a token, 32 to a word
         return self._pool.submit(self._fill, jobs, StepMasks(bits, first))
 
     def _fill(self, jobs: list[tuple[llguidance.LLMatcher, int, list[int]]], masks: StepMasks) -> StepMasks:
+        """The executor writes each job's rows of the bitmask in place (llguidance.torch's helpers do the same, but
+        importing that module imports torch's compiler: seconds more at every worker's start)."""
+        bits, row_bytes = masks.bits, masks.bits.shape[1] * 4
         speculating = [job for job in jobs if job[2]]  # llguidance's draft-token call refuses none
         if speculating:
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, speculating, masks.bits)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(speculating, bits.data_ptr(), row_bytes, len(bits))
         if len(speculating) < len(jobs):
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, [job[:2] for job in jobs if not job[2]],
-                                                         masks.bits)
+            self._executor.unsafe_compute_mask_ptr([job[:2] for job in jobs if not job[2]], bits.data_ptr(), row_bytes,
+                                                   len(bits))
         return masks
 
