@@ -149,9 +149,8 @@ def test_compiling_is_chosen_by_device_mode_and_kernels():
 
 def test_compiled_decode_steps_generate_the_eager_tokens(tmp_path):
     """The whole engine at TP 2, compile on and off: the all-reduces traced, the logits' gather to rank 0
-    after. One row at a time (one graph a rank: several rows in a compiled step are the test above's);
-    at TP 1 the GPU check's CPU run below compares compiled steps' greedy tokens with the float64
-    reference."""
+    after. One row at a time (one graph a rank: several rows in a compiled step, at TP 1, are the test
+    above's)."""
     ckpt = write_checkpoint(tmp_path / "ckpt", family="llama3", mp=2)
     prompts = ["the lamp", "a keeper wrote the reading in the log at dusk"]
     outputs = {}

@@ -14,10 +14,10 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
@@ -26,6 +26,9 @@ from tp_llama.engine.scheduler import Sequence
 from tp_llama.testing.tokenizer_train import build_tokenizer
 
 from tests.support.meta_llama4 import ffn_widths, is_moe_layer, meta_run, small_params, write_llama4_checkpoint
+
+if TYPE_CHECKING:  # imported where used: transformers takes seconds to import, in each xdist worker's collection
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 # 2,304 ids: the least a trained tokenizer has in Llama 4's format (256 byte-level tokens, 2,048 special ids).
 PARAMS = small_params(n_kv_heads=4, vocab_size=256 + 2048)
@@ -61,6 +64,8 @@ def prompts() -> list[list[int]]:
 
 def hf_config() -> Llama4TextConfig:
     """params.json restated in HF's terms; the layer kinds are given explicitly by Meta's rules."""
+    from transformers import Llama4TextConfig
+
     dense_f, moe_f = ffn_widths(PARAMS)
     layers = range(PARAMS["n_layers"])
     return Llama4TextConfig(
@@ -120,6 +125,8 @@ def hf_state_dict(download: dict[str, object]) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def hf_model(folder: Path) -> Llama4ForCausalLM:
     """HF's model on the checkpoint, loaded strictly, with its layer kinds checked against params.json."""
+    from transformers import Llama4ForCausalLM
+
     with torch.serialization.safe_globals([io.BytesIO]):  # the `_extra_state` entries
         download = torch.load(folder / "consolidated.00.pth", map_location="cpu", weights_only=True)
     model = Llama4ForCausalLM(hf_config()).float().eval()
