@@ -7,16 +7,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
 
 from bench.lib.hf_convert import hf_config, meta_to_hf, to_hf_rotary
 from tp_llama.checkpoint.params import read_params
 from tp_llama.model import ModelArgs
 from tp_llama.testing.synthetic import write_checkpoint
 from tp_llama.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:  # imported where used: peft and transformers take seconds, at every xdist worker's collection
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
 
 # Small enough to build many models in a test, with GQA and an FFN width unlike dim, so that a factor read
 # into the wrong module or rotary order cannot fit by accident.
@@ -38,6 +42,8 @@ def write_base(folder: Path, seed: int = 0) -> tuple[ModelArgs, dict[str, torch.
 
 def hf_model(state: dict[str, torch.Tensor], args: ModelArgs) -> LlamaForCausalLM:
     """The Meta weights as transformers' model (its names and rotary order)."""
+    from transformers import LlamaForCausalLM
+
     model = LlamaForCausalLM(hf_config(args, max_len=64))
     model.load_state_dict(meta_to_hf(state, args))
     return model.eval()
@@ -46,6 +52,8 @@ def hf_model(state: dict[str, torch.Tensor], args: ModelArgs) -> LlamaForCausalL
 def save_peft(state: dict[str, torch.Tensor], args: ModelArgs, folder: Path, seed: int = 0, **lora) -> PeftModel:
     """PEFT's LoRA on the base with LoraConfig(**lora), saved to folder by PEFT. Both factors are random from
     seed (init_lora_weights=False), so that B @ A is far from zero and every module's delta differs."""
+    from peft import LoraConfig, get_peft_model
+
     torch.manual_seed(seed)
     model = get_peft_model(hf_model(state, args), LoraConfig(init_lora_weights=False, **lora))
     model.save_pretrained(folder)
