@@ -31,7 +31,7 @@ DEFAULT_NEW = 8
 COLLECTIVE_TIMEOUT_S = 10
 FAIL_FAST_S = 30  # a fault must end the batch or the load attempt well within this
 RECOVER_S = 90  # TorchServe's restart back-off plus a reload
-SOAK_S = 30
+SOAK_S = 20
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
