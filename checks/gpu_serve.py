@@ -272,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             front.stop()
             worker.stop()
         if engine is not None:
-            offline.update(offline_rates(engine, a.clients, a.prompt, a.new))
-            record("offline engine", ", ".join(f"{c}: {r:.0f}" for c, r in offline.items()) + " tokens/s", True)
+            try:
+                offline.update(offline_rates(engine, a.clients, a.prompt, a.new))
+                record("offline engine", ", ".join(f"{c}: {r:.0f}" for c, r in offline.items()) + " tokens/s", True)
+            except Exception as exc:
+                record("offline engine", f"{type(exc).__name__}: {exc}", False)
     except SystemExit:
         record("stopped", "by SIGTERM (a time limit) before the end", False)
     finally:

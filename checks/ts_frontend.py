@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -127,6 +127,7 @@ class WorkerGroup:
         self.sock_base = work / ".ts.sock"
         self.log_path = work / "worker.log"
         self.proc: subprocess.Popen | None = None
+        self.log: BinaryIO | None = None
         self.conns: list[socket.socket] = []
         self.reader: Reader | None = None
 
@@ -202,7 +203,7 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
-        if hasattr(self, "log"):
+        if self.log is not None:
             self.log.close()
 
 

@@ -55,7 +55,7 @@ def archiver_command() -> list[str]:
     if found is not None:
         return [found]
     if importlib.util.find_spec("model_archiver") is not None:
-        return [sys.executable, "-c", "from model_archiver.model_packaging import generate_model_archive as g; g()"]
+        return [sys.executable, "-m", "model_archiver.model_packaging"]
     raise FileNotFoundError("torch-model-archiver not found; pip install -r requirements.txt")
 
 
