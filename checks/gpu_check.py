@@ -116,7 +116,7 @@ def dequantized(state: dict, bits: int, dtype: str) -> dict:
 
 def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, compile_: str, max_rows: int = 4,
                   max_seq_len: int = 256, quantize_: str = "none", kv_block_size: int = 16,
-                  transform: Callable[[Transformer], None] | None = None) -> Engine:
+                  transform: Callable[[Transformer], None] | None = None, speculative: str = "off") -> Engine:
     """The engine the CLI and the handler serve, on weights from memory (this rank's shards of `state`);
     transform: applied to the model as built, before the engine prepares it (Meta's fp8 layers, say)."""
     tp = info.world_size
@@ -131,6 +131,7 @@ def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, comp
     token_bytes = 2 * args.n_layers * args.n_kv_heads // tp * args.head_dim * getattr(torch, dtype).itemsize
     config = EngineConfig("-", "tp", dtype, max_seq_len, max_rows, prefill_budget=max_seq_len,
                           device=info.device.type, compile=compile_, quantize=quantize_, kv_block_size=kv_block_size,
+                          speculative=speculative,
                           kv_cache_memory_gb=(max_rows + 1) * (max_seq_len + kv_block_size) * token_bytes / 2**30)
     return Engine.around(config, model, NoText(), args, info, time.perf_counter())
 
@@ -226,10 +227,20 @@ class ReferenceProposals(Speculator):
 
 def speculative_parity(device: str, expected: Expected) -> None:
     """Rows carrying proposals (speculative decoding's verify steps) on the device: greedy tokens as the
-    reference's, every proposal taken; compiled decode steps serve the steps without proposals."""
+    reference's, every proposal taken; compiled, the verify steps run in the decode step's graphs (a padded
+    row a position)."""
     info = DistInfo(0, 1, 0, torch.device(device), "none")
     for compile_ in ("off", "on") if device == "cuda" else ("off",):
-        engine = served_engine(SMALL, expected.state, info, "float32", compile_)
+        engine = served_engine(SMALL, expected.state, info, "float32", compile_, speculative="ngram")
+        verify_steps = [0, 0]  # steps carrying proposals, and those the compiled decode step took
+        step = engine.decode_step
+        if step is not None:
+            def accepts(rows: list[Row], takes=step.accepts) -> bool:
+                verifies, taken = any(row.proposed for row in rows), takes(rows)
+                verify_steps[0] += verifies
+                verify_steps[1] += verifies and taken
+                return taken
+            step.accepts = accepts
         scheduler, proposer = engine.new_scheduler(), ReferenceProposals(expected.tokens)
         scheduler.speculator = proposer
         sequences = [Sequence(str(i), ids, SamplingParams(NEW_TOKENS, ignore_eos=True)) for i, ids in enumerate(PROMPTS)]
@@ -240,6 +251,9 @@ def speculative_parity(device: str, expected: Expected) -> None:
         record_tokens("speculative: greedy tokens", setting, [seq.output for seq in sequences], expected.tokens)
         record("speculative: proposals taken", setting, f"{proposer.accepted} of {proposer.proposed}",
                proposer.proposed > 0 and proposer.accepted == proposer.proposed)
+        if step is not None:
+            record("speculative: verify steps in the decode graphs", setting, "{1} of {0}".format(*verify_steps),
+                   verify_steps[0] > 0 and verify_steps[1] == verify_steps[0])
 
 
 def llama4_parity(device: str) -> None:

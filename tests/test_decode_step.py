@@ -70,7 +70,14 @@ def decode_rows(model: Transformer) -> list[tuple[int, Row]]:
 
 
 def batch_logits(model: Transformer, rows: list[tuple[int, Row]]) -> torch.Tensor:
-    return model(slot_batch(model, [(slot, r.start, r.tokens, True) for slot, r in rows]))
+    return model(slot_batch(model, [(slot, r.start, r.tokens, len(r.tokens)) for slot, r in rows]))
+
+
+def verify_rows(model: Transformer) -> list[tuple[int, Row]]:
+    """Rows carrying speculative proposals: inside a block, across a block boundary, none; 7 positions."""
+    carried = {0: [40, 41], 2: [42, 43], 5: []}
+    return [(slot, Row(FILLED[slot], [17 + slot, *more], True, slot_blocks(model, slot, FILLED[slot] + 1 + len(more)),
+                       proposed=len(more))) for slot, more in carried.items()]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -98,6 +105,17 @@ def test_the_decode_step_gives_the_batch_steps_logits_and_cache(device: str, com
         want_fewer = batch_logits(model, fewer)
         restore(model, before)
         torch.testing.assert_close(step([r for _, r in fewer]), want_fewer, rtol=0, atol=2e-5)
+        # Rows carrying proposals, one padded row a position, in the same bucket: each position's logits as
+        # Batch.build's verify rows give them, and its keys and values in the cache.
+        restore(model, before)
+        verify = verify_rows(model)
+        want_verify = batch_logits(model, verify)
+        want_cache = caches(model)
+        restore(model, before)
+        assert step.accepts([r for _, r in verify])
+        torch.testing.assert_close(step([r for _, r in verify]), want_verify, rtol=0, atol=2e-5)
+        for g, w in zip(caches(model), want_cache):
+            torch.testing.assert_close(g[:, :spare_at], w[:, :spare_at], rtol=0, atol=1e-5)
 
 
 def test_every_bucket_gets_its_own_graph_whatever_recompile_limit_it_finds(device: str, monkeypatch):
@@ -124,12 +142,15 @@ def test_buckets_cover_every_row_count_up_to_the_cap():
 
 
 def test_only_decode_only_steps_take_the_decode_step():
-    plain, adapted = SimpleNamespace(lora=None), SimpleNamespace(lora=LoraStep())
+    plain, adapted = SimpleNamespace(lora=None, sizes=(8,)), SimpleNamespace(lora=LoraStep(), sizes=(8,))
     for step in (plain, adapted):
         assert DecodeStep.accepts(step, [Row(4, [1], True, [0]), Row(9, [2], True, [1])])
         assert not DecodeStep.accepts(step, [])
         assert not DecodeStep.accepts(step, [Row(4, [1], True, [0]), Row(0, [5, 6], True, [1])])
         assert not DecodeStep.accepts(step, [Row(4, [1], False, [0])])  # a one-token prompt chunk that samples nothing
+        assert DecodeStep.accepts(step, [Row(4, [1, 7, 8], True, [0], proposed=2), Row(9, [2], True, [1])])
+        assert not DecodeStep.accepts(step, [Row(4, [1, 7, 8], True, [0], proposed=1)])  # a prompt chunk's tail
+        assert not DecodeStep.accepts(step, [Row(4, [1, 7, 8], True, [0], proposed=2)] * 3)  # past the largest bucket
     on_adapter = [Row(4, [1], True, [0], adapter=1)]  # only a graph built with the adapters' slots runs it
     assert DecodeStep.accepts(adapted, on_adapter) and not DecodeStep.accepts(plain, on_adapter)
 

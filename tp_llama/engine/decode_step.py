@@ -6,6 +6,11 @@ table (padded to max_seq_len's blocks) as device tensors, built on the host and 
 the cache is written in place by index and attention reads each row's blocks up to its own length
 (Batch.decode_by_index). So one graph per bucket serves every mix of tables and lengths, with no
 host sync inside. The step's attention block mask is built inside the graph once, for every layer.
+
+A row carrying speculative decoding's proposals runs as one padded row per position, each with the
+row's table and its own position: all positions' keys are written before any query reads them, and
+each query sees its table up to its own position, so a verify step is a decode step of more rows,
+with its numerics, in the bucket of its positions (proposal lengths vary; bucket shapes do not).
 """
 
 from __future__ import annotations
@@ -56,32 +61,37 @@ class DecodeStep:
         self.pool = torch.cuda.graph_pool_handle() if compiled and device.type == "cuda" else None
 
     def accepts(self, rows: list[Row]) -> bool:
-        """A step of decode rows only, each wanting its next token (on an adapter only where the graph has them)."""
-        return bool(rows) and all(len(row.tokens) == 1 and row.sample and (self.lora or not row.adapter)
-                                  for row in rows)
+        """A step of decode rows only, each wanting logits at its newest token and at each proposal it carries,
+        their positions within the largest bucket (on an adapter only where the graph has them)."""
+        return (bool(rows) and sum(len(row.tokens) for row in rows) <= self.sizes[-1]
+                and all(len(row.tokens) == row.proposed + 1 and row.sample and (self.lora or not row.adapter)
+                        for row in rows))
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
-        """Logits [len(rows), V] (rank 0; [len(rows), 0] elsewhere under TP). On CUDA the graph's own
-        output, which the next step overwrites."""
-        size = next(b for b in self.sizes if b >= len(rows))
+        """Logits [positions, V], each row's positions in turn (rank 0; [positions, 0] elsewhere under TP).
+        On CUDA the graph's own output, which the next step overwrites."""
+        positions = sum(len(row.tokens) for row in rows)
+        size = next(b for b in self.sizes if b >= positions)
         host = self._inputs(rows, size)
         if self.pool is None:
-            return self.forward(*self._split(to_device(host, self.device), size))[: len(rows)]
+            return self.forward(*self._split(to_device(host, self.device), size))[:positions]
         captured = self.graphs.get(size) or self._capture(size)
         captured.inputs.copy_(host.pin_memory(), non_blocking=True)
         captured.graph.replay()
-        return captured.logits[: len(rows)]
+        return captured.logits[:positions]
 
     def _inputs(self, rows: list[Row], size: int) -> torch.Tensor:
-        """Every row's token, position, cache index, adapter slot and block table in one host tensor, padded to
-        `size` rows."""
-        pad, b = size - len(rows), self.block_size
-        tables = [padded_table(row.blocks, self.width, self.spare) for row in rows]
+        """Every position's token, position, cache index, adapter slot and block table in one host tensor,
+        padded to `size` positions."""
+        b = self.block_size
+        each = [(row, i) for row in rows for i in range(len(row.tokens))]
+        pad = size - len(each)
+        tables = [t for row in rows for t in [padded_table(row.blocks, self.width, self.spare)] * len(row.tokens)]
         tables += [padded_table([], self.width, self.spare)] * pad
-        return torch.tensor([row.tokens[0] for row in rows] + [0] * pad
-                            + [row.start for row in rows] + [0] * pad
-                            + [cache_index(row.blocks, row.start, b) for row in rows] + [self.spare * b] * pad
-                            + [row.adapter for row in rows] + [0] * pad
+        return torch.tensor([row.tokens[i] for row, i in each] + [0] * pad
+                            + [row.start + i for row, i in each] + [0] * pad
+                            + [cache_index(row.blocks, row.start + i, b) for row, i in each] + [self.spare * b] * pad
+                            + [row.adapter for row, _ in each] + [0] * pad
                             + [v for table in tables for v in table], dtype=torch.long)
 
     def _split(self, inputs: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:

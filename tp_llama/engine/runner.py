@@ -22,6 +22,7 @@ from tp_llama.config import EngineConfig
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.sampling import TokenLogprobs
+from tp_llama.engine.scheduler import SPECULATE_STEP_TOKENS
 from tp_llama.engine.scoring import row_entries, score_hidden, score_logits
 from tp_llama.kernels import C_KINDS, warm_up
 from tp_llama.lora.serve import ResidentAdapters, resident_adapters
@@ -203,9 +204,11 @@ class ModelRunner:
         return self.model.layers[0].attention.cache
 
     def _capture(self, config: EngineConfig) -> DecodeStep:
-        """The decode step compiled for every bucket of rows now, not when the first request meets it."""
-        step = DecodeStep(self.model, config.max_batch_size, config.blocks_per_sequence, self.info.device,
-                          compiled=True, lora=self.lora)
+        """The decode step compiled for every bucket of rows now, not when the first request meets it; with
+        speculative decoding, buckets up to the positions a step of proposals may reach."""
+        positions = max(config.max_batch_size, SPECULATE_STEP_TOKENS if config.speculative != "off" else 0)
+        step = DecodeStep(self.model, positions, config.blocks_per_sequence, self.info.device, compiled=True,
+                          lora=self.lora)
         started = time.perf_counter()
         step.warm_up()
         log(f"compiled {len(step.sizes)} decode-step sizes {step.sizes} in {time.perf_counter() - started:.1f} s",
