@@ -1,29 +1,33 @@
 """Speculative decoding served: ours through TorchServe against llama.cpp's llama-server at each of its
-speculation settings, on SmolLM2-135M-Instruct, one client.
+speculation settings, on SmolLM2-135M-Instruct, at 1, 4 and 16 clients.
 
     bash bench/setup_llamacpp.sh                        # once: bench/out/llama.cpp
     python -m bench.lib.smollm2 convert --gguf          # once: the checkpoint and its F32 GGUF
-    python -m bench.serving.speculative [--rounds 3] [--new-tokens 128]
+    python -m bench.serving.speculative [--clients 1 4 16] [--rounds 3] [--new-tokens 128]
 
 The committed prompt set (bench/engine/speculative_prompts.json: replies that copy from their prompt,
 and free chat) in SmolLM2's chat format, as token ids made by its own tokenizer, goes to every server,
 greedy, up to --new-tokens, ending at <|im_end|> (ours: the stop string, the token our conversion
-decodes to that text; llama-server: the GGUF's end-of-generation token). Servers, one at a time, each
-for --rounds rounds of every prompt: ours bfloat16 at TP 1 without speculation and with n-gram lookup
-(prefix caching off: every round sends the same prompts); llama-server on the BF16 GGUF of the same
+decodes to that text; llama-server: the GGUF's end-of-generation token). Servers taking turns, one at a
+time, for --rounds rounds (the order reversed every round): ours bfloat16 at TP 1 without speculation and
+with n-gram lookup, both started once (prefix caching off: every round sends the same prompts); llama-server on the BF16 GGUF of the same
 weights with no speculation, `--spec-type ngram-simple`, `ngram-mod`, and `draft-simple` with the Q4_0
 GGUF drafting, prompt caching off, both on this machine's threads, a fresh llama-server each round (so
-ngram-mod's table never holds the replies to the prompts it is sent). Output tokens/s = a kind's tokens
-over its requests' seconds; the median over the rounds.
+ngram-mod's table never holds the replies to the prompts it is sent) with a slot a client. At C clients a
+round of a kind is max(C, its prompts) requests, the prompts in turn, C at a time (closed loop); output
+tokens/s = the round's tokens over its seconds; the median over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.engine.speculative import PROMPTS
@@ -40,25 +44,25 @@ LLAMA_SETTINGS = {"none": [], "ngram-simple": ["--spec-type", "ngram-simple"], "
                   "draft-simple": ["--spec-type", "draft-simple", "-md", "DRAFT"]}
 
 
-def round_rate(send: Callable[[list[int]], dict], prompts: list[list[int]]) -> float:
-    """Output tokens/s of one round: the prompts one after another, their tokens over their seconds."""
-    replies = [send(ids) for ids in prompts]
-    return sum(r["tokens"] for r in replies) / sum(r["latency_s"] for r in replies)
+def round_rate(send: Callable[[list[int]], dict], prompts: list[list[int]], clients: int) -> float:
+    """Output tokens/s of one round: max(clients, prompts) requests, the prompts in turn, `clients` at a time."""
+    requests = [prompts[i % len(prompts)] for i in range(max(clients, len(prompts)))]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        replies = list(pool.map(send, requests))
+    return sum(r["tokens"] for r in replies) / (time.perf_counter() - started)
 
 
-def medians(per_round: dict[str, list[float]]) -> dict[str, float]:
-    out = {kind: statistics.median(rates) for kind, rates in per_round.items()}
-    for kind, rates in per_round.items():
-        print(f"  {kind}: {out[kind]:.1f} tok/s (rounds {' '.join(f'{r:.0f}' for r in rates)})", flush=True)
+def medians(per_round: dict[tuple[str, int], list[float]]) -> dict[tuple[str, int], float]:
+    out = {key: statistics.median(rates) for key, rates in per_round.items()}
+    for (kind, clients), rates in per_round.items():
+        print(f"  {kind} x{clients}: {out[kind, clients]:.1f} tok/s (rounds {' '.join(f'{r:.0f}' for r in rates)})",
+              flush=True)
     return out
 
 
-def rates(send: Callable[[list[int]], dict], kinds: dict[str, list[list[int]]], rounds: int) -> dict[str, float]:
-    """Each kind's median output tokens/s over the rounds, on one server."""
-    return medians({kind: [round_rate(send, prompts) for _ in range(rounds)] for kind, prompts in kinds.items()})
-
-
-def ours(speculative: str, kinds: dict, a: argparse.Namespace) -> dict[str, float]:
+def ours(speculative: str, a: argparse.Namespace) -> tuple[TorchServe, Callable[[list[int]], dict]]:
+    """Our server with `speculative`, started, and how to send it a prompt."""
     work = WORK / f"ours-{speculative}"
     shutil.rmtree(work, ignore_errors=True)
     overrides = [own_rendezvous(), "handler.dtype=bfloat16", f'handler.speculative="{speculative}"',
@@ -66,36 +70,34 @@ def ours(speculative: str, kinds: dict, a: argparse.Namespace) -> dict[str, floa
     folder = archive(REPO, a.ckpt, work / "model_store", 1, overrides)
     server = TorchServe(work, folder.parent, NAME)
     start_ready(server)
-    try:
-        auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
-        path, stop = f"/predictions/{NAME}/1.0/v1/completions", {"ignore_eos": False, "stop": ["<|im_end|>"]}
-        return rates(lambda ids: openai_stream(server.inference_port, path, ids, a.new_tokens, auth, stop), kinds,
-                     a.rounds)
-    finally:
-        server.stop()
+    auth = {"Authorization": f"Bearer {server.keys()['inference']}"}
+    path, stop = f"/predictions/{NAME}/1.0/v1/completions", {"ignore_eos": False, "stop": ["<|im_end|>"]}
+    return server, lambda ids: openai_stream(server.inference_port, path, ids, a.new_tokens, auth, stop)
 
 
-def llama(setting: str, kinds: dict, a: argparse.Namespace) -> dict[str, float]:
-    """A fresh llama-server each round: its ngram-mod keeps one n-gram table across requests, so prompts sent
-    again would be answered from replies it has already seen, which a new prompt never is. Within a round it
-    still learns from the round's earlier prompts and replies, as it would serving."""
+def llama_round(setting: str, kinds: dict, a: argparse.Namespace, round_: int) -> dict[tuple[str, int], float]:
+    """One round on llama-server, a fresh one for each client count: its ngram-mod keeps one n-gram table
+    across requests, so prompts sent again would be answered from replies it has already seen, which a new
+    prompt never is. Within a round it still learns from the round's earlier prompts and replies, as it
+    would serving."""
     extra = [str(a.ckpt / "model-q4_0.gguf") if arg == "DRAFT" else arg for arg in LLAMA_SETTINGS[setting]]
-    per_round: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for round_ in range(a.rounds):
+    out = {}
+    for clients in a.clients:
         port = free_ports(1)[0]
-        with LlamaServer(a.ckpt / "model-bf16.gguf", port, WORK / f"llama-{setting}-{round_}", 1, 2048, a.threads,
-                         extra) as server:
+        with LlamaServer(a.ckpt / "model-bf16.gguf", port, WORK / f"llama-{setting}-{round_}-{clients}", clients,
+                         2048, a.threads, extra) as server:
             server.start()
             server.wait_ready(timeout=300)
             for kind, prompts in kinds.items():
-                per_round[kind].append(round_rate(
-                    lambda ids: llamacpp_stream(port, ids, a.new_tokens, fields={"ignore_eos": False}), prompts))
-    return medians(per_round)
+                out[kind, clients] = round_rate(
+                    lambda ids: llamacpp_stream(port, ids, a.new_tokens, fields={"ignore_eos": False}), prompts, clients)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", type=Path, default=OUT / "smollm2" / "plain")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
@@ -104,20 +106,39 @@ def main(argv: list[str] | None = None) -> None:
         llamacpp.quantize(a.ckpt / "model-f32.gguf", a.ckpt / dst, kind, threads=a.threads)
     sets = json.loads(PROMPTS.read_text())
     kinds = {kind: [chat_ids([{"role": "user", "content": text}]) for text in sets[kind]] for kind in ("copy", "chat")}
+    names = ["ours off", "ours ngram", *(f"llama-server {setting}" for setting in LLAMA_SETTINGS)]
+    per_round: dict[str, dict[tuple[str, int], list[float]]] = {name: {} for name in names}
+    with contextlib.ExitStack() as stack:
+        sends = {}
+        for speculative in ("off", "ngram"):
+            server, sends[f"ours {speculative}"] = ours(speculative, a)
+            stack.callback(server.stop)
+        for round_ in range(a.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                print(f"round {round_ + 1}: {name}", flush=True)
+                try:
+                    if name in sends:
+                        got = {(kind, c): round_rate(sends[name], prompts, c) for c in a.clients
+                               for kind, prompts in kinds.items()}
+                    else:
+                        got = llama_round(name.split()[-1], kinds, a, round_)
+                except (RuntimeError, TimeoutError) as exc:  # a setting this build refuses: the table goes on
+                    print(f"  failed: {str(exc)[-400:]}", flush=True)
+                    continue
+                for key, rate in got.items():
+                    per_round[name].setdefault(key, []).append(rate)
     results = {}
-    for speculative in ("off", "ngram"):
-        print(f"ours, speculative {speculative}", flush=True)
-        results[f"ours {speculative}"] = ours(speculative, kinds, a)
-    for setting in LLAMA_SETTINGS:
-        print(f"llama-server, {setting}", flush=True)
-        try:
-            results[f"llama-server {setting}"] = llama(setting, kinds, a)
-        except (RuntimeError, TimeoutError) as exc:  # a setting this build refuses: the table goes on without it
-            print(f"  failed: {str(exc)[-400:]}", flush=True)
-    best = {kind: max(r[kind] for name, r in results.items() if name.startswith("llama")) for kind in kinds}
-    rows = [[name, *(r[k] for k in kinds), *(r[k] / best[k] for k in kinds)] for name, r in results.items()]
-    print(table(["server", *[f"{k} tok/s" for k in kinds], *[f"{k} / llama-server's best" for k in kinds]], rows))
-    print(f"\nSmolLM2-135M-Instruct, 1 client, greedy, up to {a.new_tokens} tokens, medians of {a.rounds} rounds; "
+    for name, rounds in per_round.items():
+        if rounds:
+            print(name, flush=True)
+            results[name] = medians(rounds)
+    levels = [(kind, c) for c in a.clients for kind in kinds]
+    best = {key: max(r[key] for name, r in results.items() if name.startswith("llama")) for key in levels}
+    rows = [[name, clients, *(r[kind, clients] for kind in kinds), *(r[kind, clients] / best[kind, clients] for kind in kinds)]
+            for clients in a.clients for name, r in results.items()]
+    print(table(["server", "clients", *[f"{k} tok/s" for k in kinds], *[f"{k} / llama-server's best" for k in kinds]],
+                rows))
+    print(f"\nSmolLM2-135M-Instruct, greedy, up to {a.new_tokens} tokens, medians of {a.rounds} rounds; "
           f"llama.cpp {version()}, {a.threads} threads.")
 
 
