@@ -213,6 +213,34 @@ def test_stream_pieces_never_split_a_character(real_tokenizer) -> None:
     assert all("\ufffd" not in piece for piece in pieces)
 
 
+def test_long_stream_pieces_add_up_and_each_push_decodes_a_short_window(real_tokenizer) -> None:
+    """Pieces of a long reply (paragraphs, spaces and newlines at every kind of boundary, multi-byte
+    characters) add up to the reply decoded whole, and a push decodes a window of a few ids, not the reply
+    so far (a step's cost must not grow with the replies' lengths)."""
+    text = "\n\n".join(f"Paragraph {i}: Grüße aus Köln,  東京 — naïve café 🎉 ok.\n  - item {i * 7}" for i in range(60))
+    ids = real_tokenizer.encode(text, bos=False)
+    widest = [0]
+
+    def decode(window: list[int]) -> str:
+        widest[0] = max(widest[0], len(window))
+        return real_tokenizer.decode(window)
+
+    stream = StreamDecoder(decode)
+    pieces = [stream.push([i]) for i in ids]
+    assert len(ids) > 1000 and widest[0] <= 16
+    pieces.append(stream.finish())
+    assert "".join(pieces) == real_tokenizer.decode(ids) == text
+
+
+def test_the_stream_decode_benchmark_prints_its_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from bench.serving import stream_decode
+
+    build_tokenizer("llama3", tmp_path / "tokenizer.model", 512)
+    stream_decode.main(["--tokenizer", str(tmp_path / "tokenizer.model"), "--lengths", "16", "80", "--rows", "2"])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(table) == 3 and table[1].startswith("| 16 |") and table[2].startswith("| 80 |")
+
+
 def test_stream_pieces_add_up_even_with_invalid_bytes() -> None:
     tokenizer = ByteTokenizer()
     ids = list("a€b".encode()) + [0xE2, 0x82] + list(b"c") + [0xF0]

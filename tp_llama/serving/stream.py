@@ -15,32 +15,39 @@ REPLACEMENT = "\ufffd"
 
 
 class StreamDecoder:
-    """Feeds token ids in, hands back only the text that is stable."""
+    """Feeds token ids in, hands back only the text that is stable.
+
+    Each push decodes a window, not the whole reply (which made a step's cost grow with every reply's
+    length): the ids from the start of the last stable piece on, against the same ids up to its end, so
+    a tokenizer's context-dependent text at the window's start (SentencePiece's leading space) is the
+    same in both and only what follows is new. The window starts where the text was whole characters.
+    """
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self._decode = decode
         self._ids: list[int] = []
-        self._emitted = ""
+        self._start = 0  # the window's first id
+        self._stable = 0  # ids [_start, _stable) are the last piece handed back
+        self._emitted: list[str] = []
 
     def push(self, ids: list[int]) -> str:
         """Add new ids; return the newly stable text (maybe empty)."""
         self._ids.extend(ids)
-        text = self._decode(self._ids)
-        if text.endswith(REPLACEMENT) or not text.startswith(self._emitted):
+        before = self._decode(self._ids[self._start : self._stable])
+        text = self._decode(self._ids[self._start :])
+        if text.endswith(REPLACEMENT) or not text.startswith(before) or len(text) == len(before):
             return ""
-        return self._take(text)
+        self._start, self._stable = self._stable, len(self._ids)
+        self._emitted.append(text[len(before) :])
+        return self._emitted[-1]
 
     def finish(self) -> str:
-        """Everything not yet emitted, once no more ids will come."""
-        text = self._decode(self._ids)
+        """Everything not yet emitted, once no more ids will come: the whole reply decoded once."""
+        text, emitted = self._decode(self._ids), "".join(self._emitted)
         # Stable text never changes with Llama's tokenizers; if it did, resume where they agree.
-        self._emitted = os.path.commonprefix([text, self._emitted])
-        return self._take(text)
-
-    def _take(self, text: str) -> str:
-        delta = text[len(self._emitted):]
-        self._emitted = text
-        return delta
+        emitted = os.path.commonprefix([text, emitted])
+        self._emitted = [text]
+        return text[len(emitted) :]
 
 
 class StopWatcher:
