@@ -10,6 +10,7 @@ speculation is on in tests/test_serving_e2e.py's tp server, whose replies must e
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.proposal_counts import ProposalCounts
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
-from tp_llama.engine.speculate import Speculator, ngram_proposal
+from tp_llama.engine.speculate import NgramIndex, Speculator
 
 PROMPTS = {"a": 13, "b": 29, "c": 7, "d": 40}  # name: prompt length (b and d cross a block of 16)
 NEW = 24
@@ -36,7 +37,30 @@ NEW = 24
     ([1, 2, 1, 2], 5, [1, 2]),                  # fewer than k follow
 ])
 def test_ngram_lookup_proposes_what_followed_the_longest_suffix_seen_before(tokens, k, expected):
-    assert ngram_proposal(tokens, k, 2, 3) == expected
+    assert NgramIndex(2, 3).propose(tokens, k) == expected
+
+
+def scanned_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The lookup by definition: the context scanned back from its end for the longest suffix."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_the_ngram_index_proposes_what_a_scan_of_the_whole_context_does_as_it_grows():
+    """A sequence growing by 1-5 tokens a step (6 token values: many repeats), then replaced by other
+    lists (the index starts again), shorter and as long, against the scan at every step."""
+    rng = random.Random(0)
+    index, tokens = NgramIndex(2, 4), []
+    for step in range(400):
+        if step in (150, 300):  # not the last list grown: shorter, then as long with other values
+            tokens = tokens[:100] if step == 150 else [6 + t for t in tokens]
+        tokens = tokens + [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        k = rng.randrange(1, 5)
+        assert index.propose(tokens, k) == scanned_proposal(tokens, k, 2, 4), step
 
 
 def test_a_row_whose_proposals_are_rarely_taken_stops_proposing():

@@ -32,16 +32,35 @@ WARM_UP = 8  # proposals a row makes before its acceptance can switch it off
 LEAST_ACCEPTANCE = 0.1  # below this share of its proposals taken, a row stops proposing
 
 
-def ngram_proposal(tokens: Tokens[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
-    of n_max .. n_min tokens ([] where none occurs earlier)."""
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = list(tokens[length - n :])
-        for start in range(length - n - 1, -1, -1):  # latest first: replies tend to copy what is near
-            if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
+class NgramIndex:
+    """A sequence's n-grams (ngram_min .. ngram_max tokens) by their latest start, kept as the sequence
+    grows, so that a proposal costs the same at any context length (scanning the context back for the
+    suffix cost each row and step in proportion to it). Keys are the n-grams' hashes: a collision only
+    proposes tokens verification rejects, never changes a reply."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.latest: dict[int, int] = {}
+        self.indexed = 0  # every n-gram ending before this position is in `latest`
+        self.last = -1  # the token at indexed - 1, to notice a token list that is not this one grown
+
+    def propose(self, tokens: Tokens[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
+        of n_max .. n_min tokens ([] where none occurs earlier). `tokens`: the list of the last call,
+        grown (else the index starts again)."""
+        length = len(tokens)
+        if length - 1 < self.indexed or (self.indexed and tokens[self.indexed - 1] != self.last):
+            self.latest, self.indexed = {}, 0
+        for end in range(self.indexed, length - 1):  # n-grams ending at end: only earlier ones may match
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self.latest[hash(tuple(tokens[end + 1 - n : end + 1]))] = end + 1 - n
+        if length > 1:
+            self.indexed, self.last = length - 1, tokens[length - 2]
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            start = self.latest.get(hash(tuple(tokens[length - n :])))
+            if start is not None:
                 return list(tokens[start + n : start + n + k])
-    return []
+        return []
 
 
 @dataclass
@@ -62,6 +81,7 @@ class Speculator:
     accepted: int = 0
     verified: int = 0  # rows that carried proposals
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: proposals accepted at position i + 1
+    indexes: dict[str, NgramIndex] = field(default_factory=dict)  # each sequence's n-grams
     counts: ProposalCounts = field(init=False)
     draft: Drafter | None = None  # a draft model proposes (engine/draft.py), not n-gram lookup
 
@@ -103,7 +123,8 @@ class Speculator:
         """At most min(most, self.tokens) n-gram proposals after `tokens` (a sequence's prompt and output)."""
         if most <= 0 or not self.worth(seq_id):
             return []
-        return ngram_proposal(tokens, min(most, self.tokens), self.ngram_min, self.ngram_max)
+        index = self.indexes.setdefault(seq_id, NgramIndex(self.ngram_min, self.ngram_max))
+        return index.propose(tokens, min(most, self.tokens))
 
     def record(self, seq_id: str, proposed: int, accepted: int) -> None:
         """A verified row: `accepted` of its `proposed` proposals taken."""
@@ -118,5 +139,6 @@ class Speculator:
 
     def forget(self, seq_id: str) -> None:
         self.rows.pop(seq_id, None)
+        self.indexes.pop(seq_id, None)
         if self.draft is not None:
             self.draft.forget(seq_id)
