@@ -7,6 +7,11 @@ steps (tp_llama.engine.core.Engine.run) while the other ranks follow its plans, 
 each request with its new chunk, marked `ts_stream_next: true` until the request's last reply.
 The other ranks never look at requests at all, so they cannot disagree with rank 0 about them.
 
+Every rank runs its steps on one thread of its own (tp_llama.serving.step_thread). With
+handler.step_between_calls, once a call has answered, that thread goes on stepping while TorchServe
+carries the replies out and the next call in, and the next call first ends those steps (after the one
+in progress); the tokens they made go out with that call's replies.
+
 Two front doors share the scheduler: the native API (POST /predictions/NAME,
 tp_llama.serving.native) and the OpenAI-compatible one (POST /predictions/NAME/VERSION/v1/...,
 tp_llama.serving.openai_api), told apart by the `url_path` header TorchServe sets. Rank 0 also
@@ -18,8 +23,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -40,6 +47,7 @@ from tp_llama.serving.request import Live, RequestError, json_line, request_of
 from tp_llama.serving.routes import answer_now, open_request, openai_shaped
 from tp_llama.serving.settings import (HandlerSettings, check_model_config, device_of, resolve_adapters,
                                        resolve_ckpt_dir)
+from tp_llama.serving.step_thread import StepThread
 from tp_llama.serving.threads import choose_threads
 from tp_llama.serving.tool_use import resolve_tool_format
 
@@ -76,6 +84,10 @@ class LlamaHandler(BaseHandler):
         self.metrics: ServingMetrics | None = None
         self.grammars: GrammarCompiler | None = None
         self.compiling: dict[str, tuple[Pending, str]] = {}  # request id -> its grammar, its front door
+        self.steps: StepThread | None = None
+        self._between: Future | None = None  # the steps run since the last call answered
+        self._next_call = threading.Event()  # set: those steps end after the one in progress
+        self._first_tokens: list[Sequence] = []  # first tokens not yet in the metrics
 
     def initialize(self, context: Any) -> None:
         """Read the yaml handler block and load the checkpoint on this rank (joins the process group)."""
@@ -99,11 +111,12 @@ class LlamaHandler(BaseHandler):
             logger.info("rank %s: %s", os.environ.get("RANK", "0"), threads.log_line())
         started = time.perf_counter()
         self.engine = Engine.load(settings.engine)
+        self.steps = StepThread(self.engine.device)
         self.settings = settings = replace(settings, tool_format=resolve_tool_format(
             settings.tool_format, self.engine.tokenizer.family, self.engine.args.dim))
         # One token end to end now, so the first client does not pay for lazy kernel/collective setup.
         warm_up = Sequence("warm-up", self.engine.tokenizer.encode("Hello", bos=True), SamplingParams(1))
-        self.engine.generate([warm_up])
+        self.steps.run(self.engine.generate, [warm_up])
         # The worker serves this model for its life: frozen, its objects are no longer walked by the
         # cyclic collector whenever a step's garbage starts it (a profile of bench/engine/step.py shows it).
         gc.collect()
@@ -125,11 +138,11 @@ class LlamaHandler(BaseHandler):
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         """One call of the continuous batch: admit, cancel, run steps, one reply per request."""
         self.context = context
+        self._end_steps_between_calls()
         if self.engine.rank != 0:
-            try:
-                self.engine.follow()
-            except Exception as exc:
-                _stop_worker(self.engine.rank, exc)
+            self.steps.run(self._guarded, self.engine.follow)
+            if self.settings.step_between_calls:
+                self._between = self.steps.submit(self._guarded, self.engine.follow)
             return [""] * len(data)
         ids = [context.request_ids[idx] for idx in range(len(data))]
         answered_before = {rid for rid in ids if rid in self.live}
@@ -137,18 +150,43 @@ class LlamaHandler(BaseHandler):
         answers = self._admit(data, ids)
         self._settle_grammars(answers)
         self._expire()
-        try:
-            # A grammar still compiling is answered in this call (a refusal must be a 400): the running
-            # sequences go on stepping meanwhile, and the call ends once every grammar is settled.
-            self.engine.run(self.scheduler, COMPILE_LIMIT_S if self.compiling else self._call_budget_s(),
-                            until_finished=not self.compiling, on_step=self._after_step)
-        except Exception as exc:
-            _stop_worker(self.engine.rank, exc)
+        # A grammar still compiling is answered in this call (a refusal must be a 400): the running
+        # sequences go on stepping meanwhile, and the call ends once every grammar is settled.
+        self.steps.run(self._guarded, self.engine.run, self.scheduler,
+                       COMPILE_LIMIT_S if self.compiling else self._call_budget_s(), not self.compiling,
+                       self._after_step)
         self._settle_grammars(answers, wait=True)
         replies = [self._reply(idx, rid, answers.get(rid)) for idx, rid in enumerate(ids)]
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
         self._update_metrics()
+        if self.settings.step_between_calls:
+            self._between = self.steps.submit(self._guarded, self._step_between_calls)
         return replies
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """fn(*args) on the step thread; a failure stops this rank (_stop_worker)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            _stop_worker(self.engine.rank, exc)
+
+    def _step_between_calls(self) -> None:
+        """Rank 0, on the step thread once a call has answered: steps until the next call arrives or
+        nothing is left to step (until a grammar this call waits for is settled); the other ranks follow."""
+        if not self.scheduler.has_work():
+            self.engine.release()
+            return
+        self.engine.run(self.scheduler, on_step=lambda touched: self._after_step(touched) or self._next_call.is_set())
+
+    def _end_steps_between_calls(self) -> None:
+        """The steps run since the last call end after the one in progress (rank 0's ask; the other ranks
+        follow it), so that this call sees the scheduler at rest."""
+        if self._between is None:
+            return
+        self._next_call.set()
+        self._between.result()
+        self._between = None
+        self._next_call.clear()
 
     def _call_budget_s(self) -> float:
         """How long this call may go on stepping: one step while a prompt waits or is being prefilled
@@ -172,8 +210,8 @@ class LlamaHandler(BaseHandler):
                 first = next((seq for seq in live.seqs if seq.first_token_at is not None), None)
                 if first is not None:
                     live.first_token_seen = True
-                    if self.metrics is not None:
-                        self.metrics.first_token(first)
+                    if self.metrics is not None:  # emitted on the main thread, where TorchServe's metrics live
+                        self._first_tokens.append(first)
             for seq in live.api.advance():
                 self.scheduler.cancel(seq, "stop")
         return bool(self.compiling) and all(pending.ready for pending, _ in self.compiling.values())
@@ -203,6 +241,9 @@ class LlamaHandler(BaseHandler):
     def _update_metrics(self) -> None:
         if self.metrics is None:
             return
+        for seq in self._first_tokens:
+            self.metrics.first_token(seq)
+        self._first_tokens.clear()
         snapshot = self.scheduler.snapshot()
         self.metrics.update_gauges(snapshot.decoding, snapshot.waiting, snapshot.blocks_used)
         self.metrics.cache_counts(snapshot.prefix_queries, snapshot.prefix_hits, snapshot.preemptions)

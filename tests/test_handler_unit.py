@@ -29,6 +29,7 @@ from tp_llama.testing.tokenizer_train import build_tokenizer
 
 SETTINGS = HandlerSettings(EngineConfig("/ckpt", max_seq_len=64), default_max_new_tokens=16, max_new_tokens_limit=32,
                            temperature=0.6, top_p=0.9, max_request_bytes=512)
+WITHIN_CALLS = dataclasses.replace(SETTINGS, step_between_calls=False)  # what a test sees between calls stays put
 
 
 class ByteTokenizer:
@@ -292,6 +293,7 @@ def new_handler(engine, settings: HandlerSettings = SETTINGS, grammars=None) -> 
     handler = llama_handler.LlamaHandler()
     handler.engine, handler.settings, handler.grammars = engine, settings, grammars
     handler.scheduler = engine.new_scheduler()
+    handler.steps = llama_handler.StepThread(engine.device)
     return handler
 
 
@@ -373,18 +375,47 @@ def tokens_per_reply(replies: list) -> list[int]:
 
 def test_decode_only_calls_run_steps_within_their_time_and_end_when_a_sequence_finishes(engine) -> None:
     body = GREEDY % (b"hi", 9, b', "stream": true')
-    one_step = new_handler(engine)
-    one_step.settings = dataclasses.replace(SETTINGS, decode_call_ms=0)
+    one_step = new_handler(engine, dataclasses.replace(SETTINGS, decode_call_ms=0, step_between_calls=False))
     assert tokens_per_reply(run_to_end(one_step, {"s": body})["s"]) == [1] * 9
-    unbounded = new_handler(engine)
-    unbounded.settings = dataclasses.replace(SETTINGS, decode_call_ms=10**6)
+    unbounded = new_handler(engine, dataclasses.replace(SETTINGS, decode_call_ms=10**6, step_between_calls=False))
     # the prefill call samples the first token; one call decodes the rest and stops when it is done
     replies = run_to_end(unbounded, {"s": body, "t": GREEDY % (b"hey", 4, b', "stream": true')})
     assert tokens_per_reply(replies["t"]) == [1, 3] and tokens_per_reply(replies["s"]) == [1, 3, 5]
 
 
+def test_steps_go_on_between_calls_and_the_next_call_sends_their_tokens(engine) -> None:
+    body = GREEDY % (b"hi", 9, b', "stream": true')
+    within = run_to_end(new_handler(engine, WITHIN_CALLS), {"s": body})["s"]
+    handler = new_handler(engine, dataclasses.replace(SETTINGS, decode_call_ms=0))
+    first = serve(handler, [[("s", body)]])["s"]  # the prompt's step: one token
+    deadline = time.monotonic() + 30
+    while not handler._between.done():  # no call comes: the steps go on to the sequence's end
+        assert time.monotonic() < deadline, "the steps between calls never ended"
+        time.sleep(0.01)
+    assert handler.scheduler.snapshot().decoding == 0 and not handler.scheduler.has_work()
+    rest = serve(handler, [[("s", None)]])["s"]  # one call answers the 8 tokens made meanwhile, and ends
+    assert tokens_per_reply(first + rest) == [1, 8] and rest[0][1].headers[0]["ts_stream_next"] == "false"
+    tokens = [t for reply, _, _ in first + rest for line in reply.splitlines() for t in json.loads(line)["token_ids"]]
+    assert tokens == [t for reply, _, _ in within for line in reply.splitlines() if reply
+                      for t in json.loads(line)["token_ids"]]
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
+
+
+def test_a_call_ends_the_steps_between_calls_and_a_new_request_joins(engine) -> None:
+    """A call arriving while the steps between calls run ends them after the step in progress; the
+    requests of both calls answer as they would alone."""
+    long, short = GREEDY % (b"a long story about", 30, b""), GREEDY % (b"short", 3, b"")
+    alone = {rid: final_json(run_to_end(new_handler(engine), {rid: body})[rid])
+             for rid, body in (("l", long), ("s", short))}
+    handler = new_handler(engine, dataclasses.replace(SETTINGS, decode_call_ms=0))
+    serve(handler, [[("l", long)]])
+    replies = run_to_end(handler, {"l": None, "s": short})  # "l" has been stepping since its first call
+    assert {rid: final_json(replies[rid]) for rid in ("l", "s")} == alone
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
+
+
 def test_absent_requests_free_their_slots_and_waiting_ones_get_them(engine) -> None:
-    handler = new_handler(engine)
+    handler = new_handler(engine, WITHIN_CALLS)  # states between calls, so no steps there
     bodies = {f"r{i}": GREEDY % (b"waiting line", 20, b"") for i in range(5)}
     serve(handler, [list(bodies.items())] + [[(rid, None) for rid in bodies]] * 4)  # prompts prefilled in chunks
     assert len(handler.scheduler.running) == 3 and len(handler.scheduler.waiting) == 2
@@ -728,7 +759,7 @@ class FakeMetricCache:
 
 
 def test_metrics_count_tokens_requests_and_first_tokens(engine) -> None:
-    handler = new_handler(engine)
+    handler = new_handler(engine, WITHIN_CALLS)  # the cancelled request must not end between calls
     cache = FakeMetricCache()
     handler.metrics = ServingMetrics(cache, "llama", 3)
     bodies = {f"r{i}": GREEDY % (b"count me", 3 + i, b"") for i in range(4)}
@@ -750,7 +781,7 @@ def test_metrics_count_tokens_requests_and_first_tokens(engine) -> None:
 
 
 def test_a_request_past_response_timeout_ends_and_frees_its_slot(engine) -> None:
-    handler = new_handler(engine)
+    handler = new_handler(engine, WITHIN_CALLS)  # the request must not end between calls
     handler.response_timeout_s = 0.2
     body = GREEDY % (b"a long story", 30, b"")
     first = serve(handler, [[("slow", body)]])["slow"]

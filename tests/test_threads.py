@@ -8,7 +8,11 @@ and cgroup files written here, and the wiring through a real handler loading a t
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,6 +100,27 @@ def test_the_shipped_yaml_leaves_the_threads_unset() -> None:
     assert "OMP_NUMBER_THREADS" not in config["torchrun"]
 
 
+def openmp_max_threads() -> int:
+    """The calling thread's OpenMP team size as torch's runtime (the C kernels' too) has it: torch.get_num_threads
+    would set it first in a thread that has none yet. Other wheels load OpenMP runtimes of their own."""
+    runtime = next(path for path in Path("/proc/self/maps").read_text().split()
+                   if "libgomp" in path and Path(path).parent == Path(torch.__file__).parent / "lib")
+    return ctypes.CDLL(runtime).omp_get_max_threads()
+
+
+def test_a_new_threads_team_starts_from_the_environment_and_the_step_thread_takes_the_main_ones() -> None:
+    """Why StepThread sets its threads: a plain new thread's team is OMP_NUM_THREADS's, not the main thread's."""
+    script = (f"import threading, torch; from tests.test_threads import openmp_max_threads as n; "
+              f"from tp_llama.serving.step_thread import StepThread; torch.set_num_threads(2); seen = []; "
+              f"t = threading.Thread(target=lambda: seen.append(n())); t.start(); t.join(); "
+              f"print(n(), seen[0], StepThread(torch.device('cpu')).run(n))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "1", "2"]  # main, a plain thread, the step thread
+
+
 @pytest.mark.parametrize("torchrun, expected", [({}, None), ({"OMP_NUMBER_THREADS": 1}, 1)])
 def test_the_handler_sets_the_threads_at_load(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                               monkeypatch: pytest.MonkeyPatch, torchrun: dict,
@@ -118,8 +143,11 @@ def test_the_handler_sets_the_threads_at_load(tmp_path: Path, caplog: pytest.Log
     torch.set_num_threads(1 if expected > 1 else 2)  # what TorchServe's OMP_NUM_THREADS left, or not
     try:
         with caplog.at_level(logging.INFO, logger=llama_handler.__name__):
-            llama_handler.LlamaHandler().initialize(context)
+            handler = llama_handler.LlamaHandler()
+            handler.initialize(context)
         assert torch.get_num_threads() == expected
+        # The thread that runs the steps (and the C kernels' parallel regions) has the same team.
+        assert handler.steps.run(openmp_max_threads) == expected
     finally:
         torch.set_num_threads(before)
     lines = [r.getMessage() for r in caplog.records if "CPU threads" in r.getMessage()]

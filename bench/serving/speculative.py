@@ -4,13 +4,15 @@ speculation settings, on SmolLM2-135M-Instruct, at 1, 4 and 16 clients.
     bash bench/setup_llamacpp.sh                        # once: bench/out/llama.cpp
     python -m bench.lib.smollm2 convert --gguf          # once: the checkpoint and its F32 GGUF
     python -m bench.serving.speculative [--clients 1 4 16] [--rounds 3] [--new-tokens 128]
+        [--ours off ngram] [--llama none ngram-simple ngram-mod draft-simple]
 
 The committed prompt set (bench/engine/speculative_prompts.json: replies that copy from their prompt,
 and free chat) in SmolLM2's chat format, as token ids made by its own tokenizer, goes to every server,
 greedy, up to --new-tokens, ending at <|im_end|> (ours: the stop string, the token our conversion
 decodes to that text; llama-server: the GGUF's end-of-generation token). Servers taking turns, one at a
 time, for --rounds rounds (the order reversed every round): ours bfloat16 at TP 1 without speculation and
-with n-gram lookup, both started once (prefix caching off: every round sends the same prompts); llama-server on the BF16 GGUF of the same
+with n-gram lookup, both started once (prefix caching off: every round sends the same prompts; `--ours` may add
+either with `-within-calls`: handler.step_between_calls false); llama-server on the BF16 GGUF of the same
 weights with no speculation, `--spec-type ngram-simple`, `ngram-mod`, and `draft-simple` with the Q4_0
 GGUF drafting, prompt caching off, both on this machine's threads, a fresh llama-server each round (so
 ngram-mod's table never holds the replies to the prompts it is sent) with a slot a client. At C clients a
@@ -61,12 +63,17 @@ def medians(per_round: dict[tuple[str, int], list[float]]) -> dict[tuple[str, in
     return out
 
 
-def ours(speculative: str, a: argparse.Namespace) -> tuple[TorchServe, Callable[[list[int]], dict]]:
-    """Our server with `speculative`, started, and how to send it a prompt."""
-    work = WORK / f"ours-{speculative}"
+OURS = ("off", "ngram", "off-within-calls", "ngram-within-calls")
+
+
+def ours(variant: str, a: argparse.Namespace) -> tuple[TorchServe, Callable[[list[int]], dict]]:
+    """Our server as `variant` names it (OURS), started, and how to send it a prompt."""
+    work = WORK / f"ours-{variant}"
     shutil.rmtree(work, ignore_errors=True)
+    speculative, _, within = variant.partition("-")
     overrides = [own_rendezvous(), "handler.dtype=bfloat16", f'handler.speculative="{speculative}"',
-                 "handler.prefix_caching=false", "handler.max_seq_len=1024"]
+                 "handler.prefix_caching=false", "handler.max_seq_len=1024",
+                 f"handler.step_between_calls={'false' if within else 'true'}"]
     folder = archive(REPO, a.ckpt, work / "model_store", 1, overrides)
     server = TorchServe(work, folder.parent, NAME)
     start_ready(server)
@@ -101,17 +108,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ours", nargs="+", choices=OURS, default=["off", "ngram"])
+    parser.add_argument("--llama", nargs="*", choices=list(LLAMA_SETTINGS), default=list(LLAMA_SETTINGS),
+                        help="llama-server's settings to run (none of them: ours alone)")
     a = parser.parse_args(argv)
     for kind, dst in (("BF16", "model-bf16.gguf"), ("Q4_0", "model-q4_0.gguf")):
         llamacpp.quantize(a.ckpt / "model-f32.gguf", a.ckpt / dst, kind, threads=a.threads)
     sets = json.loads(PROMPTS.read_text())
     kinds = {kind: [chat_ids([{"role": "user", "content": text}]) for text in sets[kind]] for kind in ("copy", "chat")}
-    names = ["ours off", "ours ngram", *(f"llama-server {setting}" for setting in LLAMA_SETTINGS)]
+    names = [*(f"ours {variant}" for variant in a.ours), *(f"llama-server {setting}" for setting in a.llama)]
     per_round: dict[str, dict[tuple[str, int], list[float]]] = {name: {} for name in names}
     with contextlib.ExitStack() as stack:
         sends = {}
-        for speculative in ("off", "ngram"):
-            server, sends[f"ours {speculative}"] = ours(speculative, a)
+        for variant in a.ours:
+            server, sends[f"ours {variant}"] = ours(variant, a)
             stack.callback(server.stop)
         for round_ in range(a.rounds):
             for name in names if round_ % 2 == 0 else names[::-1]:
@@ -133,11 +143,12 @@ def main(argv: list[str] | None = None) -> None:
             print(name, flush=True)
             results[name] = medians(rounds)
     levels = [(kind, c) for c in a.clients for kind in kinds]
-    best = {key: max(r[key] for name, r in results.items() if name.startswith("llama")) for key in levels}
+    peers = [r for name, r in results.items() if name.startswith("llama")] or [results[f"ours {a.ours[0]}"]]
+    best = {key: max(r[key] for r in peers) for key in levels}
     rows = [[name, clients, *(r[kind, clients] for kind in kinds), *(r[kind, clients] / best[kind, clients] for kind in kinds)]
             for clients in a.clients for name, r in results.items()]
-    print(table(["server", "clients", *[f"{k} tok/s" for k in kinds], *[f"{k} / llama-server's best" for k in kinds]],
-                rows))
+    against = "llama-server's best" if a.llama else f"ours {a.ours[0]}"
+    print(table(["server", "clients", *[f"{k} tok/s" for k in kinds], *[f"{k} / {against}" for k in kinds]], rows))
     print(f"\nSmolLM2-135M-Instruct, greedy, up to {a.new_tokens} tokens, medians of {a.rounds} rounds; "
           f"llama.cpp {version()}, {a.threads} threads.")
 

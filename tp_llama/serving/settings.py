@@ -24,6 +24,9 @@ class HandlerSettings:
     # How long one TorchServe call may go on decoding while no prompt waits (each call costs a round
     # trip through the frontend, so a call runs several steps; this bounds what a new request waits).
     decode_call_ms: int = bounded(60, 0)
+    # Steps go on between calls, while TorchServe carries the replies out and the next call in
+    # (handler/llama_handler.py); false: a rank steps only within calls.
+    step_between_calls: bool = True
     default_max_new_tokens: int = bounded(128, 1)
     max_new_tokens_limit: int = bounded(1024, 1)
     temperature: float = bounded(0.6, 0)
