@@ -110,10 +110,10 @@ def openmp_max_threads() -> int:
 
 def test_a_new_threads_team_starts_from_the_environment_and_the_step_thread_takes_the_main_ones() -> None:
     """Why StepThread sets its threads: a plain new thread's team is OMP_NUM_THREADS's, not the main thread's."""
-    script = (f"import threading, torch; from tests.test_threads import openmp_max_threads as n; "
-              f"from tp_llama.serving.step_thread import StepThread; torch.set_num_threads(2); seen = []; "
-              f"t = threading.Thread(target=lambda: seen.append(n())); t.start(); t.join(); "
-              f"print(n(), seen[0], StepThread(torch.device('cpu')).run(n))")
+    script = ("import threading, torch; from tests.test_threads import openmp_max_threads as n; "
+              "from tp_llama.serving.step_thread import StepThread; torch.set_num_threads(2); seen = []; "
+              "t = threading.Thread(target=lambda: seen.append(n())); t.start(); t.join(); "
+              "print(n(), seen[0], StepThread(torch.device('cpu')).run(n))")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).parents[1])
