@@ -110,8 +110,8 @@ class LlamaHandler(BaseHandler):
             torch.set_num_threads(threads.threads)
             logger.info("rank %s: %s", os.environ.get("RANK", "0"), threads.log_line())
         started = time.perf_counter()
-        self.engine = Engine.load(settings.engine)
-        self.steps = StepThread(self.engine.device)
+        self.steps = StepThread()
+        self.engine = self.steps.run(Engine.load, settings.engine)
         self.settings = settings = replace(settings, tool_format=resolve_tool_format(
             settings.tool_format, self.engine.tokenizer.family, self.engine.args.dim))
         # One token end to end now, so the first client does not pay for lazy kernel/collective setup.
@@ -355,7 +355,7 @@ class LlamaHandler(BaseHandler):
         cannot be read, or where every slot holds an adapter in use (503: retry later)."""
         busy = {seq.adapter for live in self.live.values() for seq in live.seqs if not seq.finished}
         try:
-            self.engine.make_resident(name, busy)
+            self.steps.run(self.engine.make_resident, name, busy)
         except ValueError as exc:
             raise RequestError(str(exc), 503 if "slots" in str(exc) else 400, param="model") from None
 

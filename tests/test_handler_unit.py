@@ -293,7 +293,7 @@ def new_handler(engine, settings: HandlerSettings = SETTINGS, grammars=None) -> 
     handler = llama_handler.LlamaHandler()
     handler.engine, handler.settings, handler.grammars = engine, settings, grammars
     handler.scheduler = engine.new_scheduler()
-    handler.steps = llama_handler.StepThread(engine.device)
+    handler.steps = llama_handler.StepThread()
     return handler
 
 

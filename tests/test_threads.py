@@ -113,7 +113,7 @@ def test_a_new_threads_team_starts_from_the_environment_and_the_step_thread_take
     script = ("import threading, torch; from tests.test_threads import openmp_max_threads as n; "
               "from tp_llama.serving.step_thread import StepThread; torch.set_num_threads(2); seen = []; "
               "t = threading.Thread(target=lambda: seen.append(n())); t.start(); t.join(); "
-              "print(n(), seen[0], StepThread(torch.device('cpu')).run(n))")
+              "print(n(), seen[0], StepThread().run(n))")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).parents[1])

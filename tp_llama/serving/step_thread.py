@@ -1,14 +1,17 @@
-"""The one thread that runs a worker rank's engine steps, so that steps can go on between TorchServe's calls.
+"""The one thread that loads a worker rank's engine and runs its steps, so that steps can go on between
+TorchServe's calls.
 
 While the frontend carries a call's replies out and the next call in (a round trip of a few ms, with the
 worker's main thread in TorchServe's socket loop), the engine would sit idle; a thread of its own keeps
-stepping meanwhile (handler.step_between_calls). Every step of the rank runs on this one thread, the
-handler's calls included, so a single OpenMP team serves them all: an OpenMP runtime keeps a team per
-thread that starts parallel regions, and two would take turns spinning on the same cores.
+stepping meanwhile (handler.step_between_calls). Everything the engine computes runs on this one thread,
+its load included, so a rank has a single OpenMP team: the runtime keeps a team for every thread that
+starts parallel regions, and with more teams than cores libgomp cuts its threads' spinning short, so they
+sleep at every barrier of a step (docs/perf-log/2026-11-30.md, ninth session). Loading here also makes
+init_distributed's CUDA device this thread's, the one CUDA keeps per thread.
 
-A new thread starts from the OpenMP thread count of the environment (TorchServe exports
-OMP_NUM_THREADS=1) and from CUDA device 0, not from what the main thread chose, so it takes both from
-the main thread when it starts. It is a daemon: a rank stopping never waits for a step of its peers.
+A new thread's OpenMP team size starts from the environment's OMP_NUM_THREADS (TorchServe exports 1), not
+from what the main thread chose, so it takes the main thread's when it starts. It is a daemon: a rank
+stopping never waits for a step of its peers.
 """
 
 from __future__ import annotations
@@ -25,10 +28,9 @@ import torch
 class StepThread:
     """A single daemon thread running submitted calls in order, each with a Future of its result."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threads = torch.get_num_threads()
-        self._thread = threading.Thread(target=self._serve, args=(threads, device), name="engine-steps",
+        self._thread = threading.Thread(target=self._serve, args=(torch.get_num_threads(),), name="engine-steps",
                                         daemon=True)
         self._thread.start()
 
@@ -42,10 +44,8 @@ class StepThread:
         """fn(*args) on the step thread, waited for: its result, or its exception raised here."""
         return self.submit(fn, *args).result()
 
-    def _serve(self, threads: int, device: torch.device) -> None:
+    def _serve(self, threads: int) -> None:
         torch.set_num_threads(threads)  # this thread's own OpenMP team, the C kernels' too
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         while True:
             future, fn, args = self._calls.get()
             if not future.set_running_or_notify_cancel():
