@@ -23,10 +23,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -85,8 +83,6 @@ class LlamaHandler(BaseHandler):
         self.grammars: GrammarCompiler | None = None
         self.compiling: dict[str, tuple[Pending, str]] = {}  # request id -> its grammar, its front door
         self.steps: StepThread | None = None
-        self._between: Future | None = None  # the steps run since the last call answered
-        self._next_call = threading.Event()  # set: those steps end after the one in progress
         self._first_tokens: list[Sequence] = []  # first tokens not yet in the metrics
 
     def initialize(self, context: Any) -> None:
@@ -138,11 +134,11 @@ class LlamaHandler(BaseHandler):
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         """One call of the continuous batch: admit, cancel, run steps, one reply per request."""
         self.context = context
-        self._end_steps_between_calls()
+        self.steps.end_between_calls()  # rank 0 asks them to end; the other ranks follow its plans
         if self.engine.rank != 0:
             self.steps.run(self._guarded, self.engine.follow)
             if self.settings.step_between_calls:
-                self._between = self.steps.submit(self._guarded, self.engine.follow)
+                self.steps.start_between_calls(self._guarded, self.engine.follow)
             return [""] * len(data)
         ids = [context.request_ids[idx] for idx in range(len(data))]
         answered_before = {rid for rid in ids if rid in self.live}
@@ -160,7 +156,7 @@ class LlamaHandler(BaseHandler):
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
         self._update_metrics()
         if self.settings.step_between_calls:
-            self._between = self.steps.submit(self._guarded, self._step_between_calls)
+            self.steps.start_between_calls(self._guarded, self._step_between_calls)
         return replies
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
@@ -176,17 +172,7 @@ class LlamaHandler(BaseHandler):
         if not self.scheduler.has_work():
             self.engine.release()
             return
-        self.engine.run(self.scheduler, on_step=lambda touched: self._after_step(touched) or self._next_call.is_set())
-
-    def _end_steps_between_calls(self) -> None:
-        """The steps run since the last call end after the one in progress (rank 0's ask; the other ranks
-        follow it), so that this call sees the scheduler at rest."""
-        if self._between is None:
-            return
-        self._next_call.set()
-        self._between.result()
-        self._between = None
-        self._next_call.clear()
+        self.engine.run(self.scheduler, on_step=lambda touched: self._after_step(touched) or self.steps.call_arrived())
 
     def _call_budget_s(self) -> float:
         """How long this call may go on stepping: one step while a prompt waits or is being prefilled

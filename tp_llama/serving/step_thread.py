@@ -26,10 +26,13 @@ import torch
 
 
 class StepThread:
-    """A single daemon thread running submitted calls in order, each with a Future of its result."""
+    """A single daemon thread running submitted calls in order, each with a Future of its result; and the
+    steps a rank runs there between two calls."""
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._between: Future | None = None  # the steps begun since the last call answered
+        self._call_arrived = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(torch.get_num_threads(),), name="engine-steps",
                                         daemon=True)
         self._thread.start()
@@ -43,6 +46,25 @@ class StepThread:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the step thread, waited for: its result, or its exception raised here."""
         return self.submit(fn, *args).result()
+
+    def start_between_calls(self, fn: Callable[..., Any], *args: Any) -> None:
+        """fn(*args) begun once a call has answered: steps that end when `call_arrived` says so (or sooner)."""
+        self._between = self.submit(fn, *args)
+
+    def call_arrived(self) -> bool:
+        """Whether the next call waits for the steps between calls to end."""
+        return self._call_arrived.is_set()
+
+    def end_between_calls(self) -> None:
+        """The steps between calls end after the one in progress (they read `call_arrived`), waited for."""
+        if self._between is None:
+            return
+        self._call_arrived.set()
+        try:
+            self._between.result()
+        finally:
+            self._between = None
+            self._call_arrived.clear()
 
     def _serve(self, threads: int) -> None:
         torch.set_num_threads(threads)  # this thread's own OpenMP team, the C kernels' too
