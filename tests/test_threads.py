@@ -104,7 +104,7 @@ def openmp_max_threads() -> int:
     """The calling thread's OpenMP team size as torch's runtime (the C kernels' too) has it: torch.get_num_threads
     would set it first in a thread that has none yet. Other wheels load OpenMP runtimes of their own."""
     runtime = next(path for path in Path("/proc/self/maps").read_text().split()
-                   if "libgomp" in path and Path(path).parent == Path(torch.__file__).parent / "lib")
+                   if "libgomp" in path and Path(path).parent == (Path(torch.__file__).parent / "lib").resolve())
     return ctypes.CDLL(runtime).omp_get_max_threads()
 
 
