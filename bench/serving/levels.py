@@ -29,7 +29,7 @@ The prompt is a fixed list of --prompt-len token ids (BOS + corpus text, as the 
 vLLM and llama.cpp get the ids, our servers the text; each server's usage.prompt_tokens is checked
 against the list's length, and the first greedy tokens of ours are compared with vLLM's (and the
 quantized and llama.cpp servers' with ours'). Every request sends that one prompt, so every server runs
-with prefix caching off (ours: handler.prefix_caching=false before the --yaml overrides; llama.cpp:
+with prefix caching off (ours and before: handler.prefix_caching=false before the --yaml / --yaml-before overrides; llama.cpp:
 no prompt cache; `--scenario prefix` measures the cache against vLLM's).
 
 Per concurrency level, each of C clients sends --requests streaming requests back to back (stop
@@ -172,7 +172,8 @@ def start(name: str, a: argparse.Namespace, roots: dict[str, Path], ids: list[in
                               stack)
     ckpt = ensure_checkpoint(PRESETS[a.preset], mp=a.tp)
     if name == "before":
-        return start_torchserve(name, roots[name], ckpt, a, a.yaml_before, ids, text, stack)
+        return start_torchserve(name, roots[name], ckpt, a, ["handler.prefix_caching=false", *a.yaml_before], ids, text,
+                                stack)
     quantize = name.partition("-")[2] or "none"  # ours, ours-int8, ours-int4
     overrides = ["handler.prefix_caching=false", f"handler.quantize={quantize}", *a.yaml]
     return start_torchserve(name, REPO, ckpt, a, overrides, ids, text, stack)
