@@ -7,10 +7,9 @@ steps (tp_llama.engine.core.Engine.run) while the other ranks follow its plans, 
 each request with its new chunk, marked `ts_stream_next: true` until the request's last reply.
 The other ranks never look at requests at all, so they cannot disagree with rank 0 about them.
 
-Every rank runs its steps on one thread of its own (tp_llama.serving.step_thread). With
-handler.step_between_calls, once a call has answered, that thread goes on stepping while TorchServe
-carries the replies out and the next call in, and the next call first ends those steps (after the one
-in progress); the tokens they made go out with that call's replies.
+Every rank loads and steps on one thread of its own (tp_llama.serving.step_thread). With
+handler.step_between_calls it goes on stepping after a call has answered, while TorchServe carries the
+replies out and the next call in, which ends those steps (after the one in progress) and sends their tokens.
 
 Two front doors share the scheduler: the native API (POST /predictions/NAME,
 tp_llama.serving.native) and the OpenAI-compatible one (POST /predictions/NAME/VERSION/v1/...,
@@ -55,13 +54,9 @@ STATUS_PHRASES = {400: "Bad Request", 404: "Not Found", 500: "Internal Server Er
 
 
 def _stop_worker(rank: int, error: BaseException) -> NoReturn:
-    """End this rank's process after a failure mid-step.
-
-    The other ranks are waiting in a collective this rank will never join. Exiting closes its
-    connections, so they fail at once instead of at the collective timeout, and TorchServe
-    answers the requests in flight with an error and restarts the whole worker: the only way
-    back to ranks that are in step.
-    """
+    """End this rank's process after a failure mid-step: the other ranks wait in a collective it will never
+    join, and exiting closes its connections, so they fail at once instead of at the collective timeout, and
+    TorchServe answers the requests in flight with an error and restarts the whole worker (ranks in step again)."""
     logger.critical("rank %d: step failed; stopping the worker so TorchServe restarts it", rank, exc_info=error)
     for log_handler in logging.getLogger().handlers:
         log_handler.flush()
@@ -83,6 +78,7 @@ class LlamaHandler(BaseHandler):
         self.grammars: GrammarCompiler | None = None
         self.compiling: dict[str, tuple[Pending, str]] = {}  # request id -> its grammar, its front door
         self.steps: StepThread | None = None
+        self._between_s = 0.0  # how long the steps run since the last call took (0: none ran)
         self._first_tokens: list[Sequence] = []  # first tokens not yet in the metrics
 
     def initialize(self, context: Any) -> None:
@@ -147,10 +143,14 @@ class LlamaHandler(BaseHandler):
         self._settle_grammars(answers)
         self._expire()
         # A grammar still compiling is answered in this call (a refusal must be a 400): the running
-        # sequences go on stepping meanwhile, and the call ends once every grammar is settled.
-        self.steps.run(self._guarded, self.engine.run, self.scheduler,
-                       COMPILE_LIMIT_S if self.compiling else self._call_budget_s(), not self.compiling,
-                       self._after_step)
+        # sequences go on stepping meanwhile, and the call ends once every grammar is settled. The steps
+        # run since the last call count toward this one's budget: where they spent it (or ended a
+        # sequence) the call answers at once, so their tokens never wait behind one more step.
+        budget, between_s = self._call_budget_s(), self._between_s
+        self._between_s = 0.0
+        if self.compiling or not between_s or (budget > between_s and not any(v.finished for v in self.live.values())):
+            self.steps.run(self._guarded, self.engine.run, self.scheduler,
+                           COMPILE_LIMIT_S if self.compiling else budget - between_s, not self.compiling, self._after_step)
         self._settle_grammars(answers, wait=True)
         replies = [self._reply(idx, rid, answers.get(rid)) for idx, rid in enumerate(ids)]
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
@@ -172,15 +172,14 @@ class LlamaHandler(BaseHandler):
         if not self.scheduler.has_work():
             self.engine.release()
             return
+        started = time.perf_counter()
         self.engine.run(self.scheduler, on_step=lambda touched: self._after_step(touched) or self.steps.call_arrived())
+        self._between_s = time.perf_counter() - started
 
     def _call_budget_s(self) -> float:
-        """How long this call may go on stepping: one step while a prompt waits or is being prefilled
-        (so it starts soon), else decode steps for up to handler.decode_call_ms.
-
-        Each call costs a round trip through TorchServe (a few ms on CPU); several decode steps per
-        call spread it, and a call still ends as soon as a sequence finishes.
-        """
+        """How long this call may go on stepping: one step while a prompt waits or is prefilled (so it starts
+        soon), else handler.decode_call_ms of decode steps, which spread the call's round trip through TorchServe
+        (a call still ends as soon as a sequence finishes)."""
         snapshot = self.scheduler.snapshot()
         if snapshot.waiting or snapshot.prefilling:
             return 0.0

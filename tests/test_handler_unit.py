@@ -398,6 +398,21 @@ def test_steps_go_on_between_calls_and_the_next_call_sends_their_tokens(engine) 
     assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
 
+def test_a_call_whose_budget_the_steps_between_calls_spent_answers_without_a_step(engine) -> None:
+    """Tokens made between calls go out with the next call at once, not behind one more step of its own."""
+    body = GREEDY % (b"hi", 20, b', "stream": true')
+    handler = new_handler(engine, dataclasses.replace(SETTINGS, decode_call_ms=0))
+    first = serve(handler, [[("s", body)]])["s"]  # the prompt's step: one token
+    handler.steps.end_between_calls()  # a step or more ran meanwhile; now at rest until the next call
+    made = len(handler.live["s"].seqs[0].output)
+    assert made >= 2
+    second = serve(handler, [[("s", None)]])["s"]
+    assert tokens_per_reply(first + second) == [1, made - 1]
+    rest = run_to_end(handler, {"s": None})["s"]
+    tokens = [t for reply, _, _ in first + second + rest for line in reply.splitlines() for t in json.loads(line)["token_ids"]]
+    assert tokens == final_json(run_to_end(new_handler(engine, WITHIN_CALLS), {"s": GREEDY % (b"hi", 20, b"")})["s"])["token_ids"]
+
+
 def test_a_call_ends_the_steps_between_calls_and_a_new_request_joins(engine) -> None:
     """A call arriving while the steps between calls run ends them after the step in progress; the
     requests of both calls answer as they would alone."""
