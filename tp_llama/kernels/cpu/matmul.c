@@ -28,6 +28,12 @@
 #else
 #define F32_ROWS 3  /* AVX2 has 16 registers: 3 rows x 4 halves of sums, 2 for the weight */
 #define BF16_ROWS 4 /* widening pairs costs more than spilling (bench/kernels/matmul.py) */
+/* A call of BF16_HALVES_CALL rows or more (a prompt's) is bound by arithmetic, where a whole tile's
+ * sums for 4 rows (16 registers) spill at every step: it runs chunks of up to BF16_HALVES_ROWS rows a
+ * half tile at a time (bf16_halves), 2 registers of sums a row. A decode step's few rows are bound
+ * by memory, and whole tiles stream it best (bench/kernels/matmul.py). */
+#define BF16_HALVES_ROWS 5
+#define BF16_HALVES_CALL 12
 #endif
 /* The k each step of a tile of MT rows takes: in order, or for the tests alone (a build with
  * TPL_TEST_REMAINDER_ORDER, tests/test_kernels.py) backwards in chunks of fewer rows than a full
@@ -113,6 +119,56 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
     }                                                                                              \
     BY_PREFETCH(f32, float, float, MT)
 
+#ifndef __AVX512F__
+/* One half of a bfloat16 tile (16 columns, `half` 0 or 1) over all of k for MT rows of float32 x, into
+ * acc: each pair's weights widened in turn, its even k for every row and then its odd k. Each sum
+ * takes the same products in the same order as a whole tile's step (bf16_step), so a row's bits do
+ * not depend on the call it is in. The first half asks for the second's lines too, and for its share
+ * of the next tile, so memory streams each tile once. */
+static inline __attribute__((always_inline)) void bf16_half(const float *x, int64_t K, const uint16_t *wt, int half,
+                                                             int MT, vec *acc, struct Ahead ahead, const int per_step) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000);
+    for (int m = 0; m < MT; m++) acc[m] = vzero();
+    for (int64_t step = 0; step < K; step += 2) {
+        const int64_t k = K_AT(step, K, MT, BF16_HALVES_ROWS, 2);
+        const uint16_t *wk = wt + k * TILE_COLS + 32 * half;
+        _mm_prefetch((const char *)wk + NEAR_BYTES(MT), _MM_HINT_T0);
+        if (half == 0) {
+            prefetch(ahead, step / 2, per_step);
+            _mm_prefetch((const char *)wk + NEAR_BYTES(MT) + 64, _MM_HINT_T1);
+        }
+        __m256i lo = _mm256_loadu_si256((const __m256i *)wk), hi = _mm256_loadu_si256((const __m256i *)(wk + 16));
+        vec w = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+        for (int m = 0; m < MT; m++) acc[m] = vfmadd(vset1(x[m * K + k]), w, acc[m]);
+        w = (vec){_mm256_castsi256_ps(_mm256_and_si256(lo, high)), _mm256_castsi256_ps(_mm256_and_si256(hi, high))};
+        for (int m = 0; m < MT; m++) acc[m] = vfmadd(vset1(x[m * K + k + 1]), w, acc[m]);
+    }
+}
+
+/* A bfloat16 tile for MT rows in its two halves (bf16_half): a gated tile's gate sums wait in `gate`
+ * for its up sums, so that silu(gate) * up rounds as a whole tile's does. */
+#define BF16_HALVES_TILE(MT)                                                                       \
+    static inline __attribute__((always_inline)) void bf16_halves_steps_##MT(                      \
+        const float *x, int64_t K, const uint16_t *wt, uint16_t *y, int64_t ldy, int64_t cols,     \
+        int gated, struct Ahead ahead, const int per_step) {                                       \
+        vec acc[MT], gate[MT];                                                                     \
+        bf16_half(x, K, wt, 0, MT, acc, ahead, per_step);                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
+            gate[m] = acc[m];                                                                      \
+            if (!gated) store16(y, m * ldy, acc[m], 1, lanes(cols));                               \
+        }                                                                                          \
+        if (!gated && cols <= 16) return;                                                          \
+        bf16_half(x, K, wt, 1, MT, acc, ahead, per_step);                                          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                     \
+            if (gated)                                                                             \
+                put_row(y, m * ldy, gate[m], acc[m], cols, 1, 1);                                  \
+            else                                                                                   \
+                store16(y, m * ldy + 16, acc[m], 1, lanes(cols - 16));                             \
+        }                                                                                          \
+    }                                                                                              \
+    BY_PREFETCH(bf16_halves, float, uint16_t, MT)
+#endif
+
 /* The bfloat16 tile: pairs along k, each loaded once per step for all MT rows. */
 #define BF16_TILE(MT)                                                                              \
     static inline __attribute__((always_inline)) void bf16_steps_##MT(                             \
@@ -140,27 +196,44 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
 /* A tile function for every chunk size up to each dtype's rows, and their tables by rows - 1. */
 #define TILES_3(D) D(1) D(2) D(3)
 #define TILES_4(D) TILES_3(D) D(4)
-#define TILES_8(D) TILES_4(D) D(5) D(6) D(7) D(8)
+#define TILES_5(D) TILES_4(D) D(5)
+#define TILES_8(D) TILES_5(D) D(6) D(7) D(8)
 #define BY_ROWS_3(P) P##_tile_1, P##_tile_2, P##_tile_3
 #define BY_ROWS_4(P) BY_ROWS_3(P), P##_tile_4
-#define BY_ROWS_8(P) BY_ROWS_4(P), P##_tile_5, P##_tile_6, P##_tile_7, P##_tile_8
+#define BY_ROWS_5(P) BY_ROWS_4(P), P##_tile_5
+#define BY_ROWS_8(P) BY_ROWS_5(P), P##_tile_6, P##_tile_7, P##_tile_8
 #define PASTE(A, B) A##B
 #define WITH_ROWS(MACRO, ROWS) PASTE(MACRO, ROWS) /* ROWS expanded first: TILES_8, not TILES_F32_ROWS */
 WITH_ROWS(TILES_, F32_ROWS)(F32_TILE)
 WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
+#define TABLE(PREFIX, XTYPE, TYPE, ROWS)                                                           \
+    static void (*const PREFIX##_by_rows[ROWS])(const XTYPE *, int64_t, const TYPE *, TYPE *, int64_t, int64_t, \
+                                                int, struct Ahead) = {WITH_ROWS(BY_ROWS_, ROWS)(PREFIX)};
+TABLE(f32, float, float, F32_ROWS)
+TABLE(bf16, BF16_X, uint16_t, BF16_ROWS)
+/* A call's chunk size at most, and its tile functions by chunk size - 1. */
+#define F32_CHUNK(M) F32_ROWS
+#define F32_TABLE(M) f32_by_rows
+#ifdef __AVX512F__
+#define BF16_CHUNK(M) BF16_ROWS
+#define BF16_TABLE(M) bf16_by_rows
+#else
+WITH_ROWS(TILES_, BF16_HALVES_ROWS)(BF16_HALVES_TILE)
+TABLE(bf16_halves, float, uint16_t, BF16_HALVES_ROWS)
+#define BF16_CHUNK(M) ((M) >= BF16_HALVES_CALL ? BF16_HALVES_ROWS : BF16_ROWS)
+#define BF16_TABLE(M) ((M) >= BF16_HALVES_CALL ? bf16_halves_by_rows : bf16_by_rows)
+#endif
 
-/* Rows go in near-equal chunks of at most ROWS (10 rows: 5 + 5, not 8 + 2), so every
+/* Rows go in near-equal chunks of at most CHUNK(M) (10 rows: 5 + 5, not 8 + 2), so every
  * chunk has enough independent sums; the tile stays in cache between chunks. In a call of
  * next_tile_min_chunks chunks or more, each chunk prefetches its share of the thread's next tile (VECS cache lines per step of the tile in
  * all), so memory keeps streaming while the later chunks compute from cache. The threads of
  * the enclosing parallel region split the tiles. */
-#define TILED(XTYPE, TYPE, PREFIX, ROWS)                                                           \
-    static void (*const PREFIX##_by_rows[ROWS])(const XTYPE *, int64_t, const TYPE *, TYPE *, int64_t, int64_t, \
-                                                int, struct Ahead) = {WITH_ROWS(BY_ROWS_, ROWS)(PREFIX)};  \
+#define TILED(XTYPE, TYPE, PREFIX, CHUNK, BY_ROWS)                                                 \
     static void PREFIX##_tiled(const XTYPE *x, int64_t M, int64_t K, const TYPE *w, int64_t N,     \
                                TYPE *y, int gated) {                                               \
         int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;                                           \
-        int64_t chunks = (M + ROWS - 1) / ROWS;                                                    \
+        int64_t chunks = (M + CHUNK(M) - 1) / CHUNK(M);                                            \
         int per_step = chunks < next_tile_min_chunks ? 0 : (int)((VECS + chunks - 1) / chunks);   \
         int64_t tile_bytes = K * TILE_COLS * (int64_t)sizeof(TYPE), steps = tile_bytes / (VECS * 64); \
         int64_t run = (tile_bytes / 64 + STREAMS - 1) / STREAMS; /* a short last run asks past the tile */ \
@@ -174,14 +247,14 @@ WITH_ROWS(TILES_, BF16_ROWS)(BF16_TILE)
                 TYPE *ym = y + m0 * ldy + t * (gated ? TILE_COLS / 2 : TILE_COLS);                 \
                 struct Ahead ahead = {(const char *)wt + tile_bytes, c * per_step * steps, run,            \
                                       c * per_step < VECS ? per_step : 0}; /* later: it is whole */          \
-                PREFIX##_by_rows[m1 - m0 - 1](xm, K, wt, ym, ldy, cols, gated, ahead);               \
+                BY_ROWS(M)[m1 - m0 - 1](xm, K, wt, ym, ldy, cols, gated, ahead);                     \
                 m0 = m1;                                                                           \
             }                                                                                      \
         }                                                                                          \
     }
 
-TILED(float, float, f32, F32_ROWS)
-TILED(BF16_X, uint16_t, bf16, BF16_ROWS)
+TILED(float, float, f32, F32_CHUNK, F32_TABLE)
+TILED(BF16_X, uint16_t, bf16, BF16_CHUNK, BF16_TABLE)
 
 /* One tile from `real` plain rows [real][K] of 4-byte units (a float32, or a pair of bfloat16
  * along k): out[k][c] = rows[c][k], zeros past row `real`. Blocks of 16 units per row keep reads a
@@ -233,7 +306,7 @@ void tiled_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N,
         bf16_rows = rows = wide;
     }
 #endif
-    int64_t block = rows_per_block(K * (int64_t)(bf16 ? sizeof(BF16_X) : sizeof(float)), bf16 ? BF16_ROWS : F32_ROWS);
+    int64_t block = rows_per_block(K * (int64_t)(bf16 ? sizeof(BF16_X) : sizeof(float)), bf16 ? BF16_CHUNK(M) : F32_ROWS);
     int64_t ldy = gated ? N / 2 : N;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         int64_t m = M - m0 < block ? M - m0 : block;
