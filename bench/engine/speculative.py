@@ -9,8 +9,8 @@ The offline engine, TP 1, every core; SmolLM2-135M-Instruct converted to Meta's 
 (written before measuring): replies that copy from their prompt (an edit of this repository's code,
 a passage of the test corpus quoted and summarised, a form filled in, a typo fixed) and free chat, in
 SmolLM2's chat format with its own tokenizer (bench.lib.smollm2.chat_ids), greedy, ending at
-<|im_end|>. For each kind and client count, that many requests at once (the kind's prompts in
-turn) run with proposals and without, the two taking turns for --rounds rounds. The table: output
+<|im_end|>. For each kind and client count, max(clients, prompts) requests (the kind's prompts in
+turn), `clients` at once, run with proposals and without, the two taking turns for --rounds rounds. The table: output
 tokens/s of each (median of the rounds), their ratio, the share of proposals accepted, and the
 replies' distinct-4-gram ratio, one reply a prompt (a looping reply shows). One speculator serves
 the whole run, as a server's scheduler keeps one: its fit of the step cost carries over.
@@ -53,14 +53,16 @@ def distinct_4grams(replies: list[list[int]]) -> float:
 
 def run(engine: Engine, prompts: list[list[int]], clients: int, new: int,
         speculator: Speculator | None) -> tuple[float, list[list[int]]]:
-    """(output tokens/s, replies) of `clients` requests at once, the prompts in turn."""
-    scheduler = engine.new_scheduler()
-    scheduler.stop_ids, scheduler.speculator = frozenset({IM_END}), speculator
-    seqs = [Sequence(str(i), prompts[i % len(prompts)], SamplingParams(new)) for i in range(clients)]
-    for seq in seqs:
-        scheduler.add(seq)
+    """(output tokens/s, replies) of max(clients, prompts) requests, the prompts in turn, in waves of
+    `clients` at once (every prompt runs, as the served bench sends them)."""
+    seqs = [Sequence(str(i), prompts[i % len(prompts)], SamplingParams(new)) for i in range(max(clients, len(prompts)))]
     started = time.perf_counter()
-    engine.run(scheduler)
+    for wave in range(0, len(seqs), clients):
+        scheduler = engine.new_scheduler()
+        scheduler.stop_ids, scheduler.speculator = frozenset({IM_END}), speculator
+        for seq in seqs[wave : wave + clients]:
+            scheduler.add(seq)
+        engine.run(scheduler)
     seconds = time.perf_counter() - started
     return sum(len(s.output) for s in seqs) / seconds, [s.output for s in seqs]
 
