@@ -22,7 +22,7 @@ from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.proposal_counts import ProposalCounts
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
-from tp_llama.engine.speculate import NgramIndex, Speculator
+from tp_llama.engine.speculate import PROBE_STEPS, NgramIndex, Speculator
 
 PROMPTS = {"a": 13, "b": 29, "c": 7, "d": 40}  # name: prompt length (b and d cross a block of 16)
 NEW = 24
@@ -63,18 +63,25 @@ def test_the_ngram_index_proposes_what_a_scan_of_the_whole_context_does_as_it_gr
         assert index.propose(tokens, k) == scanned_proposal(tokens, k, 2, 4), step
 
 
-def test_a_row_whose_proposals_are_rarely_taken_stops_proposing():
+def test_a_row_whose_recent_proposals_are_rarely_taken_stops_proposing_and_tries_again():
+    """A reply that opens in free text (its proposals rejected) may copy later: switched off, a row proposes
+    every PROBE_STEPS-th step, and one taken probe switches it back on."""
     speculator = Speculator(4, 2, 4)
     speculator.record("s", 4, 0)
-    assert speculator.propose("s", [1, 2, 1, 2], 4) == [1, 2]  # still warming up
+    assert speculator.worth("s")  # still warming up
     speculator.record("s", 4, 0)
-    assert speculator.propose("s", [1, 2, 1, 2], 4) == []
+    assert [speculator.worth("s") for _ in range(2 * PROBE_STEPS)] == 2 * ([False] * (PROBE_STEPS - 1) + [True])
+    speculator.record("s", 2, 2)  # the probe taken
+    assert speculator.worth("s") and speculator.worth("s")
+    for _ in range(3):  # rejected again: the taken probe's weight fades, and the row stops again
+        speculator.record("s", 4, 0)
+    assert not speculator.worth("s")
     speculator.record("t", 4, 2)
     speculator.record("t", 4, 1)
-    assert speculator.propose("t", [1, 2, 1, 2], 4) == [1, 2]
-    assert (speculator.proposed, speculator.accepted, speculator.accepted_at) == (16, 3, [2, 1, 0, 0])
+    assert speculator.worth("t")
+    assert (speculator.proposed, speculator.accepted, speculator.accepted_at) == (30, 5, [3, 2, 0, 0])  # s: 22 / 2, t: 8 / 3
     speculator.forget("s")
-    assert speculator.propose("s", [1, 2, 1, 2], 4) == [1, 2]
+    assert speculator.worth("s")
 
 
 def simulated_steps(counts: ProposalCounts, rows: int, seconds, p: float, steps: int) -> list[int]:

@@ -10,7 +10,8 @@ copies from its prompt (edits, quotes, forms), and proposes nothing elsewhere.
 A proposal is a point mass, so verifying it is drawing each position's token from the model as
 without speculation and accepting while the draw equals the proposal (engine/verify.py): replies do
 not change. Speculation must not cost more than it saves, so two rules cut it back:
-- a row stops proposing when its proposals are rarely taken (`Speculator.worth`);
+- a row stops proposing while its recent proposals are rarely taken, and tries once more every few
+  steps (`Speculator.worth`): a reply that opens in free text often copies later (bench/engine/speculative.py);
 - each step proposes only as many tokens a row as measured steps of its size say pay
   (`Speculator.per_row`, engine/proposal_counts.py): few rows over a large model cost about the same
   with more tokens (memory-bound); many rows, or a small model, make every token cost compute.
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
     from tp_llama.engine.sequence import Sequence
 
 WARM_UP = 8  # proposals a row makes before its acceptance can switch it off
-LEAST_ACCEPTANCE = 0.1  # below this share of its proposals taken, a row stops proposing
+LEAST_ACCEPTANCE = 0.1  # below this share of its recent proposals taken, a row stops proposing
+RECENT = 0.75  # at each verification a row's earlier proposals weigh this much less
+PROBE_STEPS = 8  # steps a row that stopped proposing waits before it proposes once more
 
 
 class NgramIndex:
@@ -65,8 +68,10 @@ class NgramIndex:
 
 @dataclass
 class RowStats:
-    proposed: int = 0
-    accepted: int = 0
+    proposed: float = 0.0  # recent proposals (each verification weighs the earlier ones by RECENT)
+    accepted: float = 0.0  # of them, the ones taken
+    made: int = 0  # proposals in all
+    resting: int = 0  # steps without proposing since it last proposed, while switched off
 
 
 @dataclass
@@ -92,9 +97,13 @@ class Speculator:
         self.counts = ProposalCounts(self.tokens)
 
     def worth(self, seq_id: str) -> bool:
-        """Whether a row still proposes: always until WARM_UP proposals, then while enough are taken."""
+        """Whether a row proposes this step (asked once a row and step): always until WARM_UP proposals, then
+        while enough of its recent ones are taken, and switched off, every PROBE_STEPS-th step."""
         stats = self.rows.get(seq_id)
-        return stats is None or stats.proposed < WARM_UP or stats.accepted >= LEAST_ACCEPTANCE * stats.proposed
+        if stats is None or stats.made < WARM_UP or stats.accepted >= LEAST_ACCEPTANCE * stats.proposed:
+            return True
+        stats.resting = (stats.resting + 1) % PROBE_STEPS
+        return stats.resting == 0
 
     def per_row(self, rows: int) -> int:
         """Proposals a row for a step of `rows` decode rows (engine/proposal_counts.py)."""
@@ -120,8 +129,9 @@ class Speculator:
                 for seq, room, more in zip(seqs, rooms, after)]
 
     def propose(self, seq_id: str, tokens: Tokens[int], most: int) -> list[int]:
-        """At most min(most, self.tokens) n-gram proposals after `tokens` (a sequence's prompt and output)."""
-        if most <= 0 or not self.worth(seq_id):
+        """At most min(most, self.tokens) n-gram proposals after `tokens` (a sequence's prompt and output);
+        propose_rows asks first whether the row is `worth` them."""
+        if most <= 0:
             return []
         index = self.indexes.setdefault(seq_id, NgramIndex(self.ngram_min, self.ngram_max))
         return index.propose(tokens, min(most, self.tokens))
@@ -129,8 +139,9 @@ class Speculator:
     def record(self, seq_id: str, proposed: int, accepted: int) -> None:
         """A verified row: `accepted` of its `proposed` proposals taken."""
         stats = self.rows.setdefault(seq_id, RowStats())
-        stats.proposed += proposed
-        stats.accepted += accepted
+        stats.proposed = RECENT * stats.proposed + proposed
+        stats.accepted = RECENT * stats.accepted + accepted
+        stats.made += proposed
         self.proposed += proposed
         self.accepted += accepted
         self.verified += 1
