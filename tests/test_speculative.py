@@ -22,7 +22,7 @@ from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.proposal_counts import ProposalCounts
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
-from tp_llama.engine.speculate import PROBE_STEPS, NgramIndex, Speculator
+from tp_llama.engine.speculate import LONGEST_WAIT, PROBE_STEPS, NgramIndex, Speculator
 
 PROMPTS = {"a": 13, "b": 29, "c": 7, "d": 40}  # name: prompt length (b and d cross a block of 16)
 NEW = 24
@@ -63,23 +63,33 @@ def test_the_ngram_index_proposes_what_a_scan_of_the_whole_context_does_as_it_gr
         assert index.propose(tokens, k) == scanned_proposal(tokens, k, 2, 4), step
 
 
+def waits(speculator: Speculator, seq_id: str, steps: int) -> list[int]:
+    """The steps (1-based) of the next `steps` at which the row may propose."""
+    return [i + 1 for i in range(steps) if speculator.worth(seq_id)]
+
+
 def test_a_row_whose_recent_proposals_are_rarely_taken_stops_proposing_and_tries_again():
     """A reply that opens in free text (its proposals rejected) may copy later: switched off, a row proposes
-    every PROBE_STEPS-th step, and one taken probe switches it back on."""
+    again after PROBE_STEPS steps, twice as many after each try that fails, and a taken try switches it on."""
     speculator = Speculator(4, 2, 4)
     speculator.record("s", 4, 0)
     assert speculator.worth("s")  # still warming up
     speculator.record("s", 4, 0)
-    assert [speculator.worth("s") for _ in range(2 * PROBE_STEPS)] == 2 * ([False] * (PROBE_STEPS - 1) + [True])
-    speculator.record("s", 2, 2)  # the probe taken
-    assert speculator.worth("s") and speculator.worth("s")
-    for _ in range(3):  # rejected again: the taken probe's weight fades, and the row stops again
+    assert waits(speculator, "s", 3 * PROBE_STEPS) == [PROBE_STEPS, 2 * PROBE_STEPS, 3 * PROBE_STEPS]
+    speculator.record("s", 4, 0)  # the try rejected: twice the wait
+    assert waits(speculator, "s", 4 * PROBE_STEPS) == [2 * PROBE_STEPS, 4 * PROBE_STEPS]
+    for _ in range(10):
         speculator.record("s", 4, 0)
-    assert not speculator.worth("s")
+    assert waits(speculator, "s", LONGEST_WAIT) == [LONGEST_WAIT]  # never longer
+    speculator.record("s", 2, 2)  # the try taken
+    assert waits(speculator, "s", 3) == [1, 2, 3]
+    for _ in range(2):  # rejected again: the taken try's weight fades, and the row stops, its wait back at first
+        speculator.record("s", 4, 0)
+    assert waits(speculator, "s", PROBE_STEPS) == [PROBE_STEPS]
     speculator.record("t", 4, 2)
     speculator.record("t", 4, 1)
     assert speculator.worth("t")
-    assert (speculator.proposed, speculator.accepted, speculator.accepted_at) == (30, 5, [3, 2, 0, 0])  # s: 22 / 2, t: 8 / 3
+    assert (speculator.proposed, speculator.accepted, speculator.accepted_at) == (70, 5, [3, 2, 0, 0])  # s: 62 / 2, t: 8 / 3
     speculator.forget("s")
     assert speculator.worth("s")
 

@@ -10,8 +10,9 @@ copies from its prompt (edits, quotes, forms), and proposes nothing elsewhere.
 A proposal is a point mass, so verifying it is drawing each position's token from the model as
 without speculation and accepting while the draw equals the proposal (engine/verify.py): replies do
 not change. Speculation must not cost more than it saves, so two rules cut it back:
-- a row stops proposing while its recent proposals are rarely taken, and tries once more every few
-  steps (`Speculator.worth`): a reply that opens in free text often copies later (bench/engine/speculative.py);
+- a row stops proposing while its recent proposals are rarely taken, and tries once more after a few
+  steps, twice as many after each try that fails (`Speculator.worth`): a reply that opens in free text
+  often copies later (bench/engine/speculative.py);
 - each step proposes only as many tokens a row as measured steps of its size say pay
   (`Speculator.per_row`, engine/proposal_counts.py): few rows over a large model cost about the same
   with more tokens (memory-bound); many rows, or a small model, make every token cost compute.
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 WARM_UP = 8  # proposals a row makes before its acceptance can switch it off
 LEAST_ACCEPTANCE = 0.1  # below this share of its recent proposals taken, a row stops proposing
 RECENT = 0.75  # at each verification a row's earlier proposals weigh this much less
-PROBE_STEPS = 8  # steps a row that stopped proposing waits before it proposes once more
+PROBE_STEPS = 8  # steps a row that stopped proposing waits before it proposes once more, at first
+LONGEST_WAIT = 128  # each such try that fails doubles the wait up to this
 
 
 class NgramIndex:
@@ -72,6 +74,10 @@ class RowStats:
     accepted: float = 0.0  # of them, the ones taken
     made: int = 0  # proposals in all
     resting: int = 0  # steps without proposing since it last proposed, while switched off
+    wait: int = PROBE_STEPS  # the steps it waits, switched off, before it proposes once more
+
+    def on(self) -> bool:
+        return self.made < WARM_UP or self.accepted >= LEAST_ACCEPTANCE * self.proposed
 
 
 @dataclass
@@ -98,12 +104,15 @@ class Speculator:
 
     def worth(self, seq_id: str) -> bool:
         """Whether a row proposes this step (asked once a row and step): always until WARM_UP proposals, then
-        while enough of its recent ones are taken, and switched off, every PROBE_STEPS-th step."""
+        while enough of its recent ones are taken; switched off, once its wait is over."""
         stats = self.rows.get(seq_id)
-        if stats is None or stats.made < WARM_UP or stats.accepted >= LEAST_ACCEPTANCE * stats.proposed:
+        if stats is None or stats.on():
             return True
-        stats.resting = (stats.resting + 1) % PROBE_STEPS
-        return stats.resting == 0
+        stats.resting += 1
+        if stats.resting < stats.wait:
+            return False
+        stats.resting = 0
+        return True
 
     def per_row(self, rows: int) -> int:
         """Proposals a row for a step of `rows` decode rows (engine/proposal_counts.py)."""
@@ -139,9 +148,14 @@ class Speculator:
     def record(self, seq_id: str, proposed: int, accepted: int) -> None:
         """A verified row: `accepted` of its `proposed` proposals taken."""
         stats = self.rows.setdefault(seq_id, RowStats())
+        tried = not stats.on()  # proposals of a row switched off: a try after its wait
         stats.proposed = RECENT * stats.proposed + proposed
         stats.accepted = RECENT * stats.accepted + accepted
         stats.made += proposed
+        if stats.on():
+            stats.wait = PROBE_STEPS
+        elif tried:
+            stats.wait = min(2 * stats.wait, LONGEST_WAIT)
         self.proposed += proposed
         self.accepted += accepted
         self.verified += 1
