@@ -9,8 +9,10 @@ The offline engine, TP 1, every core; SmolLM2-135M-Instruct converted to Meta's 
 (written before measuring): replies that copy from their prompt (an edit of this repository's code,
 a passage of the test corpus quoted and summarised, a form filled in, a typo fixed) and free chat, in
 SmolLM2's chat format with its own tokenizer (bench.lib.smollm2.chat_ids), greedy, ending at
-<|im_end|>. For each kind and client count, max(clients, prompts) requests (the kind's prompts in
-turn), `clients` at once, run with proposals and without, the two taking turns for --rounds rounds. The table: output
+<|im_end|>. For each kind and client count, max(clients x --per-client, prompts) requests (the kind's
+prompts in turn), `clients` at a time in a closed loop (each finished request followed at once by the
+next; with one wave of requests the slowest reply sets its time, and speculation speeds rows unevenly),
+run with proposals and without, the two taking turns for --rounds rounds. The table: output
 tokens/s of each (median of the rounds), their ratio, the share of proposals accepted, and the
 replies' distinct-4-gram ratio, one reply a prompt (a looping reply shows). One speculator serves
 the whole run, as a server's scheduler keeps one: its fit of the step cost carries over.
@@ -51,18 +53,26 @@ def distinct_4grams(replies: list[list[int]]) -> float:
     return len(set(grams)) / max(len(grams), 1)
 
 
-def run(engine: Engine, prompts: list[list[int]], clients: int, new: int,
-        speculator: Speculator | None) -> tuple[float, list[list[int]]]:
-    """(output tokens/s, replies) of max(clients, prompts) requests, the prompts in turn, in waves of
-    `clients` at once (every prompt runs, as the served bench sends them)."""
-    seqs = [Sequence(str(i), prompts[i % len(prompts)], SamplingParams(new)) for i in range(max(clients, len(prompts)))]
+def run(engine: Engine, prompts: list[list[int]], clients: int, new: int, speculator: Speculator | None,
+        per_client: int = 1) -> tuple[float, list[list[int]]]:
+    """(output tokens/s, replies) of max(clients x per_client, prompts) requests, the prompts in turn,
+    `clients` at a time: a closed loop, each finished request followed at once by the next."""
+    seqs = [Sequence(str(i), prompts[i % len(prompts)], SamplingParams(new))
+            for i in range(max(clients * per_client, len(prompts)))]
+    waiting = iter(seqs[clients:])
+    scheduler = engine.new_scheduler()
+    scheduler.stop_ids, scheduler.speculator = frozenset({IM_END}), speculator
+    for seq in seqs[:clients]:
+        scheduler.add(seq)
+
+    def follow(touched: list[Sequence]) -> None:
+        for _ in range(sum(seq.finished for seq in touched)):
+            following = next(waiting, None)
+            if following is not None:
+                scheduler.add(following)
+
     started = time.perf_counter()
-    for wave in range(0, len(seqs), clients):
-        scheduler = engine.new_scheduler()
-        scheduler.stop_ids, scheduler.speculator = frozenset({IM_END}), speculator
-        for seq in seqs[wave : wave + clients]:
-            scheduler.add(seq)
-        engine.run(scheduler)
+    engine.run(scheduler, on_step=follow)
     seconds = time.perf_counter() - started
     return sum(len(s.output) for s in seqs) / seconds, [s.output for s in seqs]
 
@@ -73,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--per-client", type=int, default=4,
+                        help="requests a client sends in a round, one after another (1: all at once, one wave)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--speculative-tokens", type=int, default=4)
     parser.add_argument("--ngram", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
@@ -94,9 +106,9 @@ def main(argv: list[str] | None = None) -> None:
             before = (speculator.proposed, speculator.accepted, speculator.verified)
             for _ in range(a.rounds):
                 prefill_s = engine.stats.prefill_s
-                plain_rate, plain = run(engine, prompts, clients, a.new_tokens, None)
+                plain_rate, plain = run(engine, prompts, clients, a.new_tokens, None, a.per_client)
                 prefill.append((engine.stats.prefill_s - prefill_s) * plain_rate / sum(map(len, plain)))
-                rate, replies = run(engine, prompts, clients, a.new_tokens, speculator)
+                rate, replies = run(engine, prompts, clients, a.new_tokens, speculator, a.per_client)
                 if replies != plain:
                     raise SystemExit(f"{kind} at {clients} clients: replies differ with speculation")
                 rates["off"].append(plain_rate)
