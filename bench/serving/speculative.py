@@ -4,7 +4,7 @@ speculation settings, on SmolLM2-135M-Instruct, at 1, 4 and 16 clients.
     bash bench/setup_llamacpp.sh                        # once: bench/out/llama.cpp
     python -m bench.lib.smollm2 convert --gguf          # once: the checkpoint and its F32 GGUF
     python -m bench.serving.speculative [--clients 1 4 16] [--rounds 3] [--new-tokens 128]
-        [--ours off ngram] [--llama none ngram-simple ngram-mod draft-simple]
+        [--per-client 4] [--ours off ngram] [--llama none ngram-simple ngram-mod draft-simple]
 
 The committed prompt set (bench/engine/speculative_prompts.json: replies that copy from their prompt,
 and free chat) in SmolLM2's chat format, as token ids made by its own tokenizer, goes to every server,
@@ -16,7 +16,8 @@ either with `-within-calls`: handler.step_between_calls false); llama-server on 
 weights with no speculation, `--spec-type ngram-simple`, `ngram-mod`, and `draft-simple` with the Q4_0
 GGUF drafting, prompt caching off, both on this machine's threads, a fresh llama-server each round (so
 ngram-mod's table never holds the replies to the prompts it is sent) with a slot a client. At C clients a
-round of a kind is max(C, its prompts) requests, the prompts in turn, C at a time (closed loop); output
+round of a kind is max(C x --per-client, its prompts) requests, the prompts in turn, C at a time (closed
+loop: with one wave the slowest reply would set the time); output
 tokens/s = the round's tokens over its seconds; the median over the rounds.
 """
 
@@ -46,9 +47,10 @@ LLAMA_SETTINGS = {"none": [], "ngram-simple": ["--spec-type", "ngram-simple"], "
                   "draft-simple": ["--spec-type", "draft-simple", "-md", "DRAFT"]}
 
 
-def round_rate(send: Callable[[list[int]], dict], prompts: list[list[int]], clients: int) -> float:
-    """Output tokens/s of one round: max(clients, prompts) requests, the prompts in turn, `clients` at a time."""
-    requests = [prompts[i % len(prompts)] for i in range(max(clients, len(prompts)))]
+def round_rate(send: Callable[[list[int]], dict], prompts: list[list[int]], clients: int, per_client: int) -> float:
+    """Output tokens/s of one round: max(clients x per_client, prompts) requests, the prompts in turn,
+    `clients` at a time."""
+    requests = [prompts[i % len(prompts)] for i in range(max(clients * per_client, len(prompts)))]
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         replies = list(pool.map(send, requests))
@@ -97,7 +99,8 @@ def llama_round(setting: str, kinds: dict, a: argparse.Namespace, round_: int) -
             server.wait_ready(timeout=300)
             for kind, prompts in kinds.items():
                 out[kind, clients] = round_rate(
-                    lambda ids: llamacpp_stream(port, ids, a.new_tokens, fields={"ignore_eos": False}), prompts, clients)
+                    lambda ids: llamacpp_stream(port, ids, a.new_tokens, fields={"ignore_eos": False}), prompts, clients,
+                    a.per_client)
     return out
 
 
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--per-client", type=int, default=4, help="requests a client sends in a round (1: one wave)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ours", nargs="+", choices=OURS, default=["off", "ngram"])
     parser.add_argument("--llama", nargs="*", choices=list(LLAMA_SETTINGS), default=list(LLAMA_SETTINGS),
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {round_ + 1}: {name}", flush=True)
                 try:
                     if name in sends:
-                        got = {(kind, c): round_rate(sends[name], prompts, c) for c in a.clients
+                        got = {(kind, c): round_rate(sends[name], prompts, c, a.per_client) for c in a.clients
                                for kind, prompts in kinds.items()}
                     else:
                         got = llama_round(name.split()[-1], kinds, a, round_)
