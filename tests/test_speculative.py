@@ -10,6 +10,7 @@ speculation is on in tests/test_serving_e2e.py's tp server, whose replies must e
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -94,13 +95,14 @@ def test_a_row_whose_recent_proposals_are_rarely_taken_stops_proposing_and_tries
     assert speculator.worth("s")
 
 
-def simulated_steps(counts: ProposalCounts, rows: int, seconds, p: float, steps: int) -> list[int]:
+def simulated_steps(counts: ProposalCounts, rows: int, seconds, p: float, steps: int,
+                    swing=lambda step: 1.0) -> list[int]:
     """The counts chosen over `steps` steps of `rows` rows where a step carrying k proposals a row takes
-    seconds(rows, k) and each row yields its expected (1 - p^(k+1)) / (1 - p) tokens."""
+    seconds(rows, k) times swing(step) and each row yields its expected (1 - p^(k+1)) / (1 - p) tokens."""
     chosen = []
-    for _ in range(steps):
+    for step in range(steps):
         k = counts.choose(rows)
-        counts.observe(rows * (1 - p ** (k + 1)) / (1 - p), seconds(rows, k))
+        counts.observe(rows * (1 - p ** (k + 1)) / (1 - p), seconds(rows, k) * swing(step))
         chosen.append(k)
     return chosen
 
@@ -115,6 +117,18 @@ def test_each_size_of_step_proposes_the_count_its_measured_steps_say_pays():
     assert few[-100:].count(4) >= 90 and few.index(4) < 30
     assert many[-150:].count(0) >= 135
     assert simulated_steps(counts, 1, lambda rows, k: 0.010, 0.6, 10)[-5:] == [4] * 5  # sizes kept apart
+
+
+def test_counts_are_compared_under_the_same_conditions_while_step_times_swing():
+    """Every step's time swings by half within a few dozen steps (contexts, the cores' other work): a
+    count measured then beside one measured now would decide by the swing. A trial's two counts take
+    turns, so the large model's few rows still climb to the most and the small one's many stay at none."""
+    def swing(step: int) -> float:
+        return 1 + 0.5 * math.sin(step / 5)
+
+    few = simulated_steps(ProposalCounts(4), 1, lambda rows, k: 0.010, 0.6, 800, swing)
+    many = simulated_steps(ProposalCounts(4), 16, lambda rows, k: 0.001 * rows * (1 + k) + 0.002 * k, 0.6, 800, swing)
+    assert few[-400:].count(4) >= 380 and many[-400:].count(0) >= 380
 
 
 def test_the_count_follows_a_step_cost_that_moves():

@@ -1,48 +1,46 @@
 """How many proposals a decode row carries in a step, chosen by measuring what each count gives.
 
-For each size of step (its decode rows, by powers of two) the tokens a second of the steps that
-carried k proposals a row are kept for k = 0 .. most, and steps use the best count so far; its
-neighbours are tried now and then, a few steps each (hill climbing; less often while trials lose),
-so the choice follows the acceptance, the batch and the context as they move. Measured rather than
-modelled: what proposals cost depends on who makes them (a draft model's steps, n-gram lookup's nothing), on the model, the
-CPU and the batch, and what they yield on these very rows' acceptance. A line fitted to step seconds
-against tokens had kept an int4 self-draft on at 16 clients where it lost (bench/engine/speculative.py).
+For each size of step (its decode rows, by powers of two) steps use the best count so far, and now and
+then a neighbour of it is tried against it (hill climbing; less often while trials lose): the two
+take turns, step by step, for TRIAL_STEPS steps each, and the one whose steps gave more tokens a
+second is the best from then on. Taking turns measures both under the same conditions: contexts grow,
+a reply moves between copying and free text, other work takes the cores, and a count measured a
+while ago beside one measured now had kept a losing count for hundreds of steps
+(bench/engine/speculative.py). Measured rather than modelled: what proposals cost depends on who
+makes them (a draft model's steps, n-gram lookup's nothing), on the model, the CPU and the batch, and
+what they yield on these very rows' acceptance. A line fitted to step seconds against tokens had
+kept an int4 self-draft on at 16 clients where it lost.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TRIAL_STEPS = 4  # steps a count is tried for before it is compared with the best
+TRIAL_STEPS = 4  # steps each of a trial's two counts takes, in turns
 REVISIT = 64  # steps of one size after which a neighbour of its best count is tried again, at first
 LONGEST_REVISIT = 1024  # each trial that loses doubles the wait up to this: a settled best costs little
-DECAY = 0.9  # each count's earlier steps weigh this much less at each new one
 
 
 @dataclass
 class Arm:
-    """The decayed tokens and seconds of the steps that carried one proposal count."""
+    """The tokens and seconds of one count's steps in a trial."""
 
-    tokens: float = 0.0
+    tokens: int = 0
     seconds: float = 0.0
-    steps: int = 0
 
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self.tokens, self.seconds = DECAY * self.tokens + tokens, DECAY * self.seconds + seconds
-        self.steps += 1
-
 
 @dataclass
 class Size:
-    """One size of step: its counts' arms, the best count, the count on trial and for how many more steps."""
+    """One size of step: its best count, and the trial in progress (the count tried, both counts' steps)."""
 
-    arms: list[Arm]
     best: int = 0
     trial: int | None = None
-    trial_left: int = 0
+    arms: tuple[Arm, Arm] = field(default_factory=lambda: (Arm(), Arm()))  # the trial's: the tried count's, the best's
+    turn: int = 0  # steps of the trial so far
+    tried: set[int] = field(default_factory=lambda: {0})
     since: int = 0  # steps since the last trial ended
     up: bool = True  # the side of `best` tried next on a revisit
     climb: int = 0  # +1 or -1 after a trial that moved the best that way: the next count that way is tried at once
@@ -53,26 +51,29 @@ class Size:
 class ProposalCounts:
     most: int  # proposals a row at most
     sizes: dict[int, Size] = field(default_factory=dict)
-    pending: tuple[Size, int] | None = None  # the size and count of the step chosen last, not yet observed
+    pending: tuple[Size, int | None] | None = None  # the step chosen last, not yet observed: its size and arm
 
     def choose(self, rows: int) -> int:
         """The proposal count a row for a step of `rows` decode rows."""
-        size = self.sizes.setdefault(rows.bit_length(), Size([Arm() for _ in range(self.most + 1)]))
-        if size.trial is None and size.arms[size.best].steps >= TRIAL_STEPS:
+        size = self.sizes.setdefault(rows.bit_length(), Size())
+        if size.trial is None and (size.climb or size.since >= TRIAL_STEPS):
             size.trial = self._next_trial(size)
-            if size.trial is not None:  # measured afresh: the batch and the acceptance may have moved
-                size.arms[size.trial], size.trial_left = Arm(), TRIAL_STEPS
-        count = size.best if size.trial is None else size.trial
-        self.pending = (size, count)
-        return count
+            size.arms, size.turn = (Arm(), Arm()), 0
+        if size.trial is None:
+            self.pending = (size, None)
+            return size.best
+        arm = (size.turn + 1) // 2 % 2  # in turns: tried, best, best, tried, ... (a steady drift favours neither)
+        self.pending = (size, arm)
+        return size.best if arm else size.trial
 
     def _next_trial(self, size: Size) -> int | None:
         """The next count the way the best just moved, or an untried neighbour of the best (climbing),
-        else one side then the other every REVISIT steps."""
+        else one side then the other every `revisit` steps."""
         if size.climb and 0 <= size.best + size.climb <= self.most:
             return size.best + size.climb
+        size.climb = 0
         sides = [k for k in (size.best + 1, size.best - 1) if 0 <= k <= self.most]
-        untried = [k for k in sides if size.arms[k].steps == 0]
+        untried = [k for k in sides if k not in size.tried]
         if untried:
             return untried[0]
         if size.since < size.revisit or not sides:
@@ -84,16 +85,20 @@ class ProposalCounts:
         """The step chosen last gave `tokens` tokens (its rows' picks and accepted proposals) in `seconds`."""
         if self.pending is None:
             return
-        size, count = self.pending
+        size, arm = self.pending
         self.pending = None
-        size.arms[count].add(tokens, seconds)
-        if size.trial != count:
+        if arm is None:
             size.since += 1
             return
-        size.trial_left -= 1
-        if size.trial_left == 0:
-            better = size.arms[count].rate() > size.arms[size.best].rate()
-            size.climb = count - size.best if better else 0
-            size.best = count if better else size.best
-            size.revisit = REVISIT if better else min(2 * size.revisit, LONGEST_REVISIT)
-            size.trial, size.since = None, 0
+        size.arms[arm].tokens += tokens
+        size.arms[arm].seconds += seconds
+        size.turn += 1
+        if size.turn < 2 * TRIAL_STEPS:
+            return
+        tried, best = size.arms
+        better = tried.rate() > best.rate()
+        size.tried.add(size.trial)
+        size.climb = size.trial - size.best if better else 0
+        size.best = size.trial if better else size.best
+        size.revisit = REVISIT if better else min(2 * size.revisit, LONGEST_REVISIT)
+        size.trial, size.since = None, 0
