@@ -152,8 +152,10 @@ def _concurrently(calls: list) -> list:
 
 
 def test_concurrent_requests_each_get_their_own_result(server: TorchServe) -> None:
+    # Long enough that requests sent together overlap: stepping between TorchServe's calls, a reply of a
+    # few tokens could end before the next request came in.
     payloads = [
-        greedy(f"Request number {i}: tell me about {word}", max_new_tokens=6 + i, ignore_eos=True)
+        greedy(f"Request number {i}: tell me about {word}", max_new_tokens=24 + i, ignore_eos=True)
         for i, word in enumerate(["cats", "Zürich", "rivers", "日本", "tea", "stars"])
     ]
     before = len(server.finishes())
