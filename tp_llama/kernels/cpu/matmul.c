@@ -121,7 +121,8 @@ static inline __attribute__((always_inline)) void prefetch(struct Ahead a, int64
 
 #ifndef __AVX512F__
 /* One half of a bfloat16 tile (16 columns, `half` 0 or 1) over all of k for MT rows of float32 x, into
- * acc: each pair's weights widened in turn, its even k for every row and then its odd k. Each sum
+ * acc: each pair's weights widened in turn, its even k for every row and then its odd k (both at once,
+ * as bf16_pairs widens them, hold 4 more registers and spill sums: bench/kernels/matmul.py). Each sum
  * takes the same products in the same order as a whole tile's step (bf16_step), so a row's bits do
  * not depend on the call it is in. The first half asks for the second's lines too, and for its share
  * of the next tile, so memory streams each tile once. */
