@@ -58,7 +58,8 @@ class ProposalCounts:
         size = self.sizes.setdefault(rows.bit_length(), Size())
         if size.trial is None and (size.climb or size.since >= TRIAL_STEPS):
             size.trial = self._next_trial(size)
-            size.arms, size.turn = (Arm(), Arm()), 0
+            if size.trial is not None:
+                size.arms, size.turn = (Arm(), Arm()), 0
         if size.trial is None:
             self.pending = (size, None)
             return size.best
