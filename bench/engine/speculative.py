@@ -53,12 +53,17 @@ def distinct_4grams(replies: list[list[int]]) -> float:
     return len(set(grams)) / max(len(grams), 1)
 
 
+def round_prompts(prompts: list[list[int]], clients: int, per_client: int) -> list[list[int]]:
+    """A round's requests: max(clients x per_client, prompts) of them, the prompts in turn (this bench's
+    and bench/serving/speculative.py's)."""
+    return [prompts[i % len(prompts)] for i in range(max(clients * per_client, len(prompts)))]
+
+
 def run(engine: Engine, prompts: list[list[int]], clients: int, new: int, speculator: Speculator | None,
         per_client: int = 1) -> tuple[float, list[list[int]]]:
-    """(output tokens/s, replies) of max(clients x per_client, prompts) requests, the prompts in turn,
-    `clients` at a time: a closed loop, each finished request followed at once by the next."""
-    seqs = [Sequence(str(i), prompts[i % len(prompts)], SamplingParams(new))
-            for i in range(max(clients * per_client, len(prompts)))]
+    """(output tokens/s, replies) of a round's requests (round_prompts), `clients` at a time: a closed loop,
+    each finished request followed at once by the next."""
+    seqs = [Sequence(str(i), ids, SamplingParams(new)) for i, ids in enumerate(round_prompts(prompts, clients, per_client))]
     waiting = iter(seqs[clients:])
     scheduler = engine.new_scheduler()
     scheduler.stop_ids, scheduler.speculator = frozenset({IM_END}), speculator

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.engine.speculative import PROMPTS
+from bench.engine.speculative import PROMPTS, round_prompts
 from bench.lib import llamacpp
 from bench.lib.common import OUT, REPO, table
 from bench.lib.smollm2 import chat_ids
@@ -48,9 +48,8 @@ LLAMA_SETTINGS = {"none": [], "ngram-simple": ["--spec-type", "ngram-simple"], "
 
 
 def round_rate(send: Callable[[list[int]], dict], prompts: list[list[int]], clients: int, per_client: int) -> float:
-    """Output tokens/s of one round: max(clients x per_client, prompts) requests, the prompts in turn,
-    `clients` at a time."""
-    requests = [prompts[i % len(prompts)] for i in range(max(clients * per_client, len(prompts)))]
+    """Output tokens/s of one round: its requests (round_prompts), `clients` at a time."""
+    requests = round_prompts(prompts, clients, per_client)
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         replies = list(pool.map(send, requests))
