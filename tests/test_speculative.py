@@ -19,8 +19,10 @@ import torch
 
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
+from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.proposal_counts import ProposalCounts
+from tp_llama.engine.proposals import step_proposals
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.engine.speculate import LONGEST_WAIT, PROBE_STEPS, NgramIndex, Speculator
@@ -146,11 +148,13 @@ def test_the_plan_wire_carries_a_rows_proposals():
 
 class Replay(Speculator):
     """Proposes each sequence's reference continuation, with the tokens at `wrong` positions of the
-    output replaced, so proposals are accepted up to a planted token and rejected there."""
+    output replaced, so proposals are accepted up to a planted token and rejected there. grow: as many as
+    the step allows a row (its run of taken proposals doubling), not at most `tokens`."""
 
-    def __init__(self, reference: dict[str, list[int]], wrong: set[int], vocab: int):
+    def __init__(self, reference: dict[str, list[int]], wrong: set[int], vocab: int, grow: bool = False):
         super().__init__(4, 1, 1)
-        self.reference, self.wrong, self.vocab = reference, wrong, vocab
+        self.reference, self.wrong, self.vocab, self.grow = reference, wrong, vocab, grow
+        self.longest = 0  # the most proposals a row carried
 
     def worth(self, seq_id: str) -> bool:
         return True
@@ -160,7 +164,8 @@ class Replay(Speculator):
 
     def propose(self, seq_id: str, tokens, most: int) -> list[int]:
         done = len(tokens) - PROMPTS[seq_id]
-        ahead = self.reference[seq_id][done : done + min(most, self.tokens)]
+        ahead = self.reference[seq_id][done : done + (most if self.grow else min(most, self.tokens))]
+        self.longest = max(self.longest, len(ahead))
         return [(t + 1) % self.vocab if done + i in self.wrong else t for i, t in enumerate(ahead)]
 
 
@@ -204,6 +209,42 @@ def test_replies_are_the_same_with_proposals_accepted_and_rejected_at_every_leng
         assert b.logprobs == a.logprobs, b.id
     assert replay.proposed > 0 and 0 < replay.accepted < replay.proposed
     assert all(replay.accepted_at), replay.accepted_at  # every position accepted somewhere
+
+
+def test_runs_of_taken_proposals_grow_across_blocks_and_keep_the_replies(checkpoint):
+    """A row whose proposals were all taken carries twice as many next step (a reply copying a passage),
+    past the step's count and across block boundaries, within the step's tokens; the replies stay."""
+    engine = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=96, max_batch_size=4,
+                                      prefill_budget=64))
+    plain = run(engine, requests(engine, False), None)
+    replay = Replay({seq.id: seq.output for seq in plain}, {0, 17}, engine.args.vocab_size, grow=True)
+    spec = run(engine, requests(engine, False), replay)
+    assert [s.output for s in spec] == [s.output for s in plain]
+    assert replay.longest >= 8 and len(replay.accepted_at) >= 8 and all(replay.accepted_at)
+
+
+def test_a_taken_run_doubles_within_the_rows_room_and_a_rejection_ends_it():
+    speculator = Speculator(4, 2, 4)
+    speculator.record("s", 3, 3)
+    assert speculator.row_most("s", 3) == 6 and speculator.row_most("s", 8) == 8
+    speculator.record("s", 6, 6)
+    assert speculator.row_most("s", 3) == 12
+    speculator.record("s", 12, 7)
+    assert speculator.row_most("s", 3) == 3 and speculator.row_most("t", 3) == 3
+    assert speculator.accepted_at == [3, 3, 3, 2, 2, 2, 1]
+    pattern = list(range(10, 50))
+    seq = Sequence("s", pattern * 2, SamplingParams(64))
+    seq.output, seq.computed = pattern[:5], 2 * len(pattern) + 4  # its newest token not yet in the cache
+    pool = BlockPool(64, 16)
+    seq.blocks = pool.allocate(pool.blocks_for(seq.computed))
+    speculator.record("s", 3, 3)
+    proposals, _ = step_proposals([seq], 3, 31, pool, speculator, 512)
+    assert proposals == [pattern[5:11]]
+    assert step_proposals([seq], 3, 4, pool, speculator, 512)[0] == [pattern[5:9]]  # the step's spare
+    seq.params = SamplingParams(8)
+    assert step_proposals([seq], 3, 31, pool, speculator, 512)[0] == [pattern[5:7]]  # max_tokens
+    speculator.draft = object()  # each of a draft's proposals costs a draft step: its rows never grow
+    assert speculator.row_most("s", 3) == 3
 
 
 def test_preemption_and_a_small_pool_keep_the_replies(checkpoint):

@@ -33,7 +33,7 @@ def step_proposals(seqs: list[Sequence], most: int, spare: int, pool: BlockPool,
         return proposals, counts
     rooms, left = [], spare
     for seq, forced in zip(seqs, proposals):
-        most_here = min(most, room(seq, len(forced), left, max_seq_len))
+        most_here = min(speculator.row_most(seq.id, most), room(seq, len(forced), left, max_seq_len))
         if not speculator.drafts:
             rooms.append(most_here)  # n-gram rows often propose nothing: cut below instead
             continue

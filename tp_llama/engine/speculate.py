@@ -75,6 +75,7 @@ class RowStats:
     made: int = 0  # proposals in all
     resting: int = 0  # steps without proposing since it last proposed, while switched off
     wait: int = PROBE_STEPS  # the steps it waits, switched off, before it proposes once more
+    run: int = 0  # n-gram proposals its next step may carry whatever the step's count: twice its last ones, all taken
 
     def on(self) -> bool:
         return self.made < WARM_UP or self.accepted >= LEAST_ACCEPTANCE * self.proposed
@@ -114,6 +115,12 @@ class Speculator:
         stats.resting = 0
         return True
 
+    def row_most(self, seq_id: str, most: int) -> int:
+        """Proposals a row may carry in a step whose count is `most` (> 0): more where its last n-gram
+        proposals were all taken (a reply copying a passage: its run doubles at each such step)."""
+        stats = self.rows.get(seq_id)
+        return most if stats is None or self.draft is not None else max(most, stats.run)
+
     def per_row(self, rows: int) -> int:
         """Proposals a row for a step of `rows` decode rows (engine/proposal_counts.py)."""
         return self.counts.choose(rows)
@@ -128,22 +135,22 @@ class Speculator:
         return self.draft is not None
 
     def propose_rows(self, seqs: list[Sequence], rooms: list[int], after: list[list[int]]) -> list[list[int]]:
-        """At most min(rooms[i], self.tokens) proposals after each sequence's tokens and its `after` (the
+        """At most rooms[i] proposals after each sequence's tokens and its `after` (the
         forced tokens it carries), none for a row that is not `worth` it; a draft model's for all rows in
         one batch of draft steps."""
-        rooms = [min(room, self.tokens) if room > 0 and self.worth(seq.id) else 0 for seq, room in zip(seqs, rooms)]
+        rooms = [room if room > 0 and self.worth(seq.id) else 0 for seq, room in zip(seqs, rooms)]
         if self.draft is not None:
             return self.draft.propose(seqs, rooms, after)
         return [self.propose(seq.id, seq.tokens + more, room) if room else []
                 for seq, room, more in zip(seqs, rooms, after)]
 
     def propose(self, seq_id: str, tokens: Tokens[int], most: int) -> list[int]:
-        """At most min(most, self.tokens) n-gram proposals after `tokens` (a sequence's prompt and output);
+        """At most `most` n-gram proposals after `tokens` (a sequence's prompt and output);
         propose_rows asks first whether the row is `worth` them."""
         if most <= 0:
             return []
         index = self.indexes.setdefault(seq_id, NgramIndex(self.ngram_min, self.ngram_max))
-        return index.propose(tokens, min(most, self.tokens))
+        return index.propose(tokens, most)
 
     def record(self, seq_id: str, proposed: int, accepted: int) -> None:
         """A verified row: `accepted` of its `proposed` proposals taken."""
@@ -152,6 +159,7 @@ class Speculator:
         stats.proposed = RECENT * stats.proposed + proposed
         stats.accepted = RECENT * stats.accepted + accepted
         stats.made += proposed
+        stats.run = 2 * proposed if proposed and accepted == proposed else 0
         if stats.on():
             stats.wait = PROBE_STEPS
         elif tried:
@@ -159,6 +167,7 @@ class Speculator:
         self.proposed += proposed
         self.accepted += accepted
         self.verified += 1
+        self.accepted_at += [0] * (accepted - len(self.accepted_at))  # a run may pass `tokens`
         for i in range(accepted):
             self.accepted_at[i] += 1
 
