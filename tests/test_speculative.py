@@ -224,6 +224,8 @@ def test_runs_of_taken_proposals_grow_across_blocks_and_keep_the_replies(checkpo
 
 
 def test_a_taken_run_doubles_within_the_rows_room_and_a_rejection_ends_it():
+    """A row copying a passage (its recent proposals nearly all taken, its last all) doubles its next
+    ones; a rejection ends the run, and it grows again only once its recent proposals are mostly taken."""
     speculator = Speculator(4, 2, 4)
     speculator.record("s", 3, 3)
     assert speculator.row_most("s", 3) == 6 and speculator.row_most("s", 8) == 8
@@ -232,12 +234,15 @@ def test_a_taken_run_doubles_within_the_rows_room_and_a_rejection_ends_it():
     speculator.record("s", 12, 7)
     assert speculator.row_most("s", 3) == 3 and speculator.row_most("t", 3) == 3
     assert speculator.accepted_at == [3, 3, 3, 2, 2, 2, 1]
+    for _ in range(4):  # taken, but a tenth of its recent proposals or more rejected: free text, not a copy
+        speculator.record("s", 3, 3)
+        assert speculator.row_most("s", 3) == 3
     pattern = list(range(10, 50))
     seq = Sequence("s", pattern * 2, SamplingParams(64))
     seq.output, seq.computed = pattern[:5], 2 * len(pattern) + 4  # its newest token not yet in the cache
     pool = BlockPool(64, 16)
     seq.blocks = pool.allocate(pool.blocks_for(seq.computed))
-    speculator.record("s", 3, 3)
+    speculator.record("s", 3, 3)  # the fifth: its recent proposals mostly taken again
     proposals, _ = step_proposals([seq], 3, 31, pool, speculator, 512)
     assert proposals == [pattern[5:11]]
     assert step_proposals([seq], 3, 4, pool, speculator, 512)[0] == [pattern[5:9]]  # the step's spare

@@ -82,7 +82,7 @@ class EngineConfig:
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     quantize: str = one_of("none", QUANTIZE)  # matmul weights quantized by each rank as it loads them
     speculative: str = one_of("off", SPECULATIVE)  # proposals verified several a step (engine/speculate.py)
-    speculative_tokens: int = bounded(4, 1)  # proposals per decode row at most
+    speculative_tokens: int = bounded(4, 1)  # proposals per decode row at most (ngram: until a run is all taken)
     ngram_min: int = bounded(2, 1)  # the shortest suffix n-gram that proposes
     ngram_max: int = bounded(4, 1)  # the longest suffix n-gram looked up first
     draft_ckpt_dir: str | None = None  # speculative "draft": its checkpoint; None: this one quantized int4

@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="--speculative draft: a smaller checkpoint of the same tokenizer (default: this one "
                              "quantized int4 at load)")
     parser.add_argument("--speculative-tokens", type=int, default=SERVER.speculative_tokens,
-                        help="proposals per decode row at most")
+                        help="proposals per decode row at most (ngram: twice as many after a run all taken)")
     parser.add_argument("--ngram-min", type=int, default=SERVER.ngram_min, help="the shortest suffix n-gram that proposes")
     parser.add_argument("--ngram-max", type=int, default=SERVER.ngram_max, help="the longest suffix n-gram, looked up first")
     return parser.parse_args(argv)

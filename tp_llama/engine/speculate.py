@@ -16,6 +16,10 @@ not change. Speculation must not cost more than it saves, so two rules cut it ba
 - each step proposes only as many tokens a row as measured steps of its size say pay
   (`Speculator.per_row`, engine/proposal_counts.py): few rows over a large model cost about the same
   with more tokens (memory-bound); many rows, or a small model, make every token cost compute.
+A row whose n-gram proposals were all taken carries twice as many at its next step, past that count (a
+reply copying a passage verifies it in runs of 8, 16, ... tokens, each token of a long step costing a
+fraction of a decode step); a rejection brings it back. A draft's rows never grow: each of their
+proposals costs a draft step.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ LEAST_ACCEPTANCE = 0.1  # below this share of its recent proposals taken, a row 
 RECENT = 0.75  # at each verification a row's earlier proposals weigh this much less
 PROBE_STEPS = 8  # steps a row that stopped proposing waits before it proposes once more, at first
 LONGEST_WAIT = 128  # each such try that fails doubles the wait up to this
+COPYING = 0.9  # a row whose recent proposals were taken this often, its last all, doubles its next ones
 
 
 class NgramIndex:
@@ -75,7 +80,7 @@ class RowStats:
     made: int = 0  # proposals in all
     resting: int = 0  # steps without proposing since it last proposed, while switched off
     wait: int = PROBE_STEPS  # the steps it waits, switched off, before it proposes once more
-    run: int = 0  # n-gram proposals its next step may carry whatever the step's count: twice its last ones, all taken
+    run: int = 0  # n-gram proposals its next step may carry whatever the step's count (while copying)
 
     def on(self) -> bool:
         return self.made < WARM_UP or self.accepted >= LEAST_ACCEPTANCE * self.proposed
@@ -159,7 +164,8 @@ class Speculator:
         stats.proposed = RECENT * stats.proposed + proposed
         stats.accepted = RECENT * stats.accepted + accepted
         stats.made += proposed
-        stats.run = 2 * proposed if proposed and accepted == proposed else 0
+        copying = proposed and accepted == proposed and stats.accepted >= COPYING * stats.proposed
+        stats.run = 2 * proposed if copying else 0
         if stats.on():
             stats.wait = PROBE_STEPS
         elif tried:
