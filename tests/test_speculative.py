@@ -116,7 +116,7 @@ def test_each_size_of_step_proposes_the_count_its_measured_steps_say_pays():
     counts = ProposalCounts(4)
     few = simulated_steps(counts, 1, lambda rows, k: 0.010, 0.6, 200)
     many = simulated_steps(counts, 16, lambda rows, k: 0.001 * rows * (1 + k) + 0.002 * k, 0.6, 200)
-    assert few[-100:].count(4) >= 90 and few.index(4) < 30
+    assert few[-100:].count(4) >= 90 and few.index(4) < 45  # a trial runs 3 blocks of 4 steps at least
     assert many[-150:].count(0) >= 135
     assert simulated_steps(counts, 1, lambda rows, k: 0.010, 0.6, 10)[-5:] == [4] * 5  # sizes kept apart
 
@@ -131,6 +131,20 @@ def test_counts_are_compared_under_the_same_conditions_while_step_times_swing():
     few = simulated_steps(ProposalCounts(4), 1, lambda rows, k: 0.010, 0.6, 800, swing)
     many = simulated_steps(ProposalCounts(4), 16, lambda rows, k: 0.001 * rows * (1 + k) + 0.002 * k, 0.6, 800, swing)
     assert few[-400:].count(4) >= 380 and many[-400:].count(0) >= 380
+
+
+def test_a_count_that_loses_a_tenth_is_not_kept_while_step_times_swing_by_a_fifth():
+    """Chat at 4 clients: proposals, rarely taken, add a tenth of tokens, and a step carrying any costs a
+    fifth more (a second chunk of rows), while each step's time swings at random by a fifth. Trials of four
+    steps a count kept a losing count 30% of the time here; trials that run until their blocks agree keep
+    to none."""
+    kept = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        chosen = simulated_steps(ProposalCounts(4), 4, lambda rows, k: 0.018 * (1 + 0.2 * (k > 0) + 0.03 * k), 0.1,
+                                 1000, lambda step: rng.lognormvariate(0, 0.2))
+        kept.append(chosen[-600:].count(0) / 600)
+    assert sum(kept) / len(kept) >= 0.85, kept
 
 
 def test_the_count_follows_a_step_cost_that_moves():

@@ -2,11 +2,14 @@
 
 For each size of step (its decode rows, by powers of two) steps use the best count so far, and now and
 then a neighbour of it is tried against it (hill climbing; less often while trials lose): the two
-take turns, step by step, for TRIAL_STEPS steps each, and the one whose steps gave more tokens a
-second is the best from then on. Taking turns measures both under the same conditions: contexts grow,
+take turns in blocks of four steps (tried, best, best, tried), and the one whose steps gave more tokens
+a second is the best from then on. Taking turns measures both under the same conditions: contexts grow,
 a reply moves between copying and free text, other work takes the cores, and a count measured a
 while ago beside one measured now had kept a losing count for hundreds of steps
-(bench/engine/speculative.py). Measured rather than modelled: what proposals cost depends on who
+(bench/engine/speculative.py). Each block gives one paired ratio of the two counts' rates (a steady
+drift cancels within it), and the trial goes on until the blocks agree (their mean ratio two standard
+errors from even) or MOST_BLOCKS have run: four steps a count had let step times that swing by a fifth
+pick a count that lost a tenth (chat at 4 clients, docs/perf-log/2026-11-30.md). Measured rather than modelled: what proposals cost depends on who
 makes them (a draft model's steps, n-gram lookup's nothing), on the model, the CPU and the batch, and
 what they yield on these very rows' acceptance. A line fitted to step seconds against tokens had
 kept an int4 self-draft on at 16 clients where it lost.
@@ -14,16 +17,21 @@ kept an int4 self-draft on at 16 clients where it lost.
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, field
 
-TRIAL_STEPS = 4  # steps each of a trial's two counts takes, in turns
+BLOCK = 4  # a trial's steps in turns: tried, best, best, tried
+FEWEST_BLOCKS = 3  # blocks a trial runs before its outcome may be clear
+MOST_BLOCKS = 8  # blocks after which the mean ratio decides, clear or not
+CLEAR = 2.0  # standard errors between the blocks' mean ratio and even that make an outcome clear
 REVISIT = 64  # steps of one size after which a neighbour of its best count is tried again, at first
 LONGEST_REVISIT = 1024  # each trial that loses doubles the wait up to this: a settled best costs little
 
 
 @dataclass
 class Arm:
-    """The tokens and seconds of one count's steps in a trial."""
+    """The tokens and seconds of one count's steps in a block of a trial."""
 
     tokens: int = 0
     seconds: float = 0.0
@@ -38,8 +46,9 @@ class Size:
 
     best: int = 0
     trial: int | None = None
-    arms: tuple[Arm, Arm] = field(default_factory=lambda: (Arm(), Arm()))  # the trial's: the tried count's, the best's
+    arms: tuple[Arm, Arm] = field(default_factory=lambda: (Arm(), Arm()))  # this block's: the tried count's, the best's
     turn: int = 0  # steps of the trial so far
+    ratios: list[float] = field(default_factory=list)  # each block's: the tried count's rate over the best's, less 1
     tried: set[int] = field(default_factory=lambda: {0})
     since: int = 0  # steps since the last trial ended
     up: bool = True  # the side of `best` tried next on a revisit
@@ -56,10 +65,10 @@ class ProposalCounts:
     def choose(self, rows: int) -> int:
         """The proposal count a row for a step of `rows` decode rows."""
         size = self.sizes.setdefault(rows.bit_length(), Size())
-        if size.trial is None and (size.climb or size.since >= TRIAL_STEPS):
+        if size.trial is None and (size.climb or size.since >= BLOCK):
             size.trial = self._next_trial(size)
             if size.trial is not None:
-                size.arms, size.turn = (Arm(), Arm()), 0
+                size.arms, size.turn, size.ratios = (Arm(), Arm()), 0, []
         if size.trial is None:
             self.pending = (size, None)
             return size.best
@@ -94,12 +103,29 @@ class ProposalCounts:
         size.arms[arm].tokens += tokens
         size.arms[arm].seconds += seconds
         size.turn += 1
-        if size.turn < 2 * TRIAL_STEPS:
+        if size.turn % BLOCK:
             return
         tried, best = size.arms
-        better = tried.rate() > best.rate()
+        size.ratios.append(tried.rate() / best.rate() - 1 if best.rate() > 0 else 0.0)
+        size.arms = (Arm(), Arm())
+        better = self._outcome(size.ratios)
+        if better is None:
+            return
         size.tried.add(size.trial)
         size.climb = size.trial - size.best if better else 0
         size.best = size.trial if better else size.best
         size.revisit = REVISIT if better else min(2 * size.revisit, LONGEST_REVISIT)
         size.trial, size.since = None, 0
+
+    @staticmethod
+    def _outcome(ratios: list[float]) -> bool | None:
+        """Whether a trial's blocks so far show the tried count better (True) or not (False), or None while
+        they are too few to tell: from FEWEST_BLOCKS on, a mean ratio CLEAR standard errors from even; after
+        MOST_BLOCKS, the mean ratio's sign. (Keeping the best where MOST_BLOCKS leave it unclear held
+        counts low where proposals pay a few percent: bench/engine/speculative.py.)"""
+        if len(ratios) < FEWEST_BLOCKS:
+            return None
+        mean = statistics.fmean(ratios)
+        if abs(mean) > CLEAR * statistics.stdev(ratios) / math.sqrt(len(ratios)):
+            return mean > 0
+        return mean > 0 if len(ratios) >= MOST_BLOCKS else None
