@@ -12,6 +12,7 @@ SmolLM2's chat format with its own tokenizer (bench.lib.smollm2.chat_ids), greed
 <|im_end|>. For each kind and client count, max(clients x --per-client, prompts) requests (the kind's
 prompts in turn), `clients` at a time in a closed loop (each finished request followed at once by the
 next; with one wave of requests the slowest reply sets its time, and speculation speeds rows unevenly),
+tokens/s counted while `clients` requests run (to the first that finds no request left: `run`),
 run with proposals and without, the two taking turns for --rounds rounds. The table: output
 tokens/s of each (median of the rounds), their ratio, the share of proposals accepted, and the
 replies' distinct-4-gram ratio, one reply a prompt (a looping reply shows). One speculator serves
@@ -62,7 +63,10 @@ def round_prompts(prompts: list[list[int]], clients: int, per_client: int) -> li
 def run(engine: Engine, prompts: list[list[int]], clients: int, new: int, speculator: Speculator | None,
         per_client: int = 1) -> tuple[float, list[list[int]]]:
     """(output tokens/s, replies) of a round's requests (round_prompts), `clients` at a time: a closed loop,
-    each finished request followed at once by the next."""
+    each finished request followed at once by the next. The rate counts the tokens made while `clients`
+    requests ran, up to the first that found none left to follow it: after that a round's last replies
+    run in fewer rows, and that tail lasts longer the less the clients keep in step (replies the same
+    length keep them in step without proposals, not with them)."""
     seqs = [Sequence(str(i), ids, SamplingParams(new)) for i, ids in enumerate(round_prompts(prompts, clients, per_client))]
     waiting = iter(seqs[clients:])
     scheduler = engine.new_scheduler()
@@ -70,16 +74,20 @@ def run(engine: Engine, prompts: list[list[int]], clients: int, new: int, specul
     for seq in seqs[:clients]:
         scheduler.add(seq)
 
+    window: list[float] = []  # tokens and seconds up to the first finished request with none to follow it
+
     def follow(touched: list[Sequence]) -> None:
         for _ in range(sum(seq.finished for seq in touched)):
             following = next(waiting, None)
             if following is not None:
                 scheduler.add(following)
+            elif not window:
+                window.extend([sum(len(s.output) for s in seqs), time.perf_counter() - started])
 
     started = time.perf_counter()
     engine.run(scheduler, on_step=follow)
-    seconds = time.perf_counter() - started
-    return sum(len(s.output) for s in seqs) / seconds, [s.output for s in seqs]
+    tokens, seconds = window or [sum(len(s.output) for s in seqs), time.perf_counter() - started]
+    return tokens / seconds, [s.output for s in seqs]
 
 
 def main(argv: list[str] | None = None) -> None:
