@@ -134,8 +134,8 @@ def test_counts_are_compared_under_the_same_conditions_while_step_times_swing():
 
 
 def test_a_count_that_loses_a_tenth_is_not_kept_while_step_times_swing_by_a_fifth():
-    """Chat at 4 clients: proposals, rarely taken, add a tenth of tokens, and a step carrying any costs a
-    fifth more (a second chunk of rows), while each step's time swings at random by a fifth. Trials of four
+    """Proposals, rarely taken, add a tenth of tokens, and a step carrying any costs a fifth more (a second
+    chunk of rows at 4 rows), while each step's time swings at random by a fifth. Trials of four
     steps a count kept a losing count 30% of the time here; trials that run until their blocks agree, 12%."""
     kept = []
     for seed in range(20):

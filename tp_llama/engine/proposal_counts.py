@@ -8,9 +8,8 @@ a reply moves between copying and free text, other work takes the cores, and a c
 while ago beside one measured now had kept a losing count for hundreds of steps
 (bench/engine/speculative.py). Each block gives one paired ratio of the two counts' rates (a steady
 drift cancels within it), and the trial goes on until the blocks agree (their mean ratio two standard
-errors from even) or MOST_BLOCKS have run: four steps a count had let step times that swing by a fifth
-pick a count that lost a tenth (chat at 4 clients, docs/perf-log/2026-11-30.md). Measured rather than modelled: what proposals cost depends on who
-makes them (a draft model's steps, n-gram lookup's nothing), on the model, the CPU and the batch, and
+errors from even) or MOST_BLOCKS have run: with step times swinging at random, four steps a count often
+kept a count that loses (simulated: tests/test_speculative.py, docs/perf-log/2026-11-30.md). Measured rather than modelled: what proposals cost depends on who makes them (a draft model's steps, n-gram lookup's nothing), on the model, the CPU and the batch, and
 what they yield on these very rows' acceptance. A line fitted to step seconds against tokens had
 kept an int4 self-draft on at 16 clients where it lost.
 """
@@ -122,7 +121,7 @@ class ProposalCounts:
         """Whether a trial's blocks so far show the tried count better (True) or not (False), or None while
         they are too few to tell: from FEWEST_BLOCKS on, a mean ratio CLEAR standard errors from even; after
         MOST_BLOCKS, the mean ratio's sign. (Keeping the best where MOST_BLOCKS leave it unclear held
-        counts low where proposals pay a few percent: bench/engine/speculative.py.)"""
+        counts low where proposals pay a few percent, simulated: docs/perf-log/2026-11-30.md.)"""
         if len(ratios) < FEWEST_BLOCKS:
             return None
         mean = statistics.fmean(ratios)

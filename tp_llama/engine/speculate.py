@@ -16,9 +16,9 @@ not change. Speculation must not cost more than it saves, so two rules cut it ba
 - each step proposes only as many tokens a row as measured steps of its size say pay
   (`Speculator.per_row`, engine/proposal_counts.py): few rows over a large model cost about the same
   with more tokens (memory-bound); many rows, or a small model, make every token cost compute.
-A row whose n-gram proposals were all taken carries twice as many at its next step, past that count (a
-reply copying a passage verifies it in runs of 8, 16, ... tokens, each token of a long step costing a
-fraction of a decode step); a rejection brings it back. A draft's rows never grow: each of their
+A row whose n-gram proposals were all taken, its recent ones nearly all (COPYING), carries twice as many
+at its next step, past that count (a reply copying a passage verifies it in runs of 8, 16, ... tokens,
+each token of a long step costing a fraction of a decode step); a rejection brings it back. A draft's rows never grow: each of their
 proposals costs a draft step.
 """
 
@@ -121,8 +121,8 @@ class Speculator:
         return True
 
     def row_most(self, seq_id: str, most: int) -> int:
-        """Proposals a row may carry in a step whose count is `most` (> 0): more where its last n-gram
-        proposals were all taken (a reply copying a passage: its run doubles at each such step)."""
+        """Proposals a row may carry in a step whose count is `most` (> 0): more while it copies (its last
+        n-gram proposals all taken, its recent ones nearly all: its run doubles at each such step)."""
         stats = self.rows.get(seq_id)
         return most if stats is None or self.draft is not None else max(most, stats.run)
 
