@@ -19,6 +19,8 @@ import handler.llama_handler as llama_handler
 from tp_llama.serving.native import parse_request
 from tp_llama.serving.request import Job, RequestError, decode_body
 from tp_llama.config import EngineConfig
+from tp_llama.engine.core import Engine
+from tp_llama.engine.speculate import Speculator
 from tp_llama.serving.settings import HandlerSettings, resolve_ckpt_dir, settings_from_yaml
 from tp_llama.serving.stream import StreamDecoder
 
@@ -679,6 +681,66 @@ def test_a_stop_string_ends_the_generation_there(engine) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
+
+
+class ProposeTheReply(Speculator):
+    """Proposes the rest of a known greedy reply, as many tokens as a step lets a row carry: every proposal
+    is taken, so a reply takes a few steps of several tokens each."""
+
+    def __init__(self, prompt_tokens: int, reply: list[int]) -> None:
+        super().__init__(4, 1, 1)
+        self.prompt_tokens, self.reply = prompt_tokens, reply
+
+    def worth(self, seq_id: str) -> bool:
+        return True
+
+    def per_row(self, rows: int) -> int:
+        return 32
+
+    def propose(self, seq_id: str, tokens, most: int) -> list[int]:
+        done = len(tokens) - self.prompt_tokens
+        return self.reply[done : done + most]
+
+
+def streamed(chunks: list[dict]) -> tuple:
+    """A completions stream's text, token ids, tokens' log-probabilities, finish reason and usage."""
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    logprobs = [c["logprobs"] for c in choices if c["logprobs"]]
+    return ("".join(c["text"] for c in choices), [t for c in choices for t in c["token_ids"]],
+            [(t, lp) for p in logprobs for t, lp in zip(p["tokens"], p["token_logprobs"])],
+            choices[-1]["finish_reason"], chunks[-1]["usage"])
+
+
+def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_reply_where_one_token_a_step_would(engine) -> None:
+    """Steps that add several tokens to a row (taken proposals) pass a stop string inside them: the reply's
+    text, token ids, log-probabilities, finish reason and usage, whole and streamed, are those of the same
+    request without proposals."""
+    native = final_json(run_to_end(new_handler(engine), {"n": GREEDY % (b"once upon", 24, b"")})["n"])
+    text = native["text"]
+    cuts = [i for i in range(2, len(text) - 3)
+            if text.find(text[i:i + 3]) == i and text[i:i + 3].strip() and text[i:i + 3].isprintable()
+            and "\ufffd" not in text[i:i + 3]]  # text a stream shows as it comes
+    stops = [text[i:i + 3] for i in (cuts[0], cuts[len(cuts) // 2], cuts[-1])]
+    bodies, paths = {}, {}
+    for j, stop in enumerate(stops):
+        ask = {"prompt": "once upon", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop],
+               "logprobs": 2, "return_token_ids": True}
+        bodies[f"w{j}"] = json.dumps(ask).encode()
+        bodies[f"s{j}"] = json.dumps({**ask, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        paths[f"w{j}"] = paths[f"s{j}"] = COMPLETIONS
+    proposer = ProposeTheReply(native["usage"]["prompt_tokens"], native["token_ids"])
+    replies = {}
+    for name, on in (("plain", engine), ("proposals", Engine.load(dataclasses.replace(engine.config, prefill_budget=64)))):
+        handler = new_handler(on)
+        handler.scheduler.speculator = proposer if name == "proposals" else None
+        replies[name] = run_to_end(handler, bodies, paths=paths)
+        assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
+    assert proposer.accepted >= 10  # the replies came in steps of several tokens
+    for j, stop in enumerate(stops):
+        plain, spec = (final_json(replies[name][f"w{j}"]) for name in ("plain", "proposals"))
+        assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] < 24, stop
+        assert (spec["choices"], spec["usage"]) == (plain["choices"], plain["usage"]), stop
+        assert streamed(_sse(replies["proposals"][f"s{j}"])) == streamed(_sse(replies["plain"][f"s{j}"])), stop
 
 def test_logprobs_in_every_shape_agree_with_the_tokens(engine) -> None:
     """Greedy picks the most likely token, so each token's log-probability is the first of its list;

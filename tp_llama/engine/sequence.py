@@ -64,6 +64,13 @@ class Sequence:
         self.reported = len(self.output)
         return new, logprobs
 
+    def cut_output(self, length: int) -> None:
+        """Keep the first `length` output tokens and their log-probabilities: a stop string ended the reply
+        inside a step that added several tokens (the caller then ends the sequence, freeing its blocks)."""
+        del self.output[length:]
+        del self.logprobs[length:]
+        self.reported = min(self.reported, length)
+
 
 def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: int) -> None:
     """The engine's own limits (the handler's request rules come first and say more)."""

@@ -115,24 +115,35 @@ class OpenAIRequest:
 
     def advance(self) -> list[Sequence]:
         """After a step: each followed choice's newly shown text (stop strings checked); returns the
-        sequences whose stop string just appeared (the caller ends them)."""
+        sequences whose stop string just appeared (the caller ends them).
+
+        A step may add several tokens to a sequence (taken proposals, a grammar's forced tokens), and a
+        stop string may end inside them: with stop strings the text is watched token by token, and the
+        tokens after the one that completed it are dropped, so the reply, its token ids, log-probabilities
+        and usage are those of one token a step."""
         stopped = []
         for choice in self.choices:
             if choice.decoder is None:
                 continue
-            seq = choice.seq
-            new, logprobs = seq.take_new_tokens()
-            choice.pending += logprobs
-            if self.return_token_ids:
-                choice.pending_ids += new
-            piece = choice.decoder.push(new) if new else ""
-            if seq.finished:
-                piece += choice.decoder.finish()
+            seq, start = choice.seq, choice.seq.reported
+            new, _ = seq.take_new_tokens()
             if choice.stopped:
                 continue
-            shown = choice.watcher.feed(piece, final=seq.finished)
-            choice.text.append(shown)
-            choice.unsent += shown
+            step = 1 if self.stops else max(len(new), 1)
+            for at in range(0, max(len(new), 1), step):
+                ids, last = new[at : at + step], at + step >= len(new)
+                piece = choice.decoder.push(ids) if ids else ""
+                if seq.finished and last:
+                    piece += choice.decoder.finish()
+                shown = choice.watcher.feed(piece, final=seq.finished and last)
+                choice.text.append(shown)
+                choice.unsent += shown
+                if choice.stopped:
+                    seq.cut_output(start + at + len(ids))
+                    break
+            choice.pending += seq.logprobs[start:]
+            if self.return_token_ids:
+                choice.pending_ids += seq.output[start:]
             if choice.stopped and not seq.finished:
                 stopped.append(seq)
         return stopped
