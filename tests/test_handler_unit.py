@@ -682,7 +682,6 @@ def test_a_stop_string_ends_the_generation_there(engine) -> None:
     assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
 
 
-
 class ProposeTheReply(Speculator):
     """Proposes the rest of a known greedy reply, as many tokens as a step lets a row carry: every proposal
     is taken, so a reply takes a few steps of several tokens each."""
@@ -717,10 +716,9 @@ def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_reply_where_one_
     request without proposals."""
     native = final_json(run_to_end(new_handler(engine), {"n": GREEDY % (b"once upon", 24, b"")})["n"])
     text = native["text"]
-    cuts = [i for i in range(2, len(text) - 3)
-            if text.find(text[i:i + 3]) == i and text[i:i + 3].strip() and text[i:i + 3].isprintable()
-            and "\ufffd" not in text[i:i + 3]]  # text a stream shows as it comes
-    stops = [text[i:i + 3] for i in (cuts[0], cuts[len(cuts) // 2], cuts[-1])]
+    firsts = [text[i:i + 3] for i in range(2, len(text) - 3) if text.find(text[i:i + 3]) == i]
+    shown = [w for w in firsts if w.strip() and w.isprintable() and "\ufffd" not in w]  # as a stream shows it
+    stops = [shown[0], shown[len(shown) // 2], shown[-1]]
     bodies, paths = {}, {}
     for j, stop in enumerate(stops):
         ask = {"prompt": "once upon", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop],
@@ -741,6 +739,7 @@ def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_reply_where_one_
         assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] < 24, stop
         assert (spec["choices"], spec["usage"]) == (plain["choices"], plain["usage"]), stop
         assert streamed(_sse(replies["proposals"][f"s{j}"])) == streamed(_sse(replies["plain"][f"s{j}"])), stop
+
 
 def test_logprobs_in_every_shape_agree_with_the_tokens(engine) -> None:
     """Greedy picks the most likely token, so each token's log-probability is the first of its list;

@@ -9,8 +9,10 @@ while ago beside one measured now had kept a losing count for hundreds of steps
 (bench/engine/speculative.py). Each block gives one paired ratio of the two counts' rates (a steady
 drift cancels within it), and the trial goes on until the blocks agree (their mean ratio two standard
 errors from even) or MOST_BLOCKS have run: with step times swinging at random, four steps a count often
-kept a count that loses (simulated: tests/test_speculative.py, docs/perf-log/2026-11-30.md). Measured rather than modelled: what proposals cost depends on who makes them (a draft model's steps, n-gram lookup's nothing), on the model, the CPU and the batch, and
-what they yield on these very rows' acceptance. A line fitted to step seconds against tokens had
+kept a count that loses (simulated: tests/test_speculative.py, docs/perf-log/2026-11-30.md). Measured
+rather than modelled: what proposals cost depends on who makes them (a draft model's steps, n-gram
+lookup's nothing), on the model, the CPU and the batch, and what they yield on these very rows'
+acceptance. A line fitted to step seconds against tokens had
 kept an int4 self-draft on at 16 clients where it lost.
 """
 

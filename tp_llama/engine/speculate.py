@@ -18,8 +18,8 @@ not change. Speculation must not cost more than it saves, so two rules cut it ba
   with more tokens (memory-bound); many rows, or a small model, make every token cost compute.
 A row whose n-gram proposals were all taken, its recent ones nearly all (COPYING), carries twice as many
 at its next step, past that count (a reply copying a passage verifies it in runs of 8, 16, ... tokens,
-each token of a long step costing a fraction of a decode step); a rejection brings it back. A draft's rows never grow: each of their
-proposals costs a draft step.
+each token of a long step costing a fraction of a decode step); a rejection brings it back. A draft's
+rows never grow: each of their proposals costs a draft step.
 """
 
 from __future__ import annotations
