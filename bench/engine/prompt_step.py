@@ -1,6 +1,6 @@
 """The time of prompt steps, this checkout against an older one, taking turns.
 
-    python -m bench.engine.prompt_step [--preset llama3.2-1b] [--dtypes float32 bfloat16]
+    python -m bench.engine.prompt_step [--preset llama3.2-1b | --ckpt DIR] [--dtypes float32 bfloat16]
                                        [--steps 200 512 8x64] [--repeats 3] [--rounds 2] [--before COMMIT_OR_PATH]
 
 TP 1, the offline engine, every core. Each step of --steps is prefilled alone in one step (the
@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--before", help="older checkout to run beside this one: a folder or a commit")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--ckpt", help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt", help="a Meta checkpoint folder instead of --preset's (bench/out/smollm2/plain)")
     a = parser.parse_args(argv)
     if a.worker:
         print(json.dumps(measure(a.ckpt, a.dtypes[0], a.steps, a.repeats)))
         return
     before = before_root(a.before) if a.before else None
-    ckpt = ensure_checkpoint(PRESETS[a.preset], mp=1)
+    ckpt = Path(a.ckpt).resolve() if a.ckpt else ensure_checkpoint(PRESETS[a.preset], mp=1)
     rows = []
     for dtype in a.dtypes:
         runs: dict[str, list[dict[str, float]]] = {"ours": [], "before": []}
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([dtype, step, ours, old, ours / old, " ".join(f"{r[step]:.0f}" for r in runs["ours"]),
                          " ".join(f"{r[step]:.0f}" for r in runs["before"])])
     print(table(["dtype", "step", "ours ms", "before ms", "ours / before", "ours runs", "before runs"], rows))
-    print(f"\n{a.preset} preset, TP 1, {torch.get_num_threads()} threads; before = {before}; medians over "
+    print(f"\n{a.ckpt or a.preset + ' preset'}, TP 1, {torch.get_num_threads()} threads; before = {before}; medians over "
           f"{a.rounds} rounds taking turns, each the best of {a.repeats}.")
 
 

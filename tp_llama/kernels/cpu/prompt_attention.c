@@ -58,9 +58,10 @@ static void lay_out_head(const uint16_t *cache_k, const uint16_t *cache_v, const
 }
 
 #ifdef __AMX_BF16__
-/* Scores s [16][lds] of the block's q [16][hd] against 16-key blocks 0 .. kb - 1, in tiles: four
- * blocks at once, four independent sums for the tile unit. */
-static void scores(const BF16_X *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
+/* Scores s [16][lds] of the block's q [16][hd] (its first n rows real) against 16-key blocks 0 .. kb - 1,
+ * in tiles: four blocks at once, four independent sums for the tile unit. A tile takes all 16 rows. */
+static void scores(const BF16_X *q, int64_t n, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
+    (void)n;
     const int64_t next_block = hd * 16;
     int64_t b = 0;
     for (; b + 4 <= kb; b += 4) {
@@ -97,7 +98,8 @@ static void scores(const BF16_X *q, int64_t hd, const uint16_t *kt, int64_t kb, 
 }
 
 /* O [16][hd] = P [16][ldp] V over ks 32-key steps: four 16-dim column tiles at a time. */
-static void values(const BF16_X *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
+static void values(const BF16_X *p, int64_t n, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
+    (void)n;
     for (int64_t w0 = 0; w0 < hd / 16; w0 += 4) {
         _tile_zero(0);
         _tile_zero(1);
@@ -127,52 +129,62 @@ static void end_thread(void) { _tile_release(); }
 
 #else
 #ifdef __AVX512F__
-#define SCORE_ROWS 8 /* 8 rows x 2 key blocks of sums, and 4 x 4 for the values: 16 of 32 registers */
+/* 8 rows x 2 key blocks of sums, and 4 rows x 4 groups of 16 dims for the values: 16 of 32 registers */
+#define SCORE_ROWS 8
+#define SCORE_BLOCKS 2
 #define VALUE_ROWS 4
+#define VALUE_COLS 4
 #else
-#define SCORE_ROWS 2 /* AVX2's 16 registers: a sum is two, a pair of widened weights four */
-#define VALUE_ROWS 1
+/* AVX2's 16 registers: a sum is two, a pair of widened weights four. Four rows share each widened
+ * pair (8 sums), where two rows against two key blocks spilled and one row a value pair widened it for
+ * that row alone (bench/kernels/attention.py). */
+#define SCORE_ROWS 4
+#define SCORE_BLOCKS 1
+#define VALUE_ROWS 4
+#define VALUE_COLS 1
 #endif
 
-/* The same by bf16_step, SCORE_ROWS rows at a time against two 16-key blocks (the keys are laid
- * out to a multiple of 32, and lds holds them). */
-static void scores(const BF16_X *q, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
+/* The same by bf16_step, SCORE_ROWS rows at a time against SCORE_BLOCKS 16-key blocks (the keys are
+ * laid out to a multiple of 32, and lds holds them), for the groups of rows that hold real ones: a
+ * short chunk's block (a cached prefix's few new tokens) skips its padding. */
+static void scores(const BF16_X *q, int64_t n, int64_t hd, const uint16_t *kt, int64_t kb, float *s, int64_t lds) {
     const int64_t next_block = hd * 16;
-    for (int64_t r0 = 0; r0 < 16; r0 += SCORE_ROWS)
-        for (int64_t b = 0; b < kb; b += 2) {
+    for (int64_t r0 = 0; r0 < n; r0 += SCORE_ROWS)
+        for (int64_t b = 0; b < kb; b += SCORE_BLOCKS) {
             const uint16_t *t = kt + b * next_block;
-            vec acc[SCORE_ROWS][2];
-            _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++) acc[r][0] = acc[r][1] = vzero();
+            vec acc[SCORE_ROWS][SCORE_BLOCKS];
+            _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++)
+                _Pragma("GCC unroll 2") for (int i = 0; i < SCORE_BLOCKS; i++) acc[r][i] = vzero();
             for (int64_t d = 0; d < hd; d += 2) {
-                const bf16_weights k0 = load_bf16_weights(t + d * 16), k1 = load_bf16_weights(t + next_block + d * 16);
-                _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++) {
-                    acc[r][0] = bf16_step(acc[r][0], q + (r0 + r) * hd + d, k0);
-                    acc[r][1] = bf16_step(acc[r][1], q + (r0 + r) * hd + d, k1);
+                _Pragma("GCC unroll 2") for (int i = 0; i < SCORE_BLOCKS; i++) {
+                    const bf16_weights k = load_bf16_weights(t + i * next_block + d * 16);
+                    _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++)
+                        acc[r][i] = bf16_step(acc[r][i], q + (r0 + r) * hd + d, k);
                 }
             }
-            _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++) {
-                vstore(s + (r0 + r) * lds + b * 16, acc[r][0]);
-                vstore(s + (r0 + r) * lds + b * 16 + 16, acc[r][1]);
-            }
+            _Pragma("GCC unroll 8") for (int r = 0; r < SCORE_ROWS; r++)
+                _Pragma("GCC unroll 2") for (int i = 0; i < SCORE_BLOCKS; i++)
+                    vstore(s + (r0 + r) * lds + (b + i) * 16, acc[r][i]);
         }
 }
 
-static void values(const BF16_X *p, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
-    for (int64_t r0 = 0; r0 < 16; r0 += VALUE_ROWS)
-        for (int64_t w0 = 0; w0 < hd / 16; w0 += 4) {
-            vec acc[VALUE_ROWS][4];
-            _Pragma("GCC unroll 8") for (int r = 0; r < VALUE_ROWS; r++) acc[r][0] = acc[r][1] = acc[r][2] =
-                acc[r][3] = vzero();
+static void values(const BF16_X *p, int64_t n, int64_t ldp, const uint16_t *vv, int64_t hd, int64_t ks, float *o) {
+    for (int64_t r0 = 0; r0 < n; r0 += VALUE_ROWS)
+        for (int64_t w0 = 0; w0 < hd / 16; w0 += VALUE_COLS) {
+            vec acc[VALUE_ROWS][VALUE_COLS];
+            _Pragma("GCC unroll 8") for (int r = 0; r < VALUE_ROWS; r++)
+                _Pragma("GCC unroll 4") for (int w = 0; w < VALUE_COLS; w++) acc[r][w] = vzero();
             for (int64_t j = 0; j < ks * 32; j += 2) { /* a pair of keys */
                 const uint16_t *b = vv + ((j / 32) * (hd / 16) + w0) * 512 + (j % 32) * 16;
-                _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++) {
+                _Pragma("GCC unroll 4") for (int w = 0; w < VALUE_COLS; w++) {
                     const bf16_weights pair = load_bf16_weights(b + w * 512);
                     _Pragma("GCC unroll 8") for (int r = 0; r < VALUE_ROWS; r++)
                         acc[r][w] = bf16_step(acc[r][w], p + (r0 + r) * ldp + j, pair);
                 }
             }
             _Pragma("GCC unroll 8") for (int r = 0; r < VALUE_ROWS; r++)
-                _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++) vstore(o + (r0 + r) * hd + (w0 + w) * 16, acc[r][w]);
+                _Pragma("GCC unroll 4") for (int w = 0; w < VALUE_COLS; w++)
+                    vstore(o + (r0 + r) * hd + (w0 + w) * 16, acc[r][w]);
         }
 }
 
@@ -198,7 +210,7 @@ static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t 
     const int64_t ks = (keys + 31) / 32, ldp = ks * 32;
     memset(q + n * hd, 0, (size_t)(16 - n) * hd * sizeof(BF16_X));
     for (int64_t r = 0; r < n; r++) put_bf16_x(q + r * hd, qkv + (r0 + r) * ld + h * hd, hd);
-    scores(q, hd, kt, kb, s, ldp);
+    scores(q, n, hd, kt, kb, s, ldp);
     const vec scale = vset1(1.0f / sqrtf((float)hd));
     float total[16];
     for (int64_t r = 0; r < 16; r++) {
@@ -211,15 +223,19 @@ static void attend_block(const uint16_t *qkv, int64_t rows, int64_t ld, int64_t 
         }
         const vec high = vset1(vhighest(top));
         vec sum = vzero();
-        for (int64_t j = 0; j < ldp; j += 16) {
+        int64_t j = 0;
+        for (; j < seen; j += 16) {
             const mask16 m = lanes(seen - j);
             const vec e = vkeep(m, exp16(vsub(vmul(vloadz(m, row + j), scale), high)));
             sum = vadd(sum, e);
             put_probs(p + r * ldp + j, e);
         }
+        /* past the visible keys nothing is loaded: masked loads of scratch that scores never wrote
+         * (the rows past a short chunk's) stalled the whole kernel (bench/kernels/attention.py) */
+        for (; j < ldp; j += 16) put_probs(p + r * ldp + j, vzero());
         total[r] = vsum(sum);
     }
-    values(p, ldp, vv, hd, ks, o);
+    values(p, n, ldp, vv, hd, ks, o);
     for (int64_t r = 0; r < n; r++) {
         const vec inv = vset1(1.0f / total[r]);
         uint16_t *row = out + (r0 + r) * ld_out + h * hd;
