@@ -108,7 +108,7 @@ setup_python() {
   fi
   "$PY" -c "import torch, ts, model_archiver, tp_llama; print('torch', torch.__version__)"
   # The C kernels, built once for this machine now rather than by the first worker to start.
-  "$PY" -m tp_llama.kernels.cpu.build
+  "$PY" -m tp_llama.kernels.cpu
 }
 
 java_major() {

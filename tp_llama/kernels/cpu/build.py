@@ -125,6 +125,7 @@ def build(variant: str, cc: str) -> Path:
 
 
 def main() -> int:
+    """Build every variant this CPU runs (`python -m tp_llama.kernels.cpu`), saying why others are not."""
     for variant in VARIANTS:
         why = unsupported(variant)
         cc = compiler()
@@ -134,6 +135,3 @@ def main() -> int:
         print(f"{variant}: {build(variant, cc)}", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
