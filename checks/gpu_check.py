@@ -133,7 +133,7 @@ def served_engine(args: ModelArgs, state: dict, info: DistInfo, dtype: str, comp
                           device=info.device.type, compile=compile_, quantize=quantize_, kv_block_size=kv_block_size,
                           speculative=speculative,
                           kv_cache_memory_gb=(max_rows + 1) * (max_seq_len + kv_block_size) * token_bytes / 2**30)
-    return Engine.around(config, model, NoText(), args, info, time.perf_counter())
+    return Engine.from_model(config, model, NoText(), args, info, time.perf_counter())
 
 
 def greedy_tokens(engine: Engine) -> list[list[int]]:

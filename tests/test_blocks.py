@@ -65,9 +65,9 @@ def forward(scheduler: Scheduler, plan: Scheduled) -> list[int]:
         for p, token in enumerate(row.tokens, row.start):
             kv[slot(row.blocks, p)] = token
     picked = []
-    for row, samplers in zip([r for r in plan.rows if r.sample], plan.samplers, strict=True):
+    for row, pickers in zip([r for r in plan.rows if r.sample], plan.pickers, strict=True):
         history = [kv.get(slot(row.blocks, p), -1) for p in range(row.start + len(row.tokens))]
-        for member in samplers:
+        for member in pickers:
             assert history == member.tokens, member.id
             picked.append(next_token(history, member.generator))
     return picked
@@ -262,7 +262,7 @@ def test_a_group_computes_its_prompt_once_and_each_member_draws_as_it_would_alon
         scheduler.add(s)
     assert list(scheduler.waiting) == members[:1]
     plan = step(scheduler)  # the whole prompt in one row, its logits sampled by the three
-    assert [len(r.tokens) for r in plan.rows] == [prompt_len] and plan.samplers == [members]
+    assert [len(r.tokens) for r in plan.rows] == [prompt_len] and plan.pickers == [members]
     assert scheduler.running == members and all(len(s.output) == 1 for s in members)
     full = prompt_len // SIZE
     shared = members[0].blocks[:full]

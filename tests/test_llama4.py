@@ -216,7 +216,8 @@ def test_served_modules_match_meta_and_keep_a_rows_bits(checkpoints, prompts, me
     from tp_llama import backend
 
     folder = str(checkpoints[1])
-    model = load_tp_model(folder, read_params(folder), CPU, torch.float32, backend.plan(CPU.device, torch.float32))
+    model = load_tp_model(folder, read_params(folder), CPU, torch.float32,
+                          backend.preparation_for(CPU.device, torch.float32))
     setup_slots(model, 3, max(map(len, prompts)), torch.float32, CPU.device)
     assert_close([dense_logits(model, torch.tensor([p]), torch.tensor([0]), last_only=False)[0] for p in prompts],
                  meta, "served modules")
@@ -236,7 +237,7 @@ def test_grouped_experts_and_the_static_decode_step_match(checkpoints, prompts, 
 
     monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
     folder = str(checkpoints[1])
-    plan = backend.plan(CPU.device, torch.float32)
+    plan = backend.preparation_for(CPU.device, torch.float32)
     model = load_tp_model(folder, read_params(folder), CPU, torch.float32, plan)
     assert plan.kind == "plain" and all(layer.feed_forward.grouped for layer in model.layers[1::2])
     setup_slots(model, 3, 80, torch.float32, CPU.device)

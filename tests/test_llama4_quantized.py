@@ -43,7 +43,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def load(folder: str, quantized: str) -> torch.nn.Module:
-    plan = backend.plan(CPU.device, torch.float32, quantized=quantized)
+    plan = backend.preparation_for(CPU.device, torch.float32, quantized=quantized)
     return load_tp_model(folder, read_params(folder), CPU, torch.float32, plan)
 
 

@@ -51,7 +51,7 @@ CPU = DistInfo(0, 1, 0, torch.device("cpu"), "none")
 
 def served_as_tiles() -> bool:
     """Whether this machine serves Meta's int4 layers on the C kernels' int4 tiles (kernels.metaquant.pack_tiles)."""
-    return backend.plan(CPU.device, torch.float32).kind in ("amx", "tiles")
+    return backend.preparation_for(CPU.device, torch.float32).kind in ("amx", "tiles")
 
 
 def torchao_layer(out: int, k: int, group: int, seed: int = 0):
@@ -305,7 +305,7 @@ def served_logits(ckpt, tokens: list[int]) -> torch.Tensor:
     """This process's served model (TP 1, float32, the backend applied as it loads) on one sequence."""
     tokenizer = load_tokenizer(ckpt / "tokenizer.model")
     args = read_params(ckpt, tokenizer.n_words)
-    model = load_tp_model(ckpt, args, CPU, torch.float32, backend.plan(CPU.device, torch.float32))
+    model = load_tp_model(ckpt, args, CPU, torch.float32, backend.preparation_for(CPU.device, torch.float32))
     setup_slots(model, 1, 64, torch.float32, CPU.device)
     return dense_logits(model, torch.tensor([tokens]), torch.tensor([0]), last_only=False)[0].double()
 
@@ -348,7 +348,7 @@ def test_int4_layers_in_c_give_the_op_by_op_bits(tmp_path, case: str, dtype: tor
     rotation inside): the bits of the same blocks op by op, which the float64 reference checks below."""
     ckpt = write_int4_checkpoint(tmp_path / "ckpt", seed=4, **INT4_CASES[case])
     args = read_params(ckpt, load_tokenizer(ckpt / "tokenizer.model").n_words)
-    model = load_tp_model(ckpt, args, CPU, dtype, backend.plan(CPU.device, dtype))
+    model = load_tp_model(ckpt, args, CPU, dtype, backend.preparation_for(CPU.device, dtype))
     setup_slots(model, 4, 64, dtype, CPU.device)
     assert model.layers._structs() is not None
     steps_in_c_and_op_by_op(model, args.vocab_size)
@@ -429,7 +429,8 @@ def load(ckpt, quantize: str = "none", tp: int = 1):
 
         paths = find_shards(ckpt)
         return Layout.build(args, read_format(ckpt, len(paths)), paths, tp, torch.float32, CPU.device)
-    return load_tp_model(ckpt, args, CPU, torch.float32, backend.plan(CPU.device, torch.float32, quantized=quantize))
+    return load_tp_model(ckpt, args, CPU, torch.float32,
+                         backend.preparation_for(CPU.device, torch.float32, quantized=quantize))
 
 
 def edit_params(ckpt, **quantization_args) -> None:

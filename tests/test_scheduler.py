@@ -127,10 +127,10 @@ def test_a_groups_members_take_their_first_tokens_from_one_row_then_decode_and_s
     for s in members + [other]:
         scheduler.add(s)
     plan = step(scheduler)  # 4 of the group's 6 prompt tokens: nobody samples
-    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 4, False)] and plan.samplers == []
+    assert [(r.start, len(r.tokens), r.sample) for r in plan.rows] == [(0, 4, False)] and plan.pickers == []
     plan = scheduler.schedule()  # the prompt's last 2 tokens, sampled by the three; the other's prompt
     assert [(r.start, len(r.tokens)) for r in plan.rows] == [(4, 2), (0, 2)]
-    assert plan.samplers == [members, [other]] and plan.prompt_tokens == 4
+    assert plan.pickers == [members, [other]] and plan.prompt_tokens == 4
     touched = scheduler.commit(plan, [EOS, 5, 6, 9])  # one token per sampler, in order
     assert set(touched) == {a, b, c, other}
     assert (a.output, a.finish_reason, b.output, c.output, other.output) == ([], "stop", [5], [6], [9])

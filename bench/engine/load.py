@@ -217,7 +217,8 @@ def measure(method: str, ckpt: Path, args: ModelArgs, info: DistInfo, keep: list
             loaded: object = read_plan(plan)
         elif method.startswith("direct"):  # as Engine.load does: each block prepared as it is read
             quantized = method.partition("-")[2] or "none"
-            loaded = load_tp_model(ckpt, args, info, DTYPE, backend.plan(info.device, DTYPE, quantized=quantized))
+            loaded = load_tp_model(ckpt, args, info, DTYPE,
+                                   backend.preparation_for(info.device, DTYPE, quantized=quantized))
         elif method == "seed":
             loaded = load_fsdp_model(ckpt, args, info, DTYPE)
         else:

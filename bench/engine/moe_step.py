@@ -54,7 +54,7 @@ def random_model(quantize: str) -> torch.nn.Module:
     for name, param in model.named_parameters():
         fan_in = param.shape[-2] if "experts" in name or "router" in name else param.shape[-1]
         param.normal_(0, 1 / fan_in**0.5) if param.dim() > 1 else param.fill_(1)
-    backend.plan(torch.device("cpu"), torch.bfloat16, quantized=quantize).apply(model)
+    backend.preparation_for(torch.device("cpu"), torch.bfloat16, quantized=quantize).apply(model)
     blocks = 1 + (POSITION + 512) // BLOCK
     model.setup_caches(POSITION + 1024, 8 * blocks, BLOCK, torch.bfloat16, torch.device("cpu"), SCOUT.n_kv_heads)
     return model

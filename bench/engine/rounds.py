@@ -43,7 +43,7 @@ def run(engine: Engine, clients: int, requests: int, prompt_len: int, new_tokens
     ids = iter(prompts(engine.args, clients * requests, prompt_len))
     params = SamplingParams(new_tokens, ignore_eos=True)
     steps: dict[str, list[float]] = {k: [] for k in KINDS}
-    lead = engine._lead
+    lead = engine._forward_and_pick
 
     def timed(scheduled: Scheduled, end: bool):
         times = steps[kind(scheduled)]
@@ -53,7 +53,7 @@ def run(engine: Engine, clients: int, requests: int, prompt_len: int, new_tokens
         finally:
             times.append(time.perf_counter() - started)
 
-    engine._lead = timed
+    engine._forward_and_pick = timed
     scheduler = engine.new_scheduler()
     issued = 0
 
@@ -73,7 +73,7 @@ def run(engine: Engine, clients: int, requests: int, prompt_len: int, new_tokens
         live = [seq for seq in live if not seq.finished]
         live += [send() for _ in range(min(clients - len(live), clients * requests - issued))]
     seconds = time.perf_counter() - started
-    engine._lead = lead
+    engine._forward_and_pick = lead
     ttft = statistics.median(seq.first_token_at - seq.arrived for seq in done)
     cells: list[object] = [clients, sum(len(seq.output) for seq in done) / seconds, ttft]
     for k in KINDS:

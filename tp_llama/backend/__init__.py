@@ -72,7 +72,8 @@ class Preparation:
             fused.apply_top(model, self.kind, self.device, bits)
 
 
-def plan(device: torch.device, dtype: torch.dtype, traced: bool = False, quantized: str = "none") -> Preparation:
+def preparation_for(device: torch.device, dtype: torch.dtype, traced: bool = False,
+                    quantized: str = "none") -> Preparation:
     """The Preparation for a model of `dtype` going to `device`. traced: decode steps will go through
     torch.compile (kernels.choose). quantized: "int8" or "int4", every matmul's weight quantized (the
     embedding stays: a step only gathers its rows), in groups that no tensor-parallel shard may split."""
@@ -88,7 +89,7 @@ def optimize(model: Transformer, device: torch.device | None = None, traced: boo
     Fusing on the host and moving the fused weights afterwards leaves no fragmented copies in
     a GPU's memory.
     """
-    preparation = plan(device or model.norm.weight.device, model.norm.weight.dtype, traced, quantized)
+    preparation = preparation_for(device or model.norm.weight.device, model.norm.weight.dtype, traced, quantized)
     preparation.apply(model)
     return preparation.kind, preparation.why
 

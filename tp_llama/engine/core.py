@@ -26,7 +26,7 @@ from tp_llama.engine.blocks import BlockPool
 from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.draft import SELF_DRAFT_QUANTIZE, Drafter, load_draft
 from tp_llama.engine.plan import Row, StepPlan
-from tp_llama.engine.runner import ModelRunner, PoolShare, block_bytes_of, plan_backend
+from tp_llama.engine.runner import ModelRunner, PoolShare, backend_preparation, block_bytes_of
 from tp_llama.engine.scheduler import Scheduled, Scheduler, Sequence
 from tp_llama.engine.speculate import Speculator
 from tp_llama.engine.verify import verify_rows
@@ -57,7 +57,7 @@ def load_model(config: EngineConfig, info: DistInfo) -> tuple[nn.Module, Tokeniz
         tokenizer = load_tokenizer(Path(config.ckpt_dir) / "tokenizer.model")
         args = read_params(config.ckpt_dir, tokenizer.n_words)
         check_tokenizer_fits(tokenizer, args, config.ckpt_dir)
-        prepared = plan_backend(config, info, dtype) if config.mode == "tp" else None
+        prepared = backend_preparation(config, info, dtype) if config.mode == "tp" else None
     if prepared is not None:
         return load_tp_model(config.ckpt_dir, args, info, dtype, prepared), tokenizer, args, prepared
     return load_fsdp_model(config.ckpt_dir, args, info, dtype), tokenizer, args, None
@@ -94,10 +94,10 @@ class Engine:
             log(f"loading the draft: {config.draft_ckpt_dir or f'{config.ckpt_dir} at {SELF_DRAFT_QUANTIZE}'}",
                 info.rank)
             draft = load_draft(config, tokenizer, lambda settings: load_model(settings, info))
-        return cls.around(config, model, tokenizer, args, info, started, prepared, draft)
+        return cls.from_model(config, model, tokenizer, args, info, started, prepared, draft)
 
     @classmethod
-    def around(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs, info: DistInfo,
+    def from_model(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs, info: DistInfo,
                started: float, prepared: Preparation | None = None,
                draft: tuple[EngineConfig, nn.Module, ModelArgs, Preparation | None] | None = None) -> Engine:
         """The engine of a built model (and its draft's), made ready to serve now (ModelRunner; `prepared`:
@@ -200,7 +200,7 @@ class Engine:
             # The last step unless one more would still end within the budget (a step takes about as
             # long as the one before).
             end = step_started - started + 2 * self._last_step_s > budget_s
-            picked, logprobs, scores, verified = self._lead(scheduled, end)
+            picked, logprobs, scores, verified = self._forward_and_pick(scheduled, end)
             self._last_step_s = time.perf_counter() - step_started
             accepted, forced = sum(map(len, verified.values())), sum(scheduled.forced)
             self.stats.proposed += sum(row.proposed for row in scheduled.rows) - forced
@@ -276,12 +276,12 @@ class Engine:
         self.run(scheduler, on_step=on_step)
         return sequences
 
-    def _lead(self, scheduled: Scheduled, end: bool) -> tuple[list[int], list, list, dict[int, list]]:
+    def _forward_and_pick(self, scheduled: Scheduled, end: bool) -> tuple[list[int], list, list, dict[int, list]]:
         """Rank 0's step: the plan out to every rank, the forward, one token picked per sampling row
         (with its log-probabilities where the sequence asks), each row's prompt log-probabilities, and
         the proposals each row that carried some accepted (engine/verify.py)."""
         started = time.perf_counter()
-        sampling = [seq for group in scheduled.samplers for seq in group]
+        sampling = [seq for group in scheduled.pickers for seq in group]
         masks = self._start_masks(scheduled, sampling) if any(seq.constraint for seq in sampling) else None
         _, logits, scores = self._forward(StepPlan(scheduled.rows, end))
         if logits is not None and logits.shape[-1] > self.tokenizer.n_words:
@@ -290,7 +290,7 @@ class Engine:
             logits = logits[:, : self.tokenizer.n_words].contiguous()
         picked, logprobs, verified = [], [], {}
         if logits is not None:
-            picked, logprobs, verified = verify_rows(logits, scheduled.rows, scheduled.samplers,
+            picked, logprobs, verified = verify_rows(logits, scheduled.rows, scheduled.pickers,
                                                      masks.result() if masks is not None else None, scheduled.forced)
             self._advance_constraints(scheduled, picked, verified)
         seconds = time.perf_counter() - started
@@ -303,7 +303,7 @@ class Engine:
         return picked, logprobs, scores, verified
 
     def _start_masks(self, scheduled: Scheduled, sampling: list[Sequence]):
-        """The grammar masks of the step's constrained samplers at each position they draw at (after their
+        """The grammar masks of the step's constrained pickers at each position they draw at (after their
         forced tokens), computed while the forward runs."""
         if self._masks is None:
             from tp_llama.engine.constraint import Masks  # llguidance only where a grammar is used
@@ -311,7 +311,7 @@ class Engine:
             self._masks = Masks()
         rows = [(row, forced) for row, forced in zip(scheduled.rows, scheduled.forced) if row.sample]
         drawn = [row.tokens[len(row.tokens) - row.proposed + forced :]  # its proposals past the forced ones
-                 for (row, forced), group in zip(rows, scheduled.samplers) for _ in group]
+                 for (row, forced), group in zip(rows, scheduled.pickers) for _ in group]
         return self._masks.start({s: (seq.constraint, drawn[s]) for s, seq in enumerate(sampling) if seq.constraint},
                                  self.tokenizer.n_words)
 
@@ -319,7 +319,7 @@ class Engine:
         """Each constrained row's grammar takes the proposals it accepted past its forced ones (which it
         took when they were planned) and its picked token; a grammar that fails (a limit hit while
         computing its mask) ends its sequence, logged, as "error"."""
-        groups, picks = iter(scheduled.samplers), iter(picked)
+        groups, picks = iter(scheduled.pickers), iter(picked)
         for r, row in enumerate(scheduled.rows):
             for seq, token in zip(next(groups) if row.sample else [], picks):
                 if seq.constraint is None or seq.finished:

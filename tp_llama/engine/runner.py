@@ -64,10 +64,11 @@ def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None
     return True, ""
 
 
-def plan_backend(config: EngineConfig, info: DistInfo, dtype: torch.dtype) -> Preparation:
+def backend_preparation(config: EngineConfig, info: DistInfo, dtype: torch.dtype) -> Preparation:
     """How this rank prepares its model for serving (`tp` mode): block by block as the loader reads it,
     or whole (ModelRunner)."""
-    return backend.plan(info.device, dtype, traced=wants_compile(config, info.device), quantized=config.quantize)
+    return backend.preparation_for(info.device, dtype, traced=wants_compile(config, info.device),
+                                   quantized=config.quantize)
 
 
 def kv_pool_bytes(config: EngineConfig, info: DistInfo, token_bytes: int, held_apart: int = 0) -> int:
@@ -131,7 +132,7 @@ class ModelRunner:
         self.model, self.info = model, info
         self.mode = config.mode
         self.n_words = args.vocab_size if n_words is None else n_words  # the ids prompt log-probabilities range over
-        kind = self._ready(config, prepared) if config.mode == "tp" else None
+        kind = self._swap_in_modules(config, prepared) if config.mode == "tp" else None
         self.adapters: ResidentAdapters | None = None
         if adapters:
             with every_rank_agrees():
@@ -151,13 +152,13 @@ class ModelRunner:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def _ready(self, config: EngineConfig, prepared: Preparation | None) -> str:
+    def _swap_in_modules(self, config: EngineConfig, prepared: Preparation | None) -> str:
         """Swap the serving modules in on the host (unless the loader did as it read the model:
         `prepared`), then move the model to its device; the matmul kind."""
         info = self.info
         with every_rank_agrees():
             if prepared is None:
-                prepared = plan_backend(config, info, self.dtype)
+                prepared = backend_preparation(config, info, self.dtype)
                 prepared.apply(self.model)
             why = prepared.why
             if prepared.kind in C_KINDS:

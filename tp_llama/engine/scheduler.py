@@ -22,7 +22,7 @@ prefix cache).
 
 n > 1 (a group of one prompt, `Sequence.fork_of`): the first sequence carries the others until its
 first token, so the prompt is computed once; every member takes its first token from the same logits
-(`Scheduled.samplers`), then each fork shares the prompt's full blocks and copies the last, partly
+(`Scheduled.pickers`), then each fork shares the prompt's full blocks and copies the last, partly
 filled one (`Row.copy`), as vLLM v0 did.
 """
 
@@ -57,7 +57,7 @@ class Scheduled:
     prompt_tokens: int  # how many of the rows' tokens are prompt
     # One list per sampling row, in row order: the sequences that pick a token from its logits (the
     # row's own sequence; at a group's first token, the group: its first sequence, then its forks).
-    samplers: list[list[Sequence]]
+    pickers: list[list[Sequence]]
     forced: list[int]  # per row, how many of its proposals are its grammar's forced tokens (engine/constraint.py)
 
 
@@ -176,7 +176,7 @@ class Scheduler:
         up to the budget's rows."""
         rows: list[Row] = []
         owners: list[Sequence] = []
-        samplers: list[list[Sequence]] = []
+        pickers: list[list[Sequence]] = []
         # Room for every decoding sequence's next token first (preempting where the pool is dry); then
         # proposals take only the blocks left.
         decoding = [s for s in self.running if not s.prefilling]
@@ -194,7 +194,7 @@ class Scheduler:
                             proposed=len(proposal), adapter=self._slot(seq)))
             seq.copy = None
             owners.append(seq)
-            samplers.append([seq])
+            pickers.append([seq])
         decode_tokens = sum(len(row.tokens) for row in rows)
         budget = start = max(self.prefill_budget - decode_tokens, self.prefill_budget // 2, 1)
         for seq in [s for s in self.running if s.prefilling] + list(self.waiting):
@@ -211,13 +211,13 @@ class Scheduler:
                             adapter=self._slot(seq)))
             owners.append(seq)
             if sample:
-                samplers.append([seq, *seq.forks])
-        return Scheduled(rows, owners, start - budget, samplers, forced + [0] * (len(rows) - len(forced)))
+                pickers.append([seq, *seq.forks])
+        return Scheduled(rows, owners, start - budget, pickers, forced + [0] * (len(rows) - len(forced)))
 
     def commit(self, step: Scheduled, picked: list[int], logprobs: list[TokenLogprobs | None] | None = None,
                scores: list[list[TokenLogprobs] | None] | None = None,
                verified: dict[int, list[TokenLogprobs | None]] | None = None) -> list[Sequence]:
-        """Record the step's results (one picked token per sampler, `step.samplers` flattened, and its
+        """Record the step's results (one picked token per sampler, `step.pickers` flattened, and its
         log-probabilities where asked for; per row, the prompt log-probabilities it scored); returns the
         sequences it touched.
 
@@ -225,10 +225,10 @@ class Scheduler:
         proposals it accepted, in order; the sampler's picked token comes after them."""
         now = time.perf_counter()
         tokens = iter(zip(picked, logprobs or [None] * len(picked)))
-        samplers = iter(step.samplers)
+        pickers = iter(step.pickers)
         touched = list(step.sequences)
         for r, (row, seq, scored) in enumerate(zip(step.rows, step.sequences, scores or [None] * len(step.rows))):
-            group = next(samplers) if row.sample else [seq]
+            group = next(pickers) if row.sample else [seq]
             picks = [next(tokens) for _ in group] if row.sample else []
             touched += group[1:]
             # Cancelled while its step ran: left alone, unless a group's next sequence took its place.
