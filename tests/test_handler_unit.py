@@ -6,9 +6,11 @@ continuous-batching handler call by call, as TorchServe does, over a real one-pr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -290,12 +292,29 @@ def engine(tmp_path_factory: pytest.TempPathFactory, device: str):
                                     device=device))
 
 
+class SharedEngineHandler(llama_handler.LlamaHandler):
+    """A worker has one handler on its engine; tests make several on one engine, each with its own
+    scheduler over the same KV cache. A handler left with requests in progress goes on stepping between
+    calls, so before a call the other handlers on the engine end theirs: two step threads must never
+    run the engine at once (a test's reply then depended on the previous test's steps' timing)."""
+
+    def handle(self, data: list[dict], context) -> list[str]:
+        for other in ON_ENGINE[id(self.engine)]:
+            if other is not self:
+                other.steps.end_between_calls()
+        return super().handle(data, context)
+
+
+ON_ENGINE: dict[int, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)  # the handlers made on each engine
+
+
 def new_handler(engine, settings: HandlerSettings = SETTINGS, grammars=None) -> llama_handler.LlamaHandler:
     """A rank-0 handler over `engine`, as initialize() leaves it (`grammars`: its GrammarCompiler)."""
-    handler = llama_handler.LlamaHandler()
+    handler = SharedEngineHandler()
     handler.engine, handler.settings, handler.grammars = engine, settings, grammars
     handler.scheduler = engine.new_scheduler()
     handler.steps = llama_handler.StepThread()
+    ON_ENGINE[id(engine)].add(handler)
     return handler
 
 

@@ -137,15 +137,25 @@ def test_soak_mixed_clients_memory_flat_and_kv_blocks_released(server: TorchServ
     assert report.kv_blocks_used_at_end == 0
 
 
-def _in_flight(ts: TorchServe, payloads: list[dict]) -> tuple[list[threading.Thread], dict]:
+def _in_flight(ts: TorchServe, payloads: list[dict],
+               begun: threading.Event | None = None) -> tuple[list[threading.Thread], dict]:
+    """Each payload sent from a thread of its own; `begun` is set when the first response begins
+    (its headers go out with the handler's first answer to it: the request is in the running batch)."""
     outcomes: dict = {}
 
     def send(i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", ts.inference_port, timeout=150)
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ts.keys()['inference']}"}
         try:
-            reply = ts.predict(payloads[i], timeout=150)
-            outcomes[i] = (reply.status, reply.body, time.monotonic())
+            conn.request("POST", f"/predictions/{ts.name}", body=json.dumps(payloads[i]).encode(), headers=headers)
+            response = conn.getresponse()
+            if begun is not None:
+                begun.set()
+            outcomes[i] = (response.status, response.read(), time.monotonic())
         except (OSError, http.client.HTTPException) as exc:  # a response already begun is cut off
             outcomes[i] = (None, repr(exc).encode(), time.monotonic())
+        finally:
+            conn.close()
 
     threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(payloads))]
     for thread in threads:
@@ -184,8 +194,11 @@ def test_killed_rank_fails_in_flight_requests_and_the_worker_comes_back(server: 
     ranks = rank_processes(server)
     set_faults(server, [{"point": "decode", "kind": "delay", "seconds": 0.05}])  # 200 tokens take 10 s or more
     try:
-        threads, outcomes = _in_flight(server, [{"prompt": p, **LONG} for p in prompts])
-        time.sleep(2.0)  # the batch is decoding by now, far from done
+        begun = threading.Event()
+        threads, outcomes = _in_flight(server, [{"prompt": p, **LONG} for p in prompts], begun)
+        # a reply has begun: its request is decoding, far from done (a fixed wait could kill the rank
+        # before any request reached it on a loaded machine, and then none fails)
+        assert begun.wait(timeout=FAIL_FAST_S), "no reply began"
         killed = time.monotonic()
         ranks[victim].kill()
     finally:
