@@ -292,6 +292,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory, device: str):
                                     device=device))
 
 
+ON_ENGINE: dict[int, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)  # the handlers made on each engine
+
+
 class SharedEngineHandler(llama_handler.LlamaHandler):
     """A worker has one handler on its engine; tests make several on one engine, each with its own
     scheduler over the same KV cache. A handler left with requests in progress goes on stepping between
@@ -303,9 +306,6 @@ class SharedEngineHandler(llama_handler.LlamaHandler):
             if other is not self:
                 other.steps.end_between_calls()
         return super().handle(data, context)
-
-
-ON_ENGINE: dict[int, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)  # the handlers made on each engine
 
 
 def new_handler(engine, settings: HandlerSettings = SETTINGS, grammars=None) -> llama_handler.LlamaHandler:

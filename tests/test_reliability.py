@@ -144,18 +144,11 @@ def _in_flight(ts: TorchServe, payloads: list[dict],
     outcomes: dict = {}
 
     def send(i: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", ts.inference_port, timeout=150)
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ts.keys()['inference']}"}
         try:
-            conn.request("POST", f"/predictions/{ts.name}", body=json.dumps(payloads[i]).encode(), headers=headers)
-            response = conn.getresponse()
-            if begun is not None:
-                begun.set()
-            outcomes[i] = (response.status, response.read(), time.monotonic())
+            reply = ts.predict(payloads[i], timeout=150, begun=begun)
+            outcomes[i] = (reply.status, reply.body, time.monotonic())
         except (OSError, http.client.HTTPException) as exc:  # a response already begun is cut off
             outcomes[i] = (None, repr(exc).encode(), time.monotonic())
-        finally:
-            conn.close()
 
     threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(payloads))]
     for thread in threads:

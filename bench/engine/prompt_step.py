@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([dtype, step, ours, old, ours / old, " ".join(f"{r[step]:.0f}" for r in runs["ours"]),
                          " ".join(f"{r[step]:.0f}" for r in runs["before"])])
     print(table(["dtype", "step", "ours ms", "before ms", "ours / before", "ours runs", "before runs"], rows))
-    print(f"\n{a.ckpt or a.preset + ' preset'}, TP 1, {torch.get_num_threads()} threads; before = {before}; medians over "
-          f"{a.rounds} rounds taking turns, each the best of {a.repeats}.")
+    print(f"\n{a.ckpt or a.preset + ' preset'}, TP 1, {torch.get_num_threads()} threads; before = {before}; "
+          f"medians over {a.rounds} rounds taking turns, each the best of {a.repeats}.")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -190,12 +191,15 @@ class TorchServe:
         key: str | None = "inference",
         timeout: float = 120.0,
         headers: dict[str, str] | None = None,
+        begun: threading.Event | None = None,
     ) -> Reply:
+        """`begun` is set once the response's headers arrive (a continuous batch's reply begins at its
+        request's first step)."""
         conn = http.client.HTTPConnection("127.0.0.1", port or self.inference_port, timeout=timeout)
         headers = {"Content-Type": content_type, **(headers or {})}
         if key is not None:
             headers["Authorization"] = f"Bearer {self.keys()[key]}"
-        return _send(conn, method, path, body, headers)
+        return _send(conn, method, path, body, headers, begun)
 
     def management(
         self, method: str, path: str, body: bytes | None = None, key: str | None = "management",
@@ -211,9 +215,10 @@ class TorchServe:
             return port_is_open(self.management_port)
         return self.management_socket is not None and self.management_socket.is_socket()
 
-    def predict(self, payload: dict | bytes, timeout: float = 120.0, content_type: str = "application/json") -> Reply:
+    def predict(self, payload: dict | bytes, timeout: float = 120.0, content_type: str = "application/json",
+                begun: threading.Event | None = None) -> Reply:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        return self.request("POST", f"/predictions/{self.name}", body, content_type, timeout=timeout)
+        return self.request("POST", f"/predictions/{self.name}", body, content_type, timeout=timeout, begun=begun)
 
     def predict_stream(self, payload: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
         """POST with "stream": true; returns the status and the chunks, one JSON object per line."""
@@ -294,10 +299,13 @@ class TorchServe:
         return {"returncode": returncode, "leftover": leftover}
 
 
-def _send(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, headers: dict) -> Reply:
+def _send(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, headers: dict,
+          begun: threading.Event | None = None) -> Reply:
     try:
         conn.request(method, path, body=body, headers=headers)
         response = conn.getresponse()
+        if begun is not None:
+            begun.set()
         return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
     finally:
         conn.close()

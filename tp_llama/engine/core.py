@@ -97,9 +97,9 @@ class Engine:
         return cls.from_model(config, model, tokenizer, args, info, started, prepared, draft)
 
     @classmethod
-    def from_model(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs, info: DistInfo,
-               started: float, prepared: Preparation | None = None,
-               draft: tuple[EngineConfig, nn.Module, ModelArgs, Preparation | None] | None = None) -> Engine:
+    def from_model(cls, config: EngineConfig, model: nn.Module, tokenizer: Tokenizer, args: ModelArgs,
+                   info: DistInfo, started: float, prepared: Preparation | None = None,
+                   draft: tuple[EngineConfig, nn.Module, ModelArgs, Preparation | None] | None = None) -> Engine:
         """The engine of a built model (and its draft's), made ready to serve now (ModelRunner; `prepared`:
         the loader already applied it)."""
         share = PoolShare()
