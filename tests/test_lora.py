@@ -120,13 +120,28 @@ def test_a_prefix_cached_under_one_adapter_is_served_only_to_rows_of_the_same_we
     assert [cached(name) for name in (None, "all16", "qkvo8", "qkvo8-again")] == [0, 0, 48, 48]
 
 
-def test_compiled_decode_steps_take_each_rows_adapter_from_their_inputs(served, monkeypatch):
-    """CUDA's path, run on CPU: decode steps compiled at static shapes (CUDA graphs' on a GPU) read each row's
-    slot as an input and add its adapter's delta with no host-side grouping; replies still equal PEFT's."""
+def test_decode_steps_at_static_shapes_add_each_rows_adapter_in_one_batch(served, monkeypatch):
+    """CUDA's path, run uncompiled on CPU (inductor's code is the next test's concern): steps padded to a bucket
+    read each row's slot as an input and add its adapter's delta with no host-side grouping, rows of several
+    adapters and the base in one step; replies still equal PEFT's."""
     monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")  # PyTorch's matmuls, which the decode step compiles
+    monkeypatch.setattr(torch, "compile", lambda forward, **_: forward)
     root, folders, expected = served
-    engine = Engine.load(settings(root / "mp1", folders, compile="on", max_batch_size=2))
+    engine = Engine.load(settings(root / "mp1", folders, compile="on", max_batch_size=4))
     assert engine.decode_step is not None and engine.decode_step.lora is not None
+    assert engine.decode_step.sizes == (1, 2, 4)
+    names = [None, "qkvo8", "all16rs"]
+    seqs = replies(engine, names)
+    assert {name: [s.output for s in seqs if s.adapter == name] for name in names} == {n: expected[n] for n in names}
+
+
+def test_compiled_decode_steps_take_each_rows_adapter_from_their_inputs(served, monkeypatch):
+    """The same steps compiled: one graph serves rows on every adapter, their slot an input. One row a step, so
+    one graph (a cold compile of each bucket takes most of a minute here)."""
+    monkeypatch.setenv("TP_LLAMA_MATMUL", "plain")
+    root, folders, expected = served
+    engine = Engine.load(settings(root / "mp1", folders, compile="on", max_batch_size=1))
+    assert engine.decode_step is not None and engine.decode_step.sizes == (1,)
     names = [None, "qkvo8", "all16rs"]
     seqs = replies(engine, names)
     assert {name: [s.output for s in seqs if s.adapter == name] for name in names} == {n: expected[n] for n in names}
