@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from tp_llama.checkpoint.quantized import quantized_module
-from tp_llama.kernels.metaquant import FP8_MAX, Fp8Weight, Int4Weight, fp8_linear, fp8_matmuls, int4_linear
+from tp_llama.kernels.fp8 import FP8_MAX, Fp8Weight, fp8_linear, fp8_matmuls
+from tp_llama.kernels.meta_int4 import Int4Weight, int4_linear
 from tp_llama.model import Transformer
 from tp_llama.parallel.layout import NONE
 

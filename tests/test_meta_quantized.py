@@ -33,7 +33,7 @@ from tp_llama.checkpoint.loader import load_tp_model
 from tp_llama.checkpoint.params import read_params
 from tp_llama.errors import CheckpointError
 from tp_llama.kernels import linear
-from tp_llama.kernels.metaquant import (Int4Weight, fuse_int4, hadamard_in_c, int4_linear, int8_tiles, pack_tiles,
+from tp_llama.kernels.meta_int4 import (Int4Weight, fuse_int4, hadamard_in_c, int4_linear, int8_tiles, pack_tiles,
                                        quantize_rows, rotate, row_bounds, walsh_hadamard)
 from tp_llama.parallel.distributed import DistInfo
 from tp_llama.testing.meta_quant import write_fp8_checkpoint, write_int4_checkpoint
@@ -50,7 +50,7 @@ CPU = DistInfo(0, 1, 0, torch.device("cpu"), "none")
 
 
 def served_as_tiles() -> bool:
-    """Whether this machine serves Meta's int4 layers on the C kernels' int4 tiles (kernels.metaquant.pack_tiles)."""
+    """Whether this machine serves Meta's int4 layers on the C kernels' int4 tiles (kernels.meta_int4.pack_tiles)."""
     return backend.preparation_for(CPU.device, torch.float32).kind in ("amx", "tiles")
 
 
@@ -107,7 +107,7 @@ def test_bfloat16_models_take_exact_input_steps_and_scale_pairs():
     """A bfloat16 model's int4 matmuls: the input's integer steps (exact in bfloat16), each scale as two
     bfloat16 parts, two matmuls whose bfloat16 outputs are summed in float32: within bfloat16's rounding
     of the output of torchao's float32 module."""
-    from tp_llama.kernels.metaquant import pack
+    from tp_llama.kernels.meta_int4 import pack
 
     module, state = torchao_layer(96, 256, 32, seed=2)
     weight = pack(Int4Weight((96, 256), 32, state["0.weight"], state["0.scales"], state["0.zeros"]),
@@ -133,7 +133,7 @@ def test_activations_quantize_as_torchaos_per_token_asymmetric_int8():
 
 
 class Shards:
-    """metaquant.Across for `size` ranks simulated in one process (rank `rank` of them)."""
+    """meta_int4.Across for `size` ranks simulated in one process (rank `rank` of them)."""
 
     def __init__(self, parts: list[torch.Tensor], rank: int):
         self.parts, self.rank, self.size = parts, rank, len(parts)

@@ -1,4 +1,4 @@
-"""Meta's int4 format (Llama 3.2 QLoRA / SpinQuant: kernels/metaquant.py), on the C kernels' int4 tiles as
+"""Meta's int4 format (Llama 3.2 QLoRA / SpinQuant: kernels/meta_int4.py), on the C kernels' int4 tiles as
 served and on PyTorch's int4 matmul, against the project's own int4 tiles (`quantize: int4`,
 kernels/cpu/quant.c) and bfloat16 tiles, on one decoder layer's matmuls of the Llama 3.2 1B shape (fused
 q/k/v, wo, fused w1/w3, w2).
@@ -9,7 +9,7 @@ For each row count: the time of one pass of x [rows, in] over the layer's four w
 taking turns within each repeat, the best of the repeats kept. "meta int4 + LoRA" adds QLoRA's adaptor
 (rank --lora-rank), "meta int4" leaves it out, "meta int4 + Hadamard" rotates w2's input (SpinQuant);
 "meta int4, PyTorch op" is the format on PyTorch's int4 matmul, as CPUs without the C kernels run it
-(bfloat16 inputs, so its weights take their bfloat16 scale pairs: kernels.metaquant.pack).
+(bfloat16 inputs, so its weights take their bfloat16 scale pairs: kernels.meta_int4.pack).
 Random weights: the values do not change a matmul's time.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from bench.lib.common import table
 from tp_llama.kernels import choose, linear, prepare
-from tp_llama.kernels.metaquant import Int4Weight, pack, pack_tiles
+from tp_llama.kernels.meta_int4 import Int4Weight, pack, pack_tiles
 
 SHAPES = {"wqkv": (3072, 2048), "wo": (2048, 2048), "w13": (16384, 2048), "w2": (2048, 8192)}  # 1B: [out, in]
 

@@ -1,4 +1,4 @@
-"""Serving modules for the blocks of a checkpoint Meta quantized (kernels/metaquant.py's weights, put in
+"""Serving modules for the blocks of a checkpoint Meta quantized (kernels/meta_int4.py's and kernels/fp8.py's weights, put in
 by checkpoint.quantized as the block is read).
 
 q/k/v fuse into one int4 weight and w1/w3 into another, which is exact: they share their input, so its
@@ -17,7 +17,7 @@ from tp_llama.backend.cpu import CAttention, CFeedForward, CRMSNorm
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held, serving_linear
 from tp_llama.kernels import C_KINDS, Fp8Weight, Int4Weight, Weight, prepare
 from tp_llama.kernels.cpu.ffi import library
-from tp_llama.kernels.metaquant import fits_tiles, fuse_int4, pack, pack_tiles
+from tp_llama.kernels.meta_int4 import fits_tiles, fuse_int4, pack, pack_tiles
 from tp_llama.parallel.modules import LocalLinear
 
 META_WEIGHTS = (Int4Weight, Fp8Weight)
@@ -83,7 +83,7 @@ def _fused_feed_forward(ffn: nn.Module, kind: str, device: torch.device, bf16: b
 
 def apply_layer(block: nn.Module, kind: str, device: torch.device) -> None:
     """One block's serving modules for `kind` of matmul on `device` (the C kernels' norms and decode
-    attention where kind is theirs); a bfloat16 model's int4 weights take bfloat16 inputs (kernels.metaquant.pack)."""
+    attention where kind is theirs); a bfloat16 model's int4 weights take bfloat16 inputs (kernels.meta_int4.pack)."""
     bf16 = block.attention_norm.weight.dtype == torch.bfloat16
     c_kernels = kind in C_KINDS
     c_attention = c_kernels and block.attention.head_dim <= library().constants["MAX_HEAD_DIM"]

@@ -3,12 +3,12 @@
 `Layout` gives every tensor of the files its full shape, the dtype the rank reads it into and its shard
 dim, and after a block is read puts the quantized parts into the model:
 
-- int4: each linear of the layers becomes a LocalLinear holding a kernels.metaquant.Int4Weight (its
+- int4: each linear of the layers becomes a LocalLinear holding a kernels.meta_int4.Int4Weight (its
   slices of the values, scales, zeros and adaptor), which runs Meta's 8da4w matmul with or without a
   serving backend; a row-parallel one (wo, w2) under TP learns the whole row's range of each token
   from the other ranks (`GroupAcross`). The embedding table is dequantized into the serving dtype, as
   Meta's reference loader does (int8 times its scales), and so is the output layer, but where the C
-  kernels run it: there it keeps its int8 values (kernels.metaquant.int8_tiles).
+  kernels run it: there it keeps its int8 values (kernels.meta_int4.int8_tiles).
 - fp8: each float8 feed-forward weight is multiplied by its row scales (fp8_scales_N.pt, per file
   shard) into the serving dtype, or, on a CUDA GPU with float8 matmuls, kept in float8 as an
   Fp8Weight with one scale per row of each file's k slice.
@@ -26,15 +26,15 @@ from tp_llama.checkpoint.formats import (FP8, INT8_TABLES, LINEARS, ROW_PARALLEL
                                          check_int4_file, int4_specs, table_scale_spec)
 from tp_llama.checkpoint.shards import load_shard
 from tp_llama.errors import CheckpointError
-from tp_llama.kernels.metaquant import (Fp8Weight, Int4Weight, check_int4, dequantize_rows, fp8_matmuls,
-                                       int8_tiles)
+from tp_llama.kernels.fp8 import Fp8Weight, fp8_matmuls
+from tp_llama.kernels.meta_int4 import Int4Weight, check_int4, dequantize_rows, int8_tiles
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.parallel.layout import NONE, full_shapes, shard_dim, tp_sharding
 from tp_llama.parallel.modules import LocalLinear, all_gather_last_dim
 
 
 class GroupAcross:
-    """kernels.metaquant.Across over a process group: a row's range and its parts from every rank."""
+    """kernels.meta_int4.Across over a process group: a row's range and its parts from every rank."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group

@@ -26,7 +26,7 @@ Four kinds, picked per process by `choose` (TP_LLAMA_MATMUL forces one, for comp
 Weights quantized at load (`bits` 8 or 4) take the C kernels' integer tiles where the kind is
 "tiles" or "amx" (kernels/cpu/qtiles.py), and PyTorch's own int8/int4 matmuls elsewhere
 (kernels/quant.py). Checkpoints Meta quantized (int4 QLoRA / SpinQuant, fp8) run their own formats
-on PyTorch's ops (kernels/metaquant.py).
+on PyTorch's ops (kernels/meta_int4.py, kernels/fp8.py).
 
 A prepared weight replaces the plain one, so it costs no memory of its own.
 """
@@ -34,6 +34,8 @@ A prepared weight replaces the plain one, so it costs no memory of its own.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,8 @@ from tp_llama.kernels.cpu import ffi
 from tp_llama.kernels.cpu.build import cpu_flags
 from tp_llama.kernels.cpu.ops import Tiled, prepare_swiglu_tiles, prepare_tiles, tileable, tiled_linear
 from tp_llama.kernels.cpu.qtiles import QuantTiled, prepare_quant_swiglu, prepare_quant_tiles, quant_linear
-from tp_llama.kernels.metaquant import Fp8Weight, Int4Weight, fp8_linear, int4_linear
+from tp_llama.kernels.fp8 import Fp8Weight, fp8_linear
+from tp_llama.kernels.meta_int4 import Int4Weight, int4_linear
 from tp_llama.kernels.quant import Quantized, quantize, quantized_linear
 
 KINDS = ("amx", "tiles", "onednn", "plain")
@@ -98,21 +101,19 @@ def prepare_swiglu(w1: torch.Tensor, w3: torch.Tensor, kind: str, bits: int = 16
     return prepare_swiglu_tiles(w1, w3, amx=kind == "amx") if bits == 16 else prepare_quant_swiglu(w1, w3, bits)
 
 
+# Each prepared form's matmul, found by the weight's type: a new format is one entry here.
+MATMULS: dict[type, Callable[[torch.Tensor, Any], torch.Tensor]] = {
+    Tiled: tiled_linear, QuantTiled: quant_linear, Quantized: quantized_linear, Int4Weight: int4_linear,
+    Fp8Weight: fp8_linear,
+}
+
+
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [T, in] @ weight.T, whichever form the weight is in."""
-    if isinstance(weight, Tiled):
-        return tiled_linear(x, weight)
-    if isinstance(weight, QuantTiled):
-        return quant_linear(x, weight)
-    if isinstance(weight, Quantized):
-        return quantized_linear(x, weight)
-    if isinstance(weight, Int4Weight):
-        return int4_linear(x, weight)
-    if isinstance(weight, Fp8Weight):
-        return fp8_linear(x, weight)
-    if weight.is_mkldnn:
-        return onednn.linear(x, weight)
-    return F.linear(x, weight)
+    matmul = MATMULS.get(type(weight))
+    if matmul is not None:
+        return matmul(x, weight)
+    return onednn.linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
 
 
 def warm_up(weights: list[Weight], max_rows: int, dtype: torch.dtype) -> None:

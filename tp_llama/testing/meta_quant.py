@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tp_llama.kernels.metaquant import walsh_hadamard
+from tp_llama.kernels.meta_int4 import walsh_hadamard
 from tp_llama.testing.synthetic import write_checkpoint
 
 LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",

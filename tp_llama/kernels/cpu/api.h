@@ -62,7 +62,7 @@ struct DecodeLayer {
     const struct LoraWeights *lora_qkv, *lora_wo, *lora_w13, *lora_w2;
 };
 
-/* One of Meta's int4 weights [N][K] (kernels/metaquant.py's pack_tiles): its int4 tiles (quant.c), the
+/* One of Meta's int4 weights [N][K] (kernels/meta_int4.py's pack_tiles): its int4 tiles (quant.c), the
  * sums of its rows along k (float32 [N]), and where lora_a is not NULL QLoRA's adaptor, lora_scale *
  * (x A^T) B^T with A [rank][K] in bfloat16, as Meta ships it. B is block-diagonal where weights fused
  * (q/k/v, w1/w3): part i (of lora_parts) owns outputs lora_ends[i - 1] .. lora_ends[i] - 1 (multiples
@@ -135,7 +135,7 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
 void quant_matmul(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int gated, int bf16,
                   int bits, void *scratch);
 int64_t quant_scratch_bytes(int64_t M, int64_t K);
-/* Meta's int4 checkpoints (kernels/metaquant.py): each row of x [M][K] (float32, or bfloat16: bf16) quantized
+/* Meta's int4 checkpoints (kernels/meta_int4.py): each row of x [M][K] (float32, or bfloat16: bf16) quantized
  * to int8 as torchao's per-token asymmetric quantization does, over its range from bounds [M][2] float32
  * (the row's max and -min: under TP the whole row's) or, where bounds is NULL, its own; then y [M][N]
  * float32 = the dequantized rows @ w^T, plus QLoRA's adaptor on x itself where w has one.
@@ -147,7 +147,7 @@ void meta_int4_matmul(const void *x, const void *bounds, int64_t M, int64_t K, c
                       float *y, int bf16, void *scratch);
 int64_t meta_int4_scratch_bytes(int64_t M, int64_t K, int64_t R);
 /* Each row of x [M][n] (n a power of two) times the Sylvester Hadamard matrix over sqrt(n), into y float32
- * (in place where x is y): log2(n) butterfly passes in the order kernels.metaquant.walsh_hadamard takes
+ * (in place where x is y): log2(n) butterfly passes in the order kernels.meta_int4.walsh_hadamard takes
  * them (SpinQuant's w2 input). hadamard_rows_in is the in-region form, of float32 or bfloat16 (bf16) x. */
 void hadamard_rows(void *x, int64_t M, int64_t n);
 void hadamard_rows_in(const void *x, int64_t M, int64_t n, int bf16, float *y);

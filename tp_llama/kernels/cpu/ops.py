@@ -303,7 +303,7 @@ def decode_layer(norms: tuple[torch.Tensor, torch.Tensor], weights: tuple[Tiled 
 
     norms: (attention_norm, ffn_norm) weights; weights: wqkv, wo, the gated w1/w3, w2 (this rank's
     shards) in tiles, all float or all quantized alike, or all four Meta's int4 weights in tiles (each
-    with its `shape` and `c`, its struct MetaInt4: kernels.metaquant.pack_tiles; without tensor
+    with its `shape` and `c`, its struct MetaInt4: kernels.meta_int4.pack_tiles; without tensor
     parallelism), their w1/w3 side by side;
     the cache [kv_heads, blocks * block_size, head_dim]. The layer's tensors must outlive the returned
     struct, which holds only their addresses. lora: the adapters of wqkv, wo, w1/w3 and w2 (None: none),

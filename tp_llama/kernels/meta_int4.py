@@ -1,16 +1,12 @@
-"""The matmuls of Meta's own quantized checkpoints, on PyTorch's ops (every device).
+"""The matmuls of Meta's int4 checkpoints (Llama 3.2 1B/3B QLoRA and SpinQuant: torchao's 8da4w,
+`Int8DynActInt4WeightLinear`), on PyTorch's ops (every device) and the C kernels' int4 tiles.
 
-- int4 (Llama 3.2 1B/3B QLoRA and SpinQuant: torchao's 8da4w, `Int8DynActInt4WeightLinear`): each
-  weight holds int4 values (-8..7, one per int8) in groups of `group` along k with a float32 scale (and
-  zero point) a group, w = (q - zero) * scale. Each matmul first quantizes its input per token to int8,
-  asymmetric, over the whole row (the scale and zero point from the row's minimum and maximum, both
-  widened to include zero), then multiplies the dequantized input by the dequantized weight in float32.
-  QLoRA adds its adaptor on the unquantized input, x @ A^T @ B^T * lora_scale; SpinQuant's w2 takes
-  a Walsh-Hadamard transform of its input first (ExecuTorch's online rotation).
-- fp8 (Llama 3.1 405B): float8 e4m3 weights, one float32 scale per row of each k slice (a checkpoint
-  shard's columns); on CUDA GPUs with float8 matmuls through torch._scaled_mm, each input row quantized
-  to float8 with its own scale (its largest magnitude, capped at `activation_ub`). Elsewhere the loader
-  converts the weights to the serving dtype (`dequantize_fp8`).
+Each weight holds int4 values (-8..7, one per int8) in groups of `group` along k with a float32 scale (and
+zero point) a group, w = (q - zero) * scale. Each matmul first quantizes its input per token to int8,
+asymmetric, over the whole row (the scale and zero point from the row's minimum and maximum, both widened
+to include zero), then multiplies the dequantized input by the dequantized weight in float32. QLoRA adds
+its adaptor on the unquantized input, x @ A^T @ B^T * lora_scale; SpinQuant's w2 takes a Walsh-Hadamard
+transform of its input first (ExecuTorch's online rotation).
 
 A row-parallel weight under tensor parallelism holds only its slice of k, but a token's range (and the
 Hadamard transform) spans the whole row: `Across` brings in the other ranks' parts.
@@ -34,8 +30,6 @@ from tp_llama.kernels.quant import INT4_ROWS, pack_int4
 ACT_MIN, ACT_MAX = -128, 127  # the int8 range of a token's quantized activations
 ACT_EPS = torch.finfo(torch.float32).eps  # the smallest activation step (torchao's eps)
 TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes PyTorch's int4 matmuls take
-FP8_MAX = 448.0  # float8 e4m3's largest finite value
-FP8_ACTIVATION_UB = 1200.0  # Meta's cap on an input row's largest magnitude before its fp8 scale
 
 
 class Across(Protocol):
@@ -352,43 +346,3 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     scales = scales.reshape(rows, -1).float()
     groups = scales.shape[1]
     return (q.float().view(rows, groups, cols // groups) * scales[..., None]).view(rows, cols).to(dtype)
-
-
-@dataclass
-class Fp8Weight:
-    """A weight [out, k] in float8 e4m3 on a CUDA device: `slices` (one contiguous float8 tensor [out,
-    k_i] per k slice) and `scales` (float32 [1, out] per slice), w = data * scale per row of a slice."""
-
-    shape: tuple[int, int]
-    slices: list[torch.Tensor]
-    scales: list[torch.Tensor]
-    activation_ub: float = FP8_ACTIVATION_UB
-
-
-def fp8_matmuls(device: torch.device) -> bool:
-    """Whether `device` runs torch._scaled_mm on float8 (CUDA, compute capability 8.9 and up)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """x [..., k] @ weight^T on CUDA: each k slice's input rows quantized to float8 with a scale each
-    (the row's largest magnitude, capped at activation_ub, over FP8_MAX), the products in bfloat16."""
-    out, k = weight.shape
-    flat = x.reshape(-1, k)
-    y = None
-    start = 0
-    for data, scales in zip(weight.slices, weight.scales):
-        part = flat[:, start : start + data.shape[1]].float()
-        start += data.shape[1]
-        top = part.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12, max=weight.activation_ub)
-        x_scale = top / FP8_MAX
-        xq = (part / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        product = torch._scaled_mm(xq, data.t(), scale_a=x_scale, scale_b=scales, out_dtype=torch.bfloat16,
-                                   use_fast_accum=True)
-        y = product if y is None else y + product
-    return y.to(x.dtype).reshape(*x.shape[:-1], out)
-
-
-def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float8 data [rows, cols] times a float32 scale per row, in float32, then `dtype`."""
-    return (data.float() * scales.reshape(-1, 1).float()).to(dtype)
