@@ -185,6 +185,25 @@ class Engine:
             self._forward(StepPlan([], end=False, load=slot), (name, self.catalog[name]))
         return self.lora.refs[name]
 
+    def step(self, scheduler: Scheduler, end: bool = False) -> list[Sequence]:
+        """Rank 0: one step (the scheduler's plan run on every rank, its tokens picked and committed); the
+        sequences it touched. `end`: the plan hands the other ranks back to their callers after it."""
+        step_started = time.perf_counter()
+        scheduled = scheduler.schedule()
+        picked, logprobs, scores, verified = self._forward_and_pick(scheduled, end)
+        self._last_step_s = time.perf_counter() - step_started
+        accepted, forced = sum(map(len, verified.values())), sum(scheduled.forced)
+        self.stats.proposed += sum(row.proposed for row in scheduled.rows) - forced
+        self.stats.accepted += accepted - forced
+        self.stats.forced += forced
+        if scheduler.speculator is not None and scheduled.rows and not scheduled.prompt_tokens:
+            scheduler.speculator.observe(len(scheduled.rows) + accepted, self._last_step_s)
+        touched = scheduler.commit(scheduled, picked, logprobs, scores, verified)
+        for seq in touched:
+            if seq.constraint is not None and seq.constraint.failed:
+                scheduler.cancel(seq, "error")
+        return touched
+
     def run(self, scheduler: Scheduler, budget_s: float = math.inf, until_finished: bool = False,
             on_step: Callable[[list[Sequence]], bool | None] | None = None) -> None:
         """Rank 0: steps until the scheduler has no work left, until one more step would pass
@@ -195,23 +214,10 @@ class Engine:
         """
         started = time.perf_counter()
         while True:
-            step_started = time.perf_counter()
-            scheduled = scheduler.schedule()
             # The last step unless one more would still end within the budget (a step takes about as
             # long as the one before).
-            end = step_started - started + 2 * self._last_step_s > budget_s
-            picked, logprobs, scores, verified = self._forward_and_pick(scheduled, end)
-            self._last_step_s = time.perf_counter() - step_started
-            accepted, forced = sum(map(len, verified.values())), sum(scheduled.forced)
-            self.stats.proposed += sum(row.proposed for row in scheduled.rows) - forced
-            self.stats.accepted += accepted - forced
-            self.stats.forced += forced
-            if scheduler.speculator is not None and scheduled.rows and not scheduled.prompt_tokens:
-                scheduler.speculator.observe(len(scheduled.rows) + accepted, self._last_step_s)
-            touched = scheduler.commit(scheduled, picked, logprobs, scores, verified)
-            for seq in touched:
-                if seq.constraint is not None and seq.constraint.failed:
-                    scheduler.cancel(seq, "error")
+            end = time.perf_counter() - started + 2 * self._last_step_s > budget_s
+            touched = self.step(scheduler, end)
             if on_step is not None and on_step(touched) and not end:
                 self.release()
                 return
