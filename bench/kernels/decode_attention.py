@@ -24,8 +24,8 @@ import time
 import torch
 
 from bench.lib.common import read_bandwidth_gbs, table
+from bench.lib.llamacpp import cpu_flags
 from tp_llama.kernels.cpu import ops
-from tp_llama.kernels.cpu.build import cpu_flags
 from tp_llama.kernels.cpu.ffi import library
 
 SHAPES = {  # query heads, KV heads, head_dim, layers
@@ -108,11 +108,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(measure(shape, *case, a.steps))
         print(f"{case}: done", flush=True)
     print(table(HEADERS, rows))
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2", "fma")))
     heads, kv_heads, head_dim, layers = shape
     print(f"\n{a.shape}: {heads} query heads, {kv_heads} KV heads, head_dim {head_dim}, {layers} layers, bfloat16, "
           f"blocks of {BLOCK}; build {library().variant}, {torch.get_num_threads()} threads; CPU flags: "
-          f"{' '.join(flags)}; read bandwidth {read_bandwidth_gbs():.1f} GB/s; medians of {a.steps} steps.")
+          f"{' '.join(cpu_flags())}; read bandwidth {read_bandwidth_gbs():.1f} GB/s; medians of {a.steps} steps.")
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.lib.common import table
+from bench.lib.llamacpp import cpu_flags
 from tp_llama.engine.sampling import SamplingParams, apply_masks, sample_rows
 from tp_llama.kernels.cpu import ffi
-from tp_llama.kernels.cpu.build import cpu_flags
 
 SETTINGS = {
     "greedy": SamplingParams(1),
@@ -128,9 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         masked = masked_table(a.masked_rows, a.repeats, gen)
         print(f"\nGrammar masks at vocabulary {MASKED_VOCAB}, peaked logits, every row constrained (ms per step):")
         print(table(["rows", "settings", "mask", "free", "apply_masks + C", "masks in C", "old / new"], masked))
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
     print(f"\n{torch.get_num_threads()} threads; draw by {'the C kernel' if ffi.load()[0] else 'PyTorch bisection'}; "
-          f"CPU flags: {' '.join(flags)}; medians of {a.repeats}.")
+          f"CPU flags: {' '.join(cpu_flags())}; medians of {a.repeats}.")
 
 
 if __name__ == "__main__":

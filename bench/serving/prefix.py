@@ -36,12 +36,12 @@ from pathlib import Path
 
 from bench.lib.checkpoint import PRESETS, ensure_checkpoint
 from bench.lib.common import OUT, REPO, machine, table, write_json
+from bench.lib.llamacpp import cpu_flags
 from bench.serving.clients import in_threads, openai_stream, percentile
 from bench.serving.servers import (NAME, archive, git_describe, own_rendezvous, printed_report, start_ready, vllm_folder,
                                    vllm_version)
 from bench.serving.vllm_peer import VLLM_VENV, VLLMServer, vllm_stream
 from tests.support.serving_util import TorchServe
-from tp_llama.kernels import cpu_flags
 from tp_llama.testing.tokenizer_train import CORPUS_PATH
 from tp_llama.tokenizer import load_tokenizer
 
@@ -299,8 +299,7 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     shape = PRESETS[a.preset]
     ckpt = ensure_checkpoint(shape, 1)
     ids = Ids(ckpt)
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))
-    data = {"machine": machine(), "flags": " ".join(flags), "preset": a.preset, "tp": a.tp, "omp_threads": a.omp_threads, "kv_gib": a.kv_gib,
+    data = {"machine": machine(), "flags": " ".join(cpu_flags()), "preset": a.preset, "tp": a.tp, "omp_threads": a.omp_threads, "kv_gib": a.kv_gib,
             "turns": a.turns, "args": vars(a) | {"report": None}, "runs": {}}
     for dtype in a.dtype:
         runs = data["runs"][dtype] = {}
