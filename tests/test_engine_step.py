@@ -26,6 +26,7 @@ def test_each_step_returns_the_sequences_it_moved(synthetic_checkpoint):
     seqs = sequences(engine)
     for seq in seqs:
         scheduler.add(seq)
+
     def state() -> dict[str, tuple[int, int]]:
         return {seq.id: (seq.computed, len(seq.output)) for seq in seqs}
 

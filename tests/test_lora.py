@@ -66,12 +66,15 @@ def replies(engine: Engine, names: list, logprobs: int | None = None) -> list[Se
     return engine.generate(seqs)
 
 
+def assert_replies_equal_peft(engine: Engine, expected: dict, names: list) -> None:
+    """Every prompt on each of `names`, in one batch, gets PEFT's greedy tokens."""
+    seqs = replies(engine, names)
+    assert {name: [s.output for s in seqs if s.adapter == name] for name in names} == {n: expected[n] for n in names}
+
+
 def test_greedy_replies_equal_peft_on_every_adapter_batched_with_the_base(served):
     root, folders, expected = served
-    names = [None, *folders]
-    seqs = replies(Engine.load(settings(root / "mp1", folders)), names)
-    got = {name: [s.output for s in seqs if s.adapter == name] for name in names}
-    assert got == {name: expected[name] for name in names}
+    assert_replies_equal_peft(Engine.load(settings(root / "mp1", folders)), expected, [None, *folders])
     # Each adapter changes the base's replies, and rsLoRA's scale changes the adapter's: else equality proves little.
     assert all(expected[name] != expected[None] for name in ADAPTERS)
     assert expected["all16"] != expected["all16rs"]
@@ -130,9 +133,7 @@ def test_decode_steps_at_static_shapes_add_each_rows_adapter_in_one_batch(served
     engine = Engine.load(settings(root / "mp1", folders, compile="on", max_batch_size=4))
     assert engine.decode_step is not None and engine.decode_step.lora is not None
     assert engine.decode_step.sizes == (1, 2, 4)
-    names = [None, "qkvo8", "all16rs"]
-    seqs = replies(engine, names)
-    assert {name: [s.output for s in seqs if s.adapter == name] for name in names} == {n: expected[n] for n in names}
+    assert_replies_equal_peft(engine, expected, [None, "qkvo8", "all16rs"])
 
 
 def test_compiled_decode_steps_take_each_rows_adapter_from_their_inputs(served, monkeypatch):
@@ -142,9 +143,7 @@ def test_compiled_decode_steps_take_each_rows_adapter_from_their_inputs(served, 
     root, folders, expected = served
     engine = Engine.load(settings(root / "mp1", folders, compile="on", max_batch_size=1))
     assert engine.decode_step is not None and engine.decode_step.sizes == (1,)
-    names = [None, "qkvo8", "all16rs"]
-    seqs = replies(engine, names)
-    assert {name: [s.output for s in seqs if s.adapter == name] for name in names} == {n: expected[n] for n in names}
+    assert_replies_equal_peft(engine, expected, [None, "qkvo8", "all16rs"])
 
 
 def _turns(ckpt: str, folders: dict, broken: str) -> list:

@@ -1,5 +1,5 @@
-"""Serving modules for the blocks of a checkpoint Meta quantized (kernels/meta_int4.py's and kernels/fp8.py's weights, put in
-by checkpoint.quantized as the block is read).
+"""Serving modules for the blocks of a checkpoint Meta quantized (kernels/meta_int4.py's and kernels/fp8.py's
+weights, put in by checkpoint.quantized as the block is read).
 
 q/k/v fuse into one int4 weight and w1/w3 into another, which is exact: they share their input, so its
 per-token quantization is the same, and the adaptors stack (A) and sit block-diagonal (B). Every int4
