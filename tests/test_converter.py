@@ -158,3 +158,23 @@ def test_is_tp_sharded_follows_the_name_heuristic():
     assert _is_tp_sharded("tok_embeddings.weight")
     assert not _is_tp_sharded("norm.weight")
     assert not _is_tp_sharded("layers.0.ffn_norm.weight")
+
+
+def _one_file_holds_a_tensor_whole() -> str:
+    """MP rank 0's file holds w1 whole (from an MP 1 download), MP rank 1's its half: each shard passes the
+    local shape checks, but rank 0 would skip the all-gather rank 1 waits in."""
+    rank = dist.get_rank()
+    consolidated = consolidated_for("llama2", 2, rank)
+    if rank == 0:
+        consolidated["layers.0.feed_forward.w1.weight"] = full_weights("llama2")["layers.0.feed_forward.w1.weight"]
+    try:
+        build_distributed_state_dict_from_consolidated(Transformer(ARGS["llama2"]), consolidated, 2)
+    except CheckpointError as exc:
+        return str(exc)
+    return "not raised"
+
+
+def test_shards_that_split_a_tensor_differently_fail_every_rank_without_a_hang():
+    for message in run_ranks(_one_file_holds_a_tensor_whole, 2, timeout=90):
+        assert "layers.0.feed_forward.w1.weight" in message and "(96, 32) on rank 0" in message, message
+        assert "(48, 32) on rank 1 (MP rank 1)" in message, message

@@ -198,3 +198,28 @@ print("EXTRA", status("VmHWM") - before, "AFTER", status("VmRSS") - before)
     # 8 MB: the read buffer of the column-sliced embedding; the rest is the weights themselves.
     assert extra < 1.05 * share + 24e6, (extra / 1e6, share / 1e6)
     assert after < 1.05 * share + 8e6, (after / 1e6, share / 1e6)
+
+
+def test_two_files_for_one_mp_rank_are_refused(tmp_path):
+    """consolidated.0.pth beside consolidated.00.pth: both claim MP rank 0, and taking either would
+    serve whichever the folder listing gave first."""
+    from tp_llama.checkpoint.shards import find_shards
+
+    paths = write_files(tmp_path, 2)
+    (tmp_path / "consolidated.0.pth").write_bytes(paths[1].read_bytes())
+    with pytest.raises(CheckpointError, match=r"consolidated\.0\.pth and consolidated\.00\.pth|"
+                                              r"consolidated\.00\.pth and consolidated\.0\.pth"):
+        find_shards(tmp_path)
+    (tmp_path / "consolidated.0.pth").unlink()
+    assert find_shards(tmp_path) == paths
+
+
+def test_an_empty_shard_names_file_and_tensor(tmp_path):
+    """A tensor with no rows where the full one has 16 is no split of it (and no division by zero)."""
+    paths = write_files(tmp_path, 2)
+    state = torch.load(paths[1])
+    state["rows"] = state["rows"][:0]
+    torch.save(state, paths[1])
+    files = ShardFiles(paths, {k: tuple(v.shape) for k, v in FULL.items()})
+    with pytest.raises(CheckpointError, match=r"consolidated\.01\.pth: tensor 'rows' has shape \(0, 8\)"):
+        read_local_shard(files, "rows", (16, 8), 0, 1, 2, torch.float32, torch.device("cpu"))

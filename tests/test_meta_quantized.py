@@ -525,3 +525,24 @@ def test_a_missing_or_misshapen_fp8_scale_is_named(fp8_ckpt):
     with pytest.raises(CheckpointError, match=re.escape(f"{path}: scale '1_feed_forward.w2_0' has shape (3,): "
                                                         "expected [128] floats")):
         load(fp8_ckpt)
+
+
+def test_float8_weights_without_any_scale_file_are_refused(fp8_ckpt):
+    """With every fp8_scales_N.pt gone the folder looks 16-bit; its float8 weights must not be read as
+    values (each weight's row scale missing), but named with the file."""
+    for path in fp8_ckpt.glob("fp8_scales_*.pt"):
+        path.unlink()
+    with pytest.raises(CheckpointError, match=r"consolidated\.00\.pth: tensor 'layers\.1\.feed_forward\.w\d\.weight' "
+                                              r"is torch\.float8_e4m3fn; .*fp8_scales_N\.pt"):
+        load(fp8_ckpt)
+
+
+def test_a_float8_weight_the_first_file_holds_in_16_bits_is_refused(fp8_ckpt):
+    """Which weights are float8 is read from the first file: a float8 one only in another has no scale taken."""
+    path = fp8_ckpt / "consolidated.01.pth"
+    state = torch.load(path, weights_only=True)
+    state["layers.0.feed_forward.w1.weight"] = state["layers.0.feed_forward.w1.weight"].to(torch.float8_e4m3fn)
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"consolidated\.01\.pth: tensor 'layers\.0\.feed_forward\.w1\.weight' "
+                                              r"is torch\.float8_e4m3fn"):
+        load(fp8_ckpt)

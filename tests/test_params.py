@@ -50,6 +50,7 @@ def test_llama2_70b_ffn_width(tmp_path):
     ("ffn_dim_multiplier", "1.3", "key 'ffn_dim_multiplier' has invalid value"),
     ("use_scaled_rope", 1, "key 'use_scaled_rope' has invalid value"),
     ("n_layers", 0, "'n_layers' must be positive"),
+    ("n_kv_heads", 0, "'n_kv_heads' must be positive"),
 ])
 def test_bad_values_name_the_key(tmp_path, key, value, message):
     with pytest.raises(CheckpointError, match=message):

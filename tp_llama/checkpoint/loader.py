@@ -21,7 +21,7 @@ from tp_llama.checkpoint.formats import read_format
 from tp_llama.checkpoint.llama4_keys import Llama4Files
 from tp_llama.checkpoint.quantized import Layout
 from tp_llama.checkpoint.reader import Piece, ShardFiles, local_shape, plan_local_shard, read_pieces
-from tp_llama.checkpoint.shards import check_keys, find_shards, load_shard
+from tp_llama.checkpoint.shards import check_float_dtypes, check_keys, find_shards, load_shard
 from tp_llama.errors import CheckpointError
 from tp_llama.kernels import C_KINDS
 from tp_llama.model import ModelArgs, Transformer, build
@@ -126,7 +126,7 @@ def load_tp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: 
         if llama4 is not None and layout.fmt.quantized:
             raise CheckpointError(f"{ckpt_dir}: a Llama 4 checkpoint in {layout.fmt.describe()} is not served yet; "
                                   "use its bfloat16 download (handler.quantize quantizes it at load)")
-        files = ShardFiles(paths, layout.full, layout.check_file if layout.fmt.quantized else None, llama4)
+        files = ShardFiles(paths, layout.full, layout.check_file, llama4)
         keys_in_order = list(layout.specs)
         for name, keys in _groups(keys_in_order) if prepare is not None else [(None, keys_in_order)]:
             state: dict[str, torch.Tensor] = {}
@@ -198,6 +198,7 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
         path = paths[info.rank % mp]
         consolidated = load_shard(path)
         check_keys(consolidated, full_shapes(args), path)
+        check_float_dtypes(consolidated, path, consolidated)
         for key, tensor in consolidated.items():
             consolidated[key] = tensor.to(dtype)
     start = time.perf_counter()

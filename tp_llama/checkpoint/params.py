@@ -139,7 +139,7 @@ def parse_params(raw: dict, path: Path, tokenizer_vocab: int | None = None) -> M
             _check_type(path, key, raw[key], kind)
 
     dim, n_heads = raw["dim"], raw["n_heads"]
-    n_kv_heads = raw.get("n_kv_heads") or n_heads
+    n_kv_heads = n_heads if raw.get("n_kv_heads") is None else raw["n_kv_heads"]
     positive = {"dim": dim, "n_layers": raw["n_layers"], "n_heads": n_heads, "n_kv_heads": n_kv_heads}
     for key, value in positive.items():
         _positive(value, key, path)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from tp_llama.checkpoint.formats import (FP8, INT8_TABLES, LINEARS, ROW_PARALLEL, CheckpointFormat, TensorSpec,
                                          check_int4_file, int4_specs, table_scale_spec)
-from tp_llama.checkpoint.shards import load_shard
+from tp_llama.checkpoint.shards import check_float_dtypes, load_shard
 from tp_llama.errors import CheckpointError
 from tp_llama.kernels.fp8 import Fp8Weight, fp8_matmuls
 from tp_llama.kernels.meta_int4 import Int4Weight, check_int4, dequantize_rows, int8_tiles
@@ -125,6 +125,8 @@ class Layout:
         return {key: spec.full for key, spec in self.specs.items()}
 
     def check_file(self, state: dict[str, torch.Tensor], path: Path) -> None:
+        floats = {key for key, spec in self.specs.items() if spec.dtype.is_floating_point and spec.dtype != FP8}
+        check_float_dtypes(state, path, floats, self.fp8_keys)
         if self.fmt.kind == "int4":
             check_int4_file(self.specs, state, self.fmt.group, path)
         for key in self.fp8_keys:

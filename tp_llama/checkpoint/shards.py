@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+from collections.abc import Container
 from pathlib import Path
 
 import torch
@@ -20,11 +21,14 @@ def find_shards(ckpt_dir: str | os.PathLike) -> list[Path]:
     folder = Path(ckpt_dir)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
-    numbered = {}
-    for path in folder.iterdir():
+    numbered: dict[int, Path] = {}
+    for path in sorted(folder.iterdir()):
         match = _SHARD_NAME.fullmatch(path.name)
         if match:
-            numbered[int(match.group(1))] = path
+            other = numbered.setdefault(int(match.group(1)), path)
+            if other != path:  # consolidated.0.pth beside consolidated.00.pth: which one holds MP rank 0?
+                raise CheckpointError(f"{folder}: {other.name} and {path.name} are both the shard file of MP rank "
+                                      f"{int(match.group(1))}; keep one")
     if not numbered:
         raise CheckpointError(f"{folder}: no consolidated.NN.pth files")
     missing = [i for i in range(max(numbered) + 1) if i not in numbered]
@@ -49,6 +53,23 @@ def load_shard(path: Path) -> dict[str, torch.Tensor]:
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
     return {k: v for k, v in state.items() if k not in IGNORED_KEYS}
+
+
+# The dtypes a 16-bit checkpoint's weights come in; anything else (float8 without its fp8_scales_N.pt, integers)
+# would be converted to the serving dtype without its scales, silently wrong.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float_dtypes(state: dict[str, torch.Tensor], path: Path, keys: Container[str],
+                       skip: Container[str] = ()) -> None:
+    """Every tensor of `state` in `keys` (not in `skip`) is a float of 16 bits or more, else the file and tensor
+    are named."""
+    for key, tensor in state.items():
+        if key in keys and key not in skip and tensor.dtype not in FLOAT_DTYPES:
+            why = (": float8 weights need their row scales, fp8_scales_N.pt beside each consolidated.NN.pth "
+                   "(Meta's FP8 download)" if tensor.dtype.itemsize == 1 and tensor.is_floating_point() else "")
+            raise CheckpointError(f"{path}: tensor {key!r} is {tensor.dtype}; a 16-bit checkpoint holds float16, "
+                                  f"bfloat16 or float32 weights{why}")
 
 
 def check_keys(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], path: Path) -> None:

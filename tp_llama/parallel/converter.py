@@ -97,6 +97,22 @@ def _check_shards(ref_state_dict: Dict[str, Tensor], consolidated_state_dict: Di
         raise CheckpointError(f"consolidated shard: missing tensor {missing[0]!r}")
 
 
+def _check_alike_on_every_rank(consolidated_state_dict: Dict[str, Tensor], mp: int,
+                               grp_gloo: dist.ProcessGroup) -> None:
+    """Every rank's shard of each tensor has one shape and dtype (fairscale splits evenly): a rank holding a
+    tensor whole where another holds a split of it would skip the all-gather the other waits in."""
+    mine = {fqn: (tuple(t.shape), t.dtype) for fqn, t in consolidated_state_dict.items() if fqn not in IGNORED_KEYS}
+    every: list[dict | None] = [None] * dist.get_world_size(grp_gloo)
+    dist.all_gather_object(every, mine, group=grp_gloo)
+    for rank, theirs in enumerate(every[1:], start=1):
+        for fqn, (shape, dtype) in every[0].items():
+            if theirs.get(fqn) != (shape, dtype):
+                other = theirs.get(fqn, ("none", "missing"))
+                raise CheckpointError(
+                    f"consolidated shard: tensor {fqn!r} is {dtype} {shape} on rank 0 (MP rank 0) but {other[1]} "
+                    f"{other[0]} on rank {rank} (MP rank {rank % mp}): the files split it differently")
+
+
 def build_distributed_state_dict_from_consolidated(
     model: nn.Module,
     consolidated_state_dict: Dict[str, Tensor],
@@ -120,6 +136,8 @@ def build_distributed_state_dict_from_consolidated(
     compute_device = _group_device(None)
     with every_rank_agrees(grp_gloo):
         _check_shards(ref_state_dict, consolidated_state_dict, mp)
+    with every_rank_agrees(grp_gloo):
+        _check_alike_on_every_rank(consolidated_state_dict, mp, grp_gloo)
 
     chunk_group = grp_gloo if offload_to_cpu else dist.group.WORLD
     chunk_device = torch.device("cpu") if offload_to_cpu else compute_device

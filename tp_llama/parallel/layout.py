@@ -127,7 +127,7 @@ def source_split_dim(
     if tuple(shard) == tuple(full):
         return None
     differing = [d for d in range(len(full)) if len(shard) == len(full) and shard[d] != full[d]]
-    if len(differing) == 1 and full[differing[0]] % shard[differing[0]] == 0:
+    if len(differing) == 1 and shard[differing[0]] and full[differing[0]] % shard[differing[0]] == 0:
         parts = full[differing[0]] // shard[differing[0]]
         if parts != mp:
             raise CheckpointError(
