@@ -11,6 +11,7 @@ the int4 self-draft runs at TP 2 through the CLI here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,11 +20,14 @@ import torch
 
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
+from tp_llama.engine.draft import Drafter
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
+from tp_llama.engine.speculate import Speculator
 from tp_llama.errors import CheckpointError
 
 from tests.support.cli_util import launch_cli
+from tests.test_blocks import KV, SIZE, alone, forward, scheduler_of
 
 LENGTHS = (5, 17, 33, 14)  # prompts; 17 and 33 cross a block of 16
 NEW = 40
@@ -72,6 +76,23 @@ def test_a_draft_that_is_the_served_checkpoint_has_every_proposal_taken(checkpoi
     assert speculator.proposed > 40 and speculator.accepted == speculator.proposed
     assert all(speculator.accepted_at)
     assert (scheduler.preemptions > 0) == (blocks > 0)
+
+
+def test_a_prompt_longer_than_a_draft_step_is_fed_to_the_draft_whole(checkpoint):
+    """A sequence alone whose first draft feed (its prompt and first token) passes the step's budget: the
+    feed's first chunk samples nothing, and must still be written to the draft's KV cache, so the served
+    checkpoint as its draft has every proposal taken."""
+    config = settings(checkpoint, dtype="float32", speculative="draft", draft_ckpt_dir=str(checkpoint))
+    engine = Engine.load(config)
+    scheduler = engine.new_scheduler()
+    scheduler.speculator.per_row = lambda rows: config.speculative_tokens
+    ids = torch.randint(3, 500, (2 * config.prefill_budget + 5,), generator=torch.Generator().manual_seed(7)).tolist()
+    seq = Sequence("long", ids, SamplingParams(12, ignore_eos=True))
+    scheduler.add(seq)
+    engine.run(scheduler)
+    speculator = scheduler.speculator
+    assert len(seq.output) == 12 and speculator.proposed > 0
+    assert speculator.accepted == speculator.proposed
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
@@ -133,3 +154,47 @@ def test_the_int4_self_draft_at_tp_2_through_the_cli_keeps_the_replies(synthetic
     assert len(outputs[0]) == 2 and outputs[1] == outputs[0]
     timings = json.loads(run.stdout.splitlines()[0])["timings"]
     assert 0 < timings["accepted_tokens"] <= timings["proposed_tokens"], timings
+
+
+def served(scheduler, plan) -> list[int]:
+    """tests/test_blocks.py's stand-in step, every proposal rejected (the rows' proposals left out)."""
+    rows = [dataclasses.replace(row, tokens=row.tokens[: len(row.tokens) - row.proposed], proposed=0)
+            for row in plan.rows]
+    return forward(scheduler, dataclasses.replace(plan, rows=rows))
+
+
+def test_a_forks_copy_whose_source_went_back_is_not_overwritten_by_the_self_draft_first():
+    """A group's first sequence stops at its first token, so the block its fork is to copy (the prompt's last,
+    partly filled one) goes back to the pool before the copy is made; the next step's proposals of another row
+    take it, and the self-draft, which writes the served KV cache, writes them before that step's copies. The
+    fork must still read its own prompt (tests/test_blocks.py's stand-in model asserts each row's history)."""
+    scheduler = scheduler_of(5, max_seq_len=20)
+
+    def self_draft(rows):  # writes its rows into the served cache, as the int4 self-draft does; proposes 9
+        kv = KV.setdefault(scheduler, {})
+        for row in rows:
+            for p, token in enumerate(row.tokens, row.start):
+                kv[row.blocks[p // SIZE] * SIZE + p % SIZE] = token
+        return torch.nn.functional.one_hot(torch.full((sum(row.sample for row in rows),), 9), 100).float()
+
+    scheduler.speculator = Speculator(8, 1, 1, draft=Drafter(self_draft, 100, frozenset({2}), 64, SIZE, True))
+    scheduler.speculator.per_row = lambda rows: 8
+    other = Sequence("other", [10, 11, 12], SamplingParams(16))
+    scheduler.add(other)
+    plan = scheduler.schedule()
+    scheduler.commit(plan, served(scheduler, plan))
+    first = Sequence("g", [20, 21, 22, 23, 24, 25], SamplingParams(8))
+    fork = Sequence("g#1", list(first.prompt_ids), first.params, fork_of=first)
+    scheduler.add(first)
+    scheduler.add(fork)
+    plan = scheduler.schedule()
+    picked = served(scheduler, plan)
+    assert [[s.id for s in pickers] for pickers in plan.pickers] == [["other"], ["g", "g#1"]]
+    scheduler.commit(plan, [picked[0], 2, picked[2]])  # the first stops; its fork goes on
+    assert first.finish_reason == "stop"
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        scheduler.commit(plan, served(scheduler, plan))
+    assert scheduler.speculator.proposed > 0
+    assert fork.output == alone(fork.prompt_ids, 8) and other.output == alone(other.prompt_ids, 16)
+    assert scheduler.pool.used == 0

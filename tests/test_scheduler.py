@@ -135,11 +135,13 @@ def test_a_groups_members_take_their_first_tokens_from_one_row_then_decode_and_s
     assert set(touched) == {a, b, c, other}
     assert (a.output, a.finish_reason, b.output, c.output, other.output) == ([], "stop", [5], [6], [9])
     assert scheduler.running == [b, c, other] and a.blocks == []
-    # a's blocks went back but the forks hold the full one; each fork copies a's partial block into its own
+    # a's blocks went back but the forks hold the full one; a's partial block, freed before the forks' copies are
+    # made, is kept by b in place of its copy (nothing may write it first), and c copies it into its own
     src = plan.rows[0].blocks[1]
+    assert b.blocks[1] == src and scheduler.pool.blocks[src].refs == 1 and src not in scheduler.pool.free
     plan = scheduler.schedule()
-    assert [(r.start, r.tokens, r.copy) for r in plan.rows] == [(6, [5], (src, b.blocks[1])),
-                                                             (6, [6], (src, c.blocks[1])), (2, [9], None)]
+    assert [(r.start, r.tokens, r.copy) for r in plan.rows] == [(6, [5], None), (6, [6], (src, c.blocks[1])),
+                                                             (2, [9], None)]
     assert b.blocks[0] == c.blocks[0] == plan.rows[0].blocks[0] and scheduler.pool.blocks[b.blocks[0]].refs == 2
     scheduler.commit(plan, [EOS, 8, 9])
     assert (b.finish_reason, c.output) == ("stop", [6, 8])

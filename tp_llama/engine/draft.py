@@ -112,8 +112,9 @@ class Drafter:
                 owners.append(i)
                 if budget <= 0:
                     break
+            logits = self.forward(rows)  # run even with nothing to pick: its chunks fill the draft's KV cache
             sampling = any(row.sample for row in rows)  # else only prompt chunks: nothing to pick yet
-            picks = iter(self.forward(rows)[:, : self.n_words].argmax(-1).tolist() if sampling else [])
+            picks = iter(logits[:, : self.n_words].argmax(-1).tolist() if sampling else [])
             for i, row in zip(owners, rows):
                 start[i] += len(row.tokens)
                 feed[i] = feed[i][len(row.tokens) :]

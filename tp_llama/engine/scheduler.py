@@ -380,5 +380,19 @@ class Scheduler:
             self.speculator.forget(seq.id)
         if seq in self.running:
             self.running.remove(seq)
+            self._keep_copy_sources(seq)
             self.pool.release(seq.blocks)
             seq.blocks, seq.keys = [], []
+
+    def _keep_copy_sources(self, seq: Sequence) -> None:
+        """`seq` leaves: a fork whose copy of one of its blocks is not made yet takes that block in place of
+        its copy (one fork a block; the others copy it from that fork). A freed block could be rewritten
+        before the copy: the self-draft writes the served KV cache while a step is planned (engine/draft.py)."""
+        taken = set()
+        for fork in self.running:
+            if fork.copy is not None and fork.copy[0] in seq.blocks and fork.copy[0] not in taken:
+                src, dst = fork.copy
+                self.pool.take([src])
+                self.pool.release([dst])
+                fork.blocks[fork.blocks.index(dst)], fork.copy = src, None
+                taken.add(src)
