@@ -226,6 +226,16 @@ def test_function_tools_are_called_and_the_round_trip_is_the_chat_prompt(engine,
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search' is not supported"),
     ({"input": "hi", "tools": [WEATHER, WEATHER]}, "tools", "two tools are named"),
     ({"input": "hi", "seed": -1}, "seed", "seed must be in [0, 2**63)"),
+    ({"input": "hi", "tools": [{**WEATHER, "parameters": {**WEATHER["parameters"], "required": 1}}]}, "tools",
+     "required must be an array of strings"),
+    ({"input": "hi", "tools": [{**WEATHER, "parameters": {"type": "object", "properties": {
+        "days": {"type": "array", "minItems": "2"}}}}]}, "tools", "'minItems' and 'maxItems' must be"),
+    ({"instructions": "x", "input": [{"role": "user", "content": "u"}, {"type": "function_call", "call_id": "c",
+                                                                        "name": "get_weather", "arguments": "{"}],
+      "tools": [WEATHER]}, "input", "input[1].arguments is not JSON"),
+    ({"input": [{"role": "user", "content": "u"}, {"type": "function_call", "call_id": "c", "name": "get_weather",
+                                                  "arguments": "[" * 5000}], "tools": [WEATHER]}, "input",
+     "input[1].arguments is nested too deeply"),
 ])
 def test_refusals_name_the_field(engine, body: dict, param: str, message: str) -> None:
     settings = dataclasses.replace(SETTINGS, tool_format="pythonic")

@@ -21,6 +21,7 @@ from tp_llama.serving.openai_api import parse_openai
 from tp_llama.serving.openai_reply import CHAT
 from tp_llama.serving.request import RequestError
 from tp_llama.serving.settings import HandlerSettings
+from tp_llama.serving.tool_use import ToolReply, ToolUse
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
@@ -146,6 +147,9 @@ def test_a_reply_s_calls_and_their_results_go_back_into_the_history(engine, comp
     ({"tools": TOOLS, "parallel_tool_calls": True}, "parallel_tool_calls", "one call per reply"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "either tools"),
     ({"tools": TOOLS, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"tools": TOOLS, "messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "[" * 5000}}]}]},
+     "messages", "nested too deeply"),
 ])
 def test_bad_tool_requests_are_refused_naming_the_field(engine, fields, param, message):
     body = json.dumps({"messages": MESSAGES, **fields}).encode()
@@ -162,6 +166,24 @@ def test_a_parameter_schema_the_grammar_cannot_enforce_is_a_400_naming_it(engine
     got = serve(make_handler(engine, compiler, tool_format), [[("r", body)]], PATH)["r"][0]
     error = json.loads(got[0])["error"]
     assert got[1].status[got[2]] == 400 and error["param"] == "tools" and "uniqueItems" in error["message"]
+
+
+@pytest.mark.parametrize("name", ['say "hi"', "parameters"])
+def test_a_json_call_is_read_past_its_name_streamed_or_whole(name):
+    """A llama3_json tool's name may hold an escaped quote, or be "parameters" itself: the call keeps that
+    name and its own arguments, fed a character at a time or read whole."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
+        "n": {}}}}}]
+    arguments = {"n": [1, {"k": "}{"}]}
+    text = json.dumps({"name": name, "parameters": arguments})
+    streamed = ToolReply(ToolUse(tools, "required", "llama3_json", False))
+    deltas = [delta for char in text for delta in streamed.feed(char)[1]]
+    assert deltas[0]["function"]["name"] == name
+    assert json.loads("".join(d["function"].get("arguments", "") for d in deltas)) == arguments
+    for reply in (streamed, ToolReply(ToolUse(tools, "required", "llama3_json", False))):
+        content, calls, is_call = reply.finish(text)
+        assert content is None and is_call and [c["function"]["name"] for c in calls] == [name]
+        assert json.loads(calls[0]["function"]["arguments"]) == arguments
 
 
 def test_a_llama2_checkpoint_refuses_tools(synthetic_checkpoint):

@@ -250,6 +250,8 @@ def test_json_calls_without_type_and_pythonic_lists():
     ("pythonic", "[get_weather(city=b'x')]"),
     ("pythonic", "[get_weather(city='a')] and more"),
     ("pythonic", "[" * 10000),
+    ("pythonic", "[get_weather(city=1e999)]"),  # inf: no JSON number carries it
+    ("pythonic", "[get_weather(city=[-1e999])]"),
 ])
 def test_text_and_malformed_replies_are_not_calls(tool_format, text):
     assert parse_tool_calls(text, tool_format, [WEATHER]) is None
@@ -360,12 +362,24 @@ def test_pythonic_grammar_refuses_what_it_cannot_enforce():
         ({"type": "object", "properties": {"class": {"type": "string"}}}, "'class' is not a Python"),
         ({"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}, "oneOf"),
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "points at nothing"),
+        ({"type": "object", "properties": {"a": {"type": 1}}}, "'type' must be"),
+        ({"type": "object", "properties": {"a": {"type": [["string"]]}}}, "'type' must be"),
+        ({"type": "object", "properties": {"a": {"enum": "ab"}}}, "'enum' must be"),
+        ({"type": "object", "properties": {"a": {"anyOf": {"type": "string"}}}}, "'anyOf' must be"),
+        ({"type": "object", "properties": {"a": {"anyOf": []}}}, "'anyOf' must be"),
+        ({"type": "object", "properties": {"a": {"type": "array", "minItems": "2"}}}, "'minItems'"),
+        ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}, "'minItems'"),
+        ({"type": "object", "properties": {"a": {"type": "object", "properties": [1]}}}, "'properties' must be"),
+        ({"type": "object", "properties": {"a": {"type": "object", "required": 1}}}, "'required' must be"),
+        ({"type": "object", "properties": {"a": {}}, "required": 1}, "required must be"),
     ]:
         bad = [{"type": "function", "function": {"name": "f", "parameters": params}}]
         with pytest.raises(ValueError, match=match):
             tool_call_grammar(bad, "required", "pythonic", False)
     with pytest.raises(ValueError, match="not one"):
         tool_call_grammar([tool("my-tool", "", {}, [])], "required", "pythonic", False)
+    with pytest.raises(ValueError, match="required must be an array of strings"):
+        tool_call_grammar([tool("f", "", {"a": {}}, [["a"]])], "required", "llama3_json", False)
     with pytest.raises(ValueError, match="needs no tool-call grammar"):
         tool_call_grammar(WALK_TOOLS, "none", "llama3_json", False)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import json
 import keyword
+import math
 
 from tp_llama.tool_format import check_tool_format, chosen_function, py_literal, tool_functions
 
@@ -123,8 +124,8 @@ def _pythonic_calls(body: str) -> list[dict] | None:
 
 def _json_value(value: object) -> object:
     """A Python literal's value as JSON data (tuples become lists); ValueError for what JSON lacks."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
+    if value is None or isinstance(value, (str, bool, int)) or (isinstance(value, float) and math.isfinite(value)):
+        return value  # a literal past float's range reads as inf, which JSON cannot carry
     if isinstance(value, (list, tuple)):
         return [_json_value(v) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
@@ -258,6 +259,7 @@ def _value(rules: _Rules, schema: object, root: dict, path: str) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"{path}: {schema!r} is not a schema a pythonic argument can meet")
     _check_keys(schema, path, _KNOWN)
+    _check_shapes(schema, path)
     for combinator in ("$ref", "anyOf", "oneOf"):
         if combinator in schema:
             if set(schema) - _ANNOTATIONS - {combinator}:
@@ -349,8 +351,28 @@ def _check_keys(schema: dict, path: str, allowed: set[str]) -> None:
         raise ValueError(f"{path}: {unknown[0]!r} is not supported in pythonic tool calls")
 
 
+def _check_shapes(schema: dict, path: str) -> None:
+    """Keywords whose values have the wrong JSON type are refused, as the grammar would misread them or fail."""
+    kinds = schema.get("type", [])
+    if not isinstance(kinds, str) and not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
+        raise ValueError(f"{path}: 'type' must be a string or an array of strings")
+    for key in ("enum", "anyOf", "oneOf"):
+        if key in schema and not (isinstance(schema[key], list) and schema[key]):
+            raise ValueError(f"{path}: {key!r} must be a non-empty array")
+    if "properties" in schema and not isinstance(schema["properties"], dict):
+        raise ValueError(f"{path}: 'properties' must be an object")
+    low, high = schema.get("minItems", 0), schema.get("maxItems", 0)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in (low, high)):
+        raise ValueError(f"{path}: 'minItems' and 'maxItems' must be non-negative integers")
+    if "maxItems" in schema and low > high:
+        raise ValueError(f"{path}: 'minItems' is above 'maxItems', so no array can meet it")
+
+
 def _check_required(schema: dict, path: str) -> None:
-    missing = [k for k in schema.get("required", []) if k not in schema.get("properties", {})]
+    required = schema.get("required", [])
+    if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+        raise ValueError(f"{path}: 'required' must be an array of strings")
+    missing = [k for k in required if k not in schema.get("properties", {})]
     if missing:
         raise ValueError(f"{path}: required {missing[0]!r} is not among its properties")
 

@@ -81,6 +81,9 @@ def tool_functions(tools: list[dict] | None) -> list[dict]:
             params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict) or not isinstance(params.get("properties", {}), dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object with 'properties'")
+        required = params.get("required", [])
+        if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+            raise ValueError(f"tools[{i}].function.parameters.required must be an array of strings")
         names.add(name)
         functions.append({"name": name, "description": function.get("description") or "", "parameters": params})
     return functions

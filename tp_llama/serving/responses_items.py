@@ -10,6 +10,7 @@ messages it becomes.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tp_llama.serving.request import RequestError, type_name
@@ -85,6 +86,14 @@ def _call(item: dict, where: str) -> dict:
     arguments = _string(item.get("arguments"), f"{where}.arguments")
     if not call_id or not name:
         raise _refuse(f"{where}: call_id and name must not be empty")
+    try:  # read here, so that a refusal names the item rather than the chat message it becomes
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError as exc:
+        raise _refuse(f"{where}.arguments is not JSON: {exc}") from None
+    except RecursionError:
+        raise _refuse(f"{where}.arguments is nested too deeply") from None
+    if not isinstance(parsed, dict):
+        raise _refuse(f"{where}.arguments must be a JSON object, got {type_name(parsed)}")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

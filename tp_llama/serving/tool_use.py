@@ -13,6 +13,7 @@ a started call is held to the schemas from its first token on; `none` adds no gr
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from tp_llama.tool_format import encode_tool_chat, tool_functions
 TOOL_FORMATS = ("auto", "llama3_json", "pythonic", "llama4_pythonic", "none")
 LLAMA32_MAX_DIM = 3072  # Llama 3.2's text models (1B: 2048, 3B: 3072); Llama 3.1 / 3.3 start at 8B (4096)
 PYTHON_TAG = "<|python_tag|>"
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def resolve_tool_format(setting: str, family: str, dim: int | None = None) -> str:
@@ -65,6 +67,9 @@ class ToolUse:
             return encode_tool_chat(tokenizer, messages, self.tools, self.fmt, tool_choice=self.choice)
         except ValueError as exc:
             raise RequestError(f"invalid messages: {exc}", param="messages") from None
+        except RecursionError:  # a history call's arguments nested past what the JSON reader or writer recurses
+            raise RequestError("invalid messages: a tool call's arguments are nested too deeply",
+                               param="messages") from None
 
 
 def tool_use(body: dict[str, Any], tool_format: str, family: str | None) -> ToolUse | None:
@@ -251,14 +256,14 @@ def _scan_calls(text: str, use: ToolUse) -> list[tuple[str | None, str | None, b
 
 def _scan_json_call(body: str) -> tuple[str | None, str | None, bool]:
     """The name and the raw `parameters` JSON so far of a partial llama3_json call."""
-    name = None
+    name, after = None, 0
     at = body.find('"name"')
     if at >= 0:
         rest = body[at + 6 :].lstrip(" \n\t:")
-        if rest.startswith('"'):
-            end = rest.find('"', 1)
-            name = json.loads(rest[: end + 1]) if end > 0 else None
-    at = body.find('"parameters"')
+        whole = _JSON_STRING.match(rest)  # to its closing quote: a name may hold an escaped one
+        if whole:
+            name, after = json.loads(whole.group()), len(body) - len(rest) + whole.end()
+    at = body.find('"parameters"', after)  # past the name, which may itself be "parameters"
     if name is None or at < 0:
         return name, None, False
     rest = body[at + 12 :].lstrip(" \n\t:")
