@@ -526,6 +526,16 @@ def test_openai_fields_map_onto_the_native_job() -> None:
     assert not parse_oa(COMPLETIONS, {"prompt": "hi"}).job.params.ignore_eos
 
 
+def test_a_null_token_limit_is_not_sent() -> None:
+    """null means the field is not set, so a client serializing its unset max_tokens as null beside
+    max_completion_tokens (or the other way round) gets the limit it sent."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_oa(CHAT, {**chat, "max_tokens": None, "max_completion_tokens": 5}).job.params.max_new_tokens == 5
+    assert parse_oa(CHAT, {**chat, "max_completion_tokens": None, "max_tokens": 6}).job.params.max_new_tokens == 6
+    both_null = parse_oa(CHAT, {**chat, "max_completion_tokens": None, "max_tokens": None})
+    assert both_null.job.params.max_new_tokens == SETTINGS.default_max_new_tokens
+
+
 @pytest.mark.parametrize(
     "path, body, message, param",
     [
@@ -593,6 +603,33 @@ def test_openai_refusals_name_the_field(path: str, body: dict, message: str, par
         "error": {"message": str(info.value), "type": "invalid_request_error", "param": param, "code": None}}
 
 
+class PaddedTokenizer(ByteTokenizer):
+    """ByteTokenizer's 1001 ids under a model whose embedding is padded to 1024 rows (Llama 4's is padded)."""
+
+    n_words = 1001
+
+
+def test_ids_past_the_tokenizer_that_the_sampler_would_index_are_refused() -> None:
+    """The sampler's logits stop at the tokenizer's ids, so a logit_bias id past them, or a repetition_penalty
+    over a prompt id past them, would fail the step and stop the worker: both are 400s naming the field."""
+    def parse_padded(path: str | None, body: dict) -> Job:
+        request = {"body": json.dumps(body).encode()}
+        if path is None:
+            return parse_request(request, SETTINGS, PaddedTokenizer(), 1024)
+        return parse_openai(path, request, SETTINGS, PaddedTokenizer(), 1024, "llama", "r1", 0).job
+
+    for path in (None, COMPLETIONS):
+        prompt = {"prompt": "hi"}
+        assert parse_padded(path, {**prompt, "logit_bias": {"1000": 5}}).params.logit_bias == ((1000, 5.0),)
+        with pytest.raises(RequestError, match=r"logit_bias keys must be token ids in \[0, 1001\)") as info:
+            parse_padded(path, {**prompt, "logit_bias": {"1010": 5}})
+        assert info.value.param == "logit_bias"
+    assert parse_padded(COMPLETIONS, {"prompt": [1000, 1010]}).prompt_ids == [1000, 1010]  # a padded row's id
+    with pytest.raises(RequestError, match="repetition_penalty") as info:
+        parse_padded(COMPLETIONS, {"prompt": [1000, 1010], "repetition_penalty": 1.2})
+    assert info.value.param == "prompt" and info.value.status == 400
+
+
 def test_openai_paths_refuse_every_hostile_body(real_tokenizer) -> None:
     """The hostile corpus's bodies (native requests, valid or not) are all 400s on both OpenAI paths."""
     settings = HandlerSettings(EngineConfig("/ckpt", max_seq_len=256), default_max_new_tokens=8, max_request_bytes=65536)
@@ -602,6 +639,23 @@ def test_openai_paths_refuse_every_hostile_body(real_tokenizer) -> None:
             with pytest.raises(RequestError) as info:
                 parse_openai(path, {"body": case.body}, settings, real_tokenizer, real_tokenizer.n_words, "m", "r")
             assert info.value.status == 400, (path, case.category, case.body[:120], str(info.value))
+
+
+def test_chat_logprobs_bytes_add_up_to_characters_split_across_tokens(real_tokenizer) -> None:
+    """OpenAI's `bytes` exist so that a character split across tokens can be put together: each token's own
+    bytes, not those of the U+FFFD its lone bytes decode to."""
+    from tp_llama.engine.sampling import TokenLogprobs
+    from tp_llama.serving.routes import open_request
+
+    text = "東京🎉"
+    ids = real_tokenizer.encode(text, bos=False)
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
+    api = open_request(CHAT, {"body": json.dumps(body).encode()}, SETTINGS, real_tokenizer, real_tokenizer.n_words,
+                       "llama", "r1")
+    content = api._logprobs(None, [TokenLogprobs(t, -1.0, [(t, -1.0)]) for t in ids])["content"]
+    assert any("\ufffd" in entry["token"] for entry in content), "no character was split; pick another text"
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == text.encode("utf-8")
+    assert [entry["top_logprobs"][0]["bytes"] for entry in content] == [entry["bytes"] for entry in content]
 
 
 def test_stop_watcher_cuts_before_the_first_stop_and_holds_back_partial_matches() -> None:
@@ -796,9 +850,12 @@ def test_logprobs_in_every_shape_agree_with_the_tokens(engine) -> None:
     streamed = [c["choices"][0]["logprobs"] for c in _sse(replies["cs"]) if c["choices"] and c["choices"][0]["logprobs"]]
     assert [v for lp in streamed for v in lp["token_logprobs"]] == pytest.approx(values, abs=1e-5)
     assert [o for lp in streamed for o in lp["text_offset"]] == completion["text_offset"]
-    content = final_json(replies["h"])["choices"][0]["logprobs"]["content"]
+    message = final_json(replies["h"])["choices"][0]
+    content = message["logprobs"]["content"]
     assert len(content) == 6 and all(len(entry["top_logprobs"]) == 2 for entry in content)
-    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    # Each token's own bytes (a lone byte's too), so together they are the reply's text.
+    joined = b"".join(bytes(entry["bytes"]) for entry in content)
+    assert joined.decode("utf-8", errors="replace") == message["message"]["content"]
     streamed = [e for c in _sse(replies["hs"]) if c["choices"][0]["logprobs"]
                 for e in c["choices"][0]["logprobs"]["content"]]
     assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-5)
@@ -818,6 +875,17 @@ def test_sampling_fields_reach_the_engine(engine) -> None:
     got = {rid: final_json(r)["token_ids"] for rid, r in replies.items()}
     assert got["s1"] == got["s2"] and got["k1"] == got["g"] and got["b"] == [77] * 8
     assert len(got["r"]) == 8
+
+
+def test_a_temperature_near_zero_picks_the_greedy_tokens(engine) -> None:
+    """As the temperature goes to 0 sampling becomes greedy, also below float32's normal numbers (1e-40),
+    where dividing the logits by it overflowed and every draw was id 0."""
+    base = {"prompt": "hello there", "max_new_tokens": 6, "ignore_eos": True, "seed": 1}
+    bodies = {f"t{t}": json.dumps({**base, "temperature": t}).encode() for t in (0, 1e-6, 1e-40, 1e-300)}
+    replies = run_to_end(new_handler(engine), bodies)
+    got = {rid: final_json(reply)["token_ids"] for rid, reply in replies.items()}
+    assert len(set(got["t0"])) > 1, "the greedy reply repeats one token; pick another prompt"
+    assert got["t1e-06"] == got["t1e-40"] == got["t1e-300"] == got["t0"], got
 
 
 def test_chat_stream_starts_with_the_assistant_role(engine) -> None:

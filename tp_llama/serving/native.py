@@ -29,6 +29,7 @@ from tp_llama.serving.request import (
     logprobs_field,
     n_field,
     native_logprobs,
+    pickable_ids,
     request_body,
     sampling_params,
     sequence_id,
@@ -68,7 +69,8 @@ def parse_request(request: dict[str, Any], settings: HandlerSettings, tokenizer:
     max_new_tokens = fit_max_new_tokens(integer_field(body, "max_new_tokens"), "max_new_tokens",
                                         len(prompt_ids), settings)
     ignore_eos = boolean_field(body, "ignore_eos")
-    params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs_field(body, "logprobs"), ignore_eos)
+    params = sampling_params(body, settings, max_new_tokens, pickable_ids(vocab_size, tokenizer),
+                             logprobs_field(body, "logprobs"), ignore_eos)
     return Job(prompt_ids, params, boolean_field(body, "stream"), cache_salt_field(body),
                reply_constraint(body, tools, ignore_eos), n_field(body, settings), tools,
                adapter_of(body.get("model"), model, settings))

@@ -28,6 +28,7 @@ from tp_llama.serving.request import (
     integer_field,
     logprobs_field,
     n_field,
+    pickable_ids,
     request_body,
     sampling_params,
     text_prompt_ids,
@@ -188,6 +189,15 @@ def _echo(body: dict[str, Any], prompts: list[list[int]], logprobs: int | None, 
     return True
 
 
+def _penalized_ids(prompts: list[list[int]], repetition_penalty: float, pickable: int) -> None:
+    """repetition_penalty reaches each prompt id's logit, and the logits stop at the tokenizer's ids: a padded
+    row's id there would fail the step (and with it the worker)."""
+    bad = [i for ids in prompts for i in ids if i >= pickable] if repetition_penalty != 1.0 else []
+    if bad:
+        raise RequestError(f"with repetition_penalty, prompt token ids must be in [0, {pickable}), got {bad[0]}",
+                           param="prompt")
+
+
 def _max_new_tokens(body: dict[str, Any], key: str, prompts: list[list[int]], echo: bool,
                     settings: HandlerSettings) -> int:
     """The native rules for every prompt (the default shrinks to fit the longest); 0 is allowed with echo:
@@ -254,10 +264,11 @@ def parse_openai(
     include_usage = _include_usage(body, stream)
     stops = _stop_strings(body)
     logprobs, echo, texts, tools = _logprobs_asked(body, path), False, None, None
+    pickable = pickable_ids(vocab_size, tokenizer)
     if path == CHAT:
-        if "max_tokens" in body and "max_completion_tokens" in body:
+        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
             raise RequestError("send only one of max_completion_tokens and max_tokens", param="max_tokens")
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         if "messages" not in body:
             raise RequestError("messages is required", param="messages")
         ids, tools = chat_ids(body, chat_messages(body["messages"]), tokenizer, settings.tool_format)
@@ -267,9 +278,10 @@ def parse_openai(
         if "prompt" not in body:
             raise RequestError("prompt is required", param="prompt")
         prompts, texts = _completion_prompts(body["prompt"], tokenizer, vocab_size)
-        echo = _echo(body, prompts, logprobs, min(vocab_size, getattr(tokenizer, "n_words", vocab_size)))
+        echo = _echo(body, prompts, logprobs, pickable)
     max_new_tokens = _max_new_tokens(body, key, prompts, echo, settings)
-    params = sampling_params(body, settings, max_new_tokens, vocab_size, logprobs, ignore_eos)
+    params = sampling_params(body, settings, max_new_tokens, pickable, logprobs, ignore_eos)
+    _penalized_ids(prompts, params.repetition_penalty, pickable)
     if echo:
         params = replace(params, prompt_logprobs=logprobs)
     grammar = reply_constraint(body, tools, ignore_eos)

@@ -10,20 +10,37 @@ completion, across the chunks of a streamed reply.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from tp_llama.engine.sampling import TokenLogprobs
 
 Decode = Callable[[list[int]], str]
+RawBytes = Callable[[int], bytes]
 
 
-def chat_logprobs(entries: list[TokenLogprobs], decode: Decode) -> dict[str, Any]:
-    """Chat's logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+@functools.lru_cache(maxsize=4)
+def _byte_table(tokenizer: Any) -> tuple[bytes, ...]:
+    return tuple(tokenizer.token_bytes())
+
+
+def raw_token_bytes(tokenizer: Any) -> RawBytes | None:
+    """Each id's own bytes (its table built once, at the first use), where the tokenizer can say them."""
+    if not hasattr(tokenizer, "token_bytes"):
+        return None
+    return lambda token: _byte_table(tokenizer)[token]
+
+
+def chat_logprobs(entries: list[TokenLogprobs], decode: Decode, raw: RawBytes | None = None) -> dict[str, Any]:
+    """Chat's logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}; a token that
+    holds part of a character (its text U+FFFD) gives its own bytes, which OpenAI's `bytes` are for."""
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        # Only text tokens decode to U+FFFD (control tokens give their names), so their table entry is their bytes.
+        data = raw(token) if raw is not None and "\ufffd" in text else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(data)}
 
     return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(*top) for top in t.top]}
                         for t in entries]}

@@ -16,7 +16,7 @@ from typing import Any
 
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scheduler import Sequence
-from tp_llama.serving.openai_logprobs import LegacyLogprobs, chat_logprobs, joined
+from tp_llama.serving.openai_logprobs import LegacyLogprobs, RawBytes, chat_logprobs, joined
 from tp_llama.serving.request import Job, json_line, sequence_id
 from tp_llama.serving.stream import StopWatcher, StreamDecoder
 from tp_llama.serving.tool_use import ToolReply
@@ -73,6 +73,7 @@ class OpenAIRequest:
     prompt_texts: list[str | None] = field(default_factory=list)  # echo: each prompt as sent, when it was text
     echo: bool = False
     decode: Callable[[list[int]], str] | None = None
+    raw_bytes: RawBytes | None = None  # each token's own bytes, for chat's logprobs
     choices: list[Choice] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -93,8 +94,8 @@ class OpenAIRequest:
     def content_type(self) -> str:
         return SSE_TYPE if self.job.stream else JSON_TYPE
 
-    def start(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
+    def start(self, decode: Callable[[list[int]], str], raw_bytes: RawBytes | None = None) -> None:
+        self.decode, self.raw_bytes = decode, raw_bytes
 
     def sequences(self, rid: str) -> list[Sequence]:
         """The engine sequences of the request, n per prompt (made once, at admission): choice p * n + j is
@@ -185,7 +186,7 @@ class OpenAIRequest:
         if self.job.params.logprobs is None:
             return None
         if self.chat:
-            return chat_logprobs(logprobs, self.decode)
+            return chat_logprobs(logprobs, self.decode, self.raw_bytes)
         prompt = choice.lists.prompt(choice.seq.prompt_ids, choice.seq.prompt_logprobs) if echo else None
         return joined(prompt, choice.lists.generated(logprobs))
 

@@ -18,6 +18,7 @@ from tp_llama.serving.settings import HandlerSettings
 
 SEED_LIMIT = 2**63
 MAX_LOGIT_BIAS = 1024
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: smaller temperatures are greedy, as dividing float32 logits overflows
 
 
 class RequestError(ValueError):
@@ -256,26 +257,33 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
     return tuple(entries)
 
 
-def sampling_params(body: dict[str, Any], settings: HandlerSettings, max_new_tokens: int, vocab_size: int,
+def pickable_ids(vocab_size: int, tokenizer: Any) -> int:
+    """How many ids the sampler can pick: its logits stop at the tokenizer's ids (a padded embedding's extra rows
+    have no text), so an id past them must never index them."""
+    return min(vocab_size, getattr(tokenizer, "n_words", vocab_size))
+
+
+def sampling_params(body: dict[str, Any], settings: HandlerSettings, max_new_tokens: int, pickable: int,
                     logprobs: int | None, ignore_eos: bool) -> SamplingParams:
     """The sampling fields both APIs share (OpenAI's, and vLLM's top_k, min_p and repetition_penalty);
-    temperature and top_p default from the yaml."""
+    temperature and top_p default from the yaml; logit_bias ids below `pickable` (pickable_ids)."""
     seed = integer_field(body, "seed")
     if seed is not None and not 0 <= seed < SEED_LIMIT:
         raise RequestError(f"seed must be in [0, 2**63), got {seed}", param="seed")
     top_k = integer_field(body, "top_k")
     if top_k is not None and top_k < -1:
         raise RequestError(f"top_k must be -1 or 0 (no limit) or a positive integer, got {top_k}", param="top_k")
+    temperature = bounded_number(body, "temperature", settings.temperature, 0.0, float("inf"))
     return SamplingParams(
         max_new_tokens,
-        temperature=bounded_number(body, "temperature", settings.temperature, 0.0, float("inf")),
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=bounded_number(body, "top_p", settings.top_p, 0.0, 1.0, open_low=True),
         top_k=max(top_k or 0, 0),
         min_p=bounded_number(body, "min_p", 0.0, 0.0, 1.0),
         frequency_penalty=bounded_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=bounded_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=bounded_number(body, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True),
-        logit_bias=_logit_bias(body, vocab_size),
+        logit_bias=_logit_bias(body, pickable),
         logprobs=logprobs,
         seed=seed,
         ignore_eos=ignore_eos,

@@ -114,7 +114,7 @@ class ResponsesReply(OpenAIRequest):
             self.message["content"].append(part)
             self._emit("response.content_part.added", **self._where(self.message), content_index=0, part=part)
         part = self.message["content"][0]
-        logprobs = chat_logprobs(self.held, self.decode)["content"]
+        logprobs = chat_logprobs(self.held, self.decode, self.raw_bytes)["content"]
         self.held = []
         part["text"] += text
         if "logprobs" in part:

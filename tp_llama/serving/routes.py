@@ -18,6 +18,7 @@ from typing import Any
 from tp_llama.serving.native import NativeRequest, parse_request
 from tp_llama.serving.models import models_list
 from tp_llama.serving.openai_api import MODELS, PATHS, parse_openai
+from tp_llama.serving.openai_logprobs import raw_token_bytes
 from tp_llama.serving.request import FrontDoor, RequestError
 from tp_llama.serving.responses_api import RESPONSES, parse_responses
 from tp_llama.serving.settings import HandlerSettings
@@ -55,7 +56,7 @@ def open_request(path: str, request: dict[str, Any], settings: HandlerSettings, 
         else:
             raise RequestError(f"unknown path {path!r}: this server has /{MODELS} (GET), POST "
                                f"/{', /'.join(OPENAI_PATHS)}, and {', '.join(TOKENIZER_PATHS)} beside v1", 404)
-        api.start(tokenizer.decode)
+        api.start(tokenizer.decode, raw_token_bytes(tokenizer))
         return api
     if path:
         raise RequestError(f"unknown path {path!r}: POST /predictions/NAME for the native API, or "
