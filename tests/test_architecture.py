@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
 # Lowest first: a module may import its own layer and the ones before it, never one after.
 LAYERS = [
-    ["tp_llama.errors", "tp_llama.pages", "tp_llama.llama4_format", "tp_llama.tokenizer", "tp_llama.tool_format",
-     "tp_llama.tool_calls"],
+    ["tp_llama.errors", "tp_llama.pages", "tp_llama.llama4_format", "tp_llama.tokenizer", "tp_llama.json_schema",
+     "tp_llama.tool_format", "tp_llama.tool_calls"],
     ["tp_llama.model"],
     ["tp_llama.kernels"],
     ["tp_llama.parallel"],

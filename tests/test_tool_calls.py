@@ -150,6 +150,9 @@ def test_a_reply_s_calls_and_their_results_go_back_into_the_history(engine, comp
     ({"tools": TOOLS, "messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "[" * 5000}}]}]},
      "messages", "nested too deeply"),
+    ({"tools": [{"type": "function", "function": {"name": "loop", "parameters": {  # a call that could never end
+        "type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/$defs/n"}},
+        "$defs": {"n": {"$ref": "#/$defs/n"}}}}}]}, "tools", "no value meets this schema"),
 ])
 def test_bad_tool_requests_are_refused_naming_the_field(engine, fields, param, message):
     body = json.dumps({"messages": MESSAGES, **fields}).encode()

@@ -29,6 +29,7 @@ import json
 import math
 from datetime import datetime
 
+from tp_llama.json_schema import check_has_instance
 from tp_llama.llama4_format import LLAMA4_TOOLS_HEAD
 from tp_llama.tokenizer import TiktokenBase, Tokenizer
 
@@ -84,6 +85,7 @@ def tool_functions(tools: list[dict] | None) -> list[dict]:
         required = params.get("required", [])
         if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
             raise ValueError(f"tools[{i}].function.parameters.required must be an array of strings")
+        check_has_instance(params, f"tools[{i}].function.parameters")
         names.add(name)
         functions.append({"name": name, "description": function.get("description") or "", "parameters": params})
     return functions

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tp_llama.json_schema import check_has_instance
 from tp_llama.serving.request import GrammarSpec, RequestError, type_name
 
 MAX_CHOICES = 1024
@@ -56,6 +57,10 @@ def _schema_text(schema: Any, param: str) -> str:
     text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
     if len(text) > MAX_GRAMMAR_CHARS:
         raise RequestError(f"{param} is {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}", param=param)
+    try:
+        check_has_instance(schema, param)
+    except ValueError as exc:
+        raise RequestError(str(exc), param=param) from None
     return text
 
 
