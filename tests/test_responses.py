@@ -138,6 +138,26 @@ def test_a_reply_that_ends_is_completed(engine, compiler) -> None:
     assert json.loads(output_text(reply)) in ("yes", "no") and reply["output"][0]["status"] == "completed"
 
 
+def test_a_reply_whose_grammar_fails_is_failed_and_says_so(engine, compiler, monkeypatch) -> None:
+    """A matcher that fails mid-reply (llguidance's limits, injected here) ends the sequence as "error": the
+    response is failed with an error naming the grammar, not completed; chat's finish_reason is "error"."""
+    from tp_llama.engine.constraint import Constraint
+
+    monkeypatch.setattr(Constraint, "advance", lambda self, tokens: False)
+    monkeypatch.setattr(Constraint, "failed", property(lambda self: True))
+    monkeypatch.setattr(Constraint, "error", property(lambda self: "injected"))
+    fmt = {"type": "json_schema", "name": "keeper", "schema": KEEPER}
+    replies = ask(handler_for(engine, compiler), {
+        "r": (RESPONSES, {"input": "Who keeps the light?", "text": {"format": fmt}}),
+        "c": (CHAT, {"messages": [{"role": "user", "content": "Who?"}], "response_format": {
+            "type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}})})
+    reply = final_json(replies["r"])
+    Response.model_validate(reply)
+    assert reply["status"] == "failed" and "grammar failed" in reply["error"]["message"], reply
+    assert [item["status"] for item in reply["output"]] == ["incomplete"]
+    assert final_json(replies["c"])["choices"][0]["finish_reason"] == "error"
+
+
 def test_text_format_json_schema_and_json_object_constrain_the_reply(engine, compiler) -> None:
     handler = handler_for(engine, compiler)
     schema = {"type": "json_schema", "name": "keeper", "schema": KEEPER, "strict": True}

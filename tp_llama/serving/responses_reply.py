@@ -28,6 +28,7 @@ from tp_llama.serving.openai_reply import OpenAIRequest, timeout_error
 from tp_llama.serving.request import json_line
 
 RESPONSES = "v1/responses"
+GRAMMAR_FAILED = "the reply's grammar failed while it was generated (a matcher limit); output holds the reply so far"
 
 
 def _item_id(prefix: str) -> str:
@@ -135,7 +136,7 @@ class ResponsesReply(OpenAIRequest):
 
     def _status(self) -> str:
         reason = self.choices[0].seq.finish_reason
-        return {"length": "incomplete", "timeout": "failed"}.get(reason, "completed")
+        return {"length": "incomplete", "timeout": "failed", "error": "failed"}.get(reason, "completed")
 
     def _close(self) -> None:
         """The reply ended: its calls checked (a call cut short stays incomplete; text that never became a call
@@ -161,7 +162,7 @@ class ResponsesReply(OpenAIRequest):
                 done = {"text": part["text"], "logprobs": part.get("logprobs", [])}
                 self._emit("response.output_text.done", **self._where(item), content_index=0, **done)
                 self._emit("response.content_part.done", **self._where(item), content_index=0, part=part)
-                item["status"] = "incomplete" if status == "incomplete" else "completed"
+                item["status"] = "completed" if status == "completed" else "incomplete"
             else:
                 item["status"] = "completed" if self.calls.index(item) < len(parsed) else "incomplete"
                 self._emit("response.function_call_arguments.done", **self._where(item), name=item["name"],
@@ -177,7 +178,8 @@ class ResponsesReply(OpenAIRequest):
         usage = self.usage() if ended else None
         error = None
         if status == "failed":
-            error = {"code": "server_error", "message": timeout_error()["message"]}
+            timed_out = self.choices[0].seq.finish_reason == "timeout"
+            error = {"code": "server_error", "message": timeout_error()["message"] if timed_out else GRAMMAR_FAILED}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
             "output": [dict(item) for item in self.output] if ended else [], "error": error,
