@@ -256,6 +256,9 @@ def test_function_tools_are_called_and_the_round_trip_is_the_chat_prompt(engine,
     ({"input": [{"role": "user", "content": "u"}, {"type": "function_call", "call_id": "c", "name": "get_weather",
                                                   "arguments": "[" * 5000}], "tools": [WEATHER]}, "input",
      "input[1].arguments is nested too deeply"),
+    ({"instructions": "x", "input": [{"role": "user", "content": "u"}, {"type": "function_call", "call_id": "c",
+                                                                        "name": "f", "arguments": "{}"}]},
+     "input", "input[1]: function_call items need the request's tools"),
 ])
 def test_refusals_name_the_field(engine, body: dict, param: str, message: str) -> None:
     settings = dataclasses.replace(SETTINGS, tool_format="pythonic")

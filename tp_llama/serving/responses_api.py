@@ -111,7 +111,7 @@ def _renamed(error: RequestError, param: str, *names: tuple[str, str]) -> Reques
 
 def _prompt(body: dict[str, Any], chat_body: dict[str, Any], tokenizer: ChatTokenizer,
             settings: HandlerSettings) -> tuple[list[int], ToolUse | None]:
-    messages = input_messages(body.get("input"), body.get("instructions"))
+    messages = input_messages(body.get("input"), body.get("instructions"), bool(chat_body["tools"]))
     try:
         return chat_ids(chat_body, messages, tokenizer, settings.tool_format)
     except RequestError as exc:

@@ -97,10 +97,11 @@ def _call(item: dict, where: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def input_messages(items: Any, instructions: Any) -> list[dict]:
+def input_messages(items: Any, instructions: Any, with_tools: bool) -> list[dict]:
     """`instructions` and `input` as chat messages: leading system and developer messages join the
     instructions in one system message (the prompt formats take one, first); consecutive
-    function_call items are one assistant turn of calls; a function_call_output is a tool message."""
+    function_call items are one assistant turn of calls (which need `tools`: they are written in the
+    tools' format); a function_call_output is a tool message."""
     system = [] if instructions is None else [_string(instructions, "instructions", "instructions")]
     if isinstance(items, str) and items:
         items = [{"role": "user", "content": items}]
@@ -121,6 +122,9 @@ def input_messages(items: Any, instructions: Any) -> list[dict]:
                 messages.append(message)
         elif kind == "function_call":
             call = _call(item, where)
+            if not with_tools:
+                raise _refuse(f"{where}: function_call items need the request's tools, in whose format the calls "
+                              "are written into the prompt")
             calls.add(call["id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
