@@ -4,6 +4,8 @@ row's bits unchanged, and a prefix cached under one adapter's weights is never s
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -171,6 +173,28 @@ def test_adapters_take_turns_in_fewer_slots_and_a_broken_one_fails_alone_at_tp_2
     got = run_ranks(_turns, 2, str(root / "mp1"), folders, str(broken), timeout=180)[0]
     assert got[:2] == [expected["qkvo8"][0], expected["all16rs"][0]] and got[3] == expected["qkvo8"][0]
     assert "broken" in got[2] and "adapter_model.safetensors" in got[2]
+
+
+def test_an_adapter_unloaded_and_loaded_again_is_read_again(served, tmp_path):
+    """What the handler does for unload_lora_adapter then load_lora_adapter of one name: the second load reads
+    the folder's files as they are now, not the weights its slot kept; while requests still run on the old
+    weights, the load is refused (retry)."""
+    root, _, expected = served
+    folder = tmp_path / "late"
+    shutil.copytree(root / "qkvo8", folder)
+    engine = Engine.load(settings(root / "mp1", {}, lora_runtime_loading=True, lora_folder=str(tmp_path)))
+    engine.catalog["late"] = str(folder)
+    engine.make_resident("late", set())
+    assert [s.output for s in replies(engine, ["late"])] == expected["qkvo8"]
+    del engine.catalog["late"]  # unloaded
+    engine.lora.retire("late")
+    shutil.rmtree(folder)
+    shutil.copytree(root / "all16", folder)  # a new version of the adapter
+    engine.catalog["late"] = str(folder)  # loaded again
+    with pytest.raises(ValueError, match="requests still run on the unloaded LoRA adapter 'late'.*retry"):
+        engine.make_resident("late", {"late"})
+    engine.make_resident("late", set())
+    assert [s.output for s in replies(engine, ["late"])] == expected["all16"]
 
 
 def test_an_unknown_adapter_is_refused_with_the_known_names(served):

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.lib.hf_convert import meta_to_hf
-from tests.support.peft_reference import merged, save_peft, write_base, write_torchtune
+from tests.support.peft_reference import hf_model, merged, save_peft, write_base, write_torchtune
 from tp_llama.lora.adapters import MODULES, AdapterError, read_adapter
 
 MAX_RANK = 16
@@ -101,6 +101,34 @@ def test_digest_follows_weights_only(base, tmp_path: Path) -> None:
     save_file(tensors, tmp_path / "two" / "adapter_model.safetensors")
     assert read_adapter("one", tmp_path / "two", args, MAX_RANK).digest != first.digest
     assert read_adapter("one", {"path": tmp_path / "one", "format": "peft"}, args, MAX_RANK).digest == first.digest
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_adapter_on_a_base_peft_changed_is_refused_until_converted(init: str, base, tmp_path: Path) -> None:
+    """PiSSA and OLoRA take their first B @ A out of the base weights: PEFT's merge of such an adapter, saved as
+    trained, is W - B0 @ A0 + B @ A, which W + B @ A cannot serve; once PEFT converts it, it is plain LoRA."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    args, state = base
+    torch.manual_seed(7)
+    model = get_peft_model(hf_model(state, args), LoraConfig(r=8, lora_alpha=16, target_modules=QKVO,
+                                                             init_lora_weights=init))
+    model.save_pretrained(tmp_path / "initial")  # before training: what PEFT's conversion subtracts
+    with torch.no_grad():  # a step of training
+        for name, factor in model.named_parameters():
+            if "lora_" in name:
+                factor.add_(0.1 * torch.randn_like(factor))
+    model.save_pretrained(tmp_path / "trained")
+    with pytest.raises(AdapterError, match=rf"trained/adapter_config.json: init_lora_weights '{init}'.*"
+                                           "path_initial_model_for_weight_conversion"):
+        read_adapter("trained", tmp_path / "trained", args, MAX_RANK)
+    model.save_pretrained(tmp_path / "converted", path_initial_model_for_weight_conversion=str(tmp_path / "initial"))
+    adapter = read_adapter("converted", tmp_path / "converted", args, MAX_RANK)
+    reference = merged(PeftModel.from_pretrained(hf_model(state, args), tmp_path / "trained"))
+    ours, unadapted = meta_to_hf(fine_tuned(state, adapter.weights), args), meta_to_hf(state, args)
+    for key, want in reference.items():
+        torch.testing.assert_close(ours[key], want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{init}: {key}: {m}")
+    assert max((reference[k] - unadapted[k]).abs().max().item() for k in reference) > 0.05
 
 
 # ---- refusals: each case makes a bad adapter from a good one and names words its message must hold

@@ -177,11 +177,15 @@ class Engine:
         where it cannot be read (the slot left empty) or every slot is busy."""
         if self.lora is None or name not in self.catalog:
             raise ValueError(f"unknown LoRA adapter {name!r}; this engine has {sorted(self.catalog) or 'none'}")
+        retired = self.lora.retired(name)  # unloaded, then named again: its files are read again
         slot = self.lora.pick_slot(name, busy)
+        if slot is None and retired:
+            raise ValueError(f"requests still run on the unloaded LoRA adapter {name!r}, whose slots hold its old "
+                             "weights; retry when they finish")
         if slot is None:
             raise ValueError(f"all {self.config.max_loras} LoRA adapter slots (handler.max_loras) hold adapters "
                              "that running requests use; retry when one finishes")
-        if name not in self.lora.refs:
+        if name not in self.lora.refs or retired:
             self._forward(StepPlan([], end=False, load=slot), (name, self.catalog[name]))
         return self.lora.refs[name]
 

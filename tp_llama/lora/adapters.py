@@ -41,6 +41,9 @@ _PEFT_REFUSED_CONFIG = {
     "target_parameters": "LoRA on parameters (target_parameters)", "use_bdlora": "block-diagonal LoRA",
     "arrow_config": "Arrow routing", "kasa_config": "KaSA", "monteclora_config": "MonteCLoRA",
 }
+# init_lora_weights that also change the base weight (W - B0 @ A0, or LoftQ's quantized W): the adapter fits
+# only that changed base, until PEFT converts it to plain LoRA (path_initial_model_for_weight_conversion).
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 _SUPPORTED = "only plain LoRA, whose B @ A adds to a weight, is served"
 
 # (layer, Meta module) -> (A, B, the module's name in the file), as read, before any checks.
@@ -166,6 +169,11 @@ def _check_peft_config(config: dict, path: Path) -> None:
         if config.get(key):
             raise AdapterError(f"{path}: {feature} is not supported ({key} {config[key]!r}; target modules "
                                f"{targets}): {_SUPPORTED}")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise AdapterError(f"{path}: init_lora_weights {init!r} changed the base weights before training, so the "
+                           "adapter fits only that changed base: save it with PEFT's save_pretrained("
+                           "path_initial_model_for_weight_conversion=...) to serve it as plain LoRA on the original")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{path}: trained biases are not supported (bias {config['bias']!r}; target modules "
                            f"{targets}): {_SUPPORTED}")

@@ -106,9 +106,14 @@ class ResidentAdapters:
             raise
 
     def retire(self, name: str) -> None:
-        """Rank 0: an adapter no new request may name: its slot is the first taken once no sequence runs on it."""
+        """Rank 0: an adapter no new request may name: its slot is the first taken once no sequence runs on it,
+        and a later load of the name reads its files again."""
         if name in self.used:
             self.used[name] = float("-inf")
+
+    def retired(self, name: str) -> bool:
+        """Rank 0: whether `name`'s slot holds the weights of an adapter since unloaded (retire)."""
+        return name in self.refs and self.used.get(name) == float("-inf")
 
     def load_empty(self, slot: int) -> None:
         """The slot emptied (a load some rank failed)."""
@@ -117,6 +122,8 @@ class ResidentAdapters:
     def pick_slot(self, name: str, busy: set[str]) -> int | None:
         """Rank 0: where `name` goes: its own slot, a free one, or the least recently used adapter's that no
         sequence in `busy` runs on; None where every slot is busy."""
+        if self.retired(name):  # read again into its own slot: one name never holds two slots
+            return None if name in busy else self.refs[name].slot
         if name in self.refs:
             self.used[name] = time.monotonic()
             return self.refs[name].slot
