@@ -209,6 +209,17 @@ def test_scout_params_give_scouts_shapes(tmp_path):
     assert [args.is_nope_layer(i) for i in range(4)] == [False, False, False, True]
 
 
+def test_keys_left_out_take_metas_defaults(tmp_path):
+    """A Llama 4 params.json without the keys llama-models gives defaults reads them as Meta's ModelArgs does."""
+    from llama_models.llama4.args import ModelArgs as MetaArgs
+
+    optional = ("rope_theta", "floor_scale", "attn_scale", "use_qk_norm", "attn_temperature_tuning")
+    params = {key: value for key, value in PARAMS.items() if key not in optional}
+    (tmp_path / "params.json").write_text(json.dumps(params))
+    ours, theirs = read_params(tmp_path), MetaArgs(**params)
+    assert [getattr(ours, key) for key in optional] == [getattr(theirs, key) for key in optional]
+
+
 def test_served_modules_match_meta_and_keep_a_rows_bits(checkpoints, prompts, meta):
     """Prepared for serving (the C kernels' tiles where they run: fused q/k/v, gated w1/w3, one weight per
     expert, the router on the same kernels): Meta's logits still, and a row's logits have the same bits

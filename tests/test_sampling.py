@@ -123,6 +123,25 @@ def test_the_pytorch_draw_follows_the_definition_too(device: str):
         assert torch.all(got[want == 0] == 0) and torch.all((got - want).abs() <= 5 * (want * (1 - want) / 4000).sqrt())
 
 
+@pytest.mark.parametrize("case", ["signed-zero-top_k", "signed-zero-top_p", "nan"])
+def test_the_pytorch_draw_keeps_equal_logits_together_and_never_draws_nan(case: str, device: str):
+    """-0.0 and +0.0 are equal logits, tied at a boundary as sample.c ties them; a NaN logit is never
+    drawn and leaves the others' distribution as it is, as in sample.c (its weight is 0)."""
+    logits, params = {
+        "signed-zero-top_k": ([1.0, 0.0, -0.0, 0.0, -2.0], SamplingParams(1, temperature=1.0, top_k=2)),
+        "signed-zero-top_p": ([1.0, -0.0, 0.0, -2.0], SamplingParams(1, temperature=1.0, top_p=0.75)),
+        "nan": ([1.0, math.nan, 0.5, -2.0], SamplingParams(1, temperature=1.0)),
+    }[case]
+    finite = torch.tensor([-math.inf if math.isnan(v) else v for v in logits])
+    want = reference(finite, Row(params))
+    uniforms = [(i + 0.5) / 64 for i in range(64)]
+    x = torch.tensor(logits).expand(64, -1).contiguous()
+    expected = [reference_draw(want, u) for u in uniforms]
+    assert draw_by_bisection(x.to(device), list(range(64)), [params] * 64, uniforms).tolist() == expected
+    if HAS_C:
+        assert sampling._draw_in_c(x, list(range(64)), [params] * 64, uniforms).tolist() == expected
+
+
 def test_greedy_rows_take_penalties_and_bias_too():
     row = Row(SamplingParams(1, repetition_penalty=2.0), prompt_ids=[4, 9], output=[0])  # token 0: 2.0 -> 1.0
     assert sample_rows(SMALL.unsqueeze(0).clone(), [row])[0] == [1]

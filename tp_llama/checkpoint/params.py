@@ -160,7 +160,8 @@ def parse_params(raw: dict, path: Path, tokenizer_vocab: int | None = None) -> M
         if tokenizer_vocab is None:
             raise CheckpointError(f"{path}: vocab_size is {vocab_size} and no tokenizer was given to take it from")
         vocab_size = tokenizer_vocab
-    rope_theta = float(raw.get("rope_theta", 10000.0))
+    # llama-models' Llama 4 ModelArgs default (Llama 2's files leave it out meaning 10,000)
+    rope_theta = float(raw.get("rope_theta", 500000.0 if family == "llama4" else 10000.0))
     _positive(rope_theta, "rope_theta", path)
     return ModelArgs(
         dim=dim,

@@ -254,6 +254,9 @@ def draw_by_bisection(logits: torch.Tensor, rows: list[int], params: list[Sampli
     device = logits.device
     as_column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # noqa: E731
     x = logits[rows].float()
+    # -0.0 + 0.0 is +0.0: equal logits get equal keys (tied, as sample.c's compares tie them); a NaN is
+    # a -inf, never the best nor drawn, as its weight is 0 in sample.c.
+    x = torch.where(x.isnan(), float("-inf"), x + 0.0)
     z = (x - x.max(dim=-1, keepdim=True).values) / as_column([p.temperature for p in params])
     w = torch.exp(z).nan_to_num(0.0)
     w = torch.where(w >= as_column([p.min_p for p in params]), w, 0).double()
