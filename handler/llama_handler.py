@@ -218,7 +218,8 @@ class LlamaHandler(BaseHandler):
                 constraint = pending.result()
                 for i, seq in enumerate(live.seqs):
                     seq.constraint = constraint if i == 0 else constraint.fork()
-                self._add(live.seqs)
+                if not live.finished:  # else past responseTimeout while compiling: ended, never to be queued
+                    self._add(live.seqs)
             except RequestError as exc:
                 del self.live[rid]
                 answers[rid] = (door, exc)

@@ -603,6 +603,22 @@ def test_openai_refusals_name_the_field(path: str, body: dict, message: str, par
         "error": {"message": str(info.value), "type": "invalid_request_error", "param": param, "code": None}}
 
 
+def test_a_lora_path_with_a_nul_byte_is_the_clients_400(tmp_path: Path) -> None:
+    """Path.resolve raises a bare ValueError on a NUL byte, which the handler answered as its own 500."""
+    from tp_llama.serving.lora_admin import LOAD, admin_request
+
+    (tmp_path / "late").mkdir()
+    key = "k" * 16
+    settings = HandlerSettings(EngineConfig("/ckpt", lora_folder=str(tmp_path), lora_runtime_loading=True),
+                               lora_admin_key=key)
+    for sent in ("\0", str(tmp_path / "late") + "\0"):
+        with pytest.raises(RequestError, match="lora_path may only repeat") as info:
+            admin_request(LOAD, {"body": json.dumps({"lora_name": "late", "lora_path": sent})}, settings, key)
+        assert info.value.status == 400
+    body = json.dumps({"lora_name": "late", "lora_path": str(tmp_path / "late")})
+    assert admin_request(LOAD, {"body": body}, settings, key) == ("late", str(tmp_path / "late"))
+
+
 class PaddedTokenizer(ByteTokenizer):
     """ByteTokenizer's 1001 ids under a model whose embedding is padded to 1024 rows (Llama 4's is padded)."""
 
@@ -886,6 +902,27 @@ def test_a_temperature_near_zero_picks_the_greedy_tokens(engine) -> None:
     got = {rid: final_json(reply)["token_ids"] for rid, reply in replies.items()}
     assert len(set(got["t0"])) > 1, "the greedy reply repeats one token; pick another prompt"
     assert got["t1e-06"] == got["t1e-40"] == got["t1e-300"] == got["t0"], got
+
+
+def stop_raises(rank: int, error: BaseException):
+    """In place of _stop_worker, which would end the test process: the failed step's error, raised by handle."""
+    raise AssertionError(f"the step failed, which stops the worker: {error!r}") from error
+
+
+@pytest.mark.parametrize("sampler", ["c", "torch"])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(engine, monkeypatch: pytest.MonkeyPatch, sampler: str) -> None:
+    """top_k of the vocabulary or more is no limit, however large: PyTorch's sampler (a GPU's) could not hold one
+    past int64 (the step failed, and with it the worker), and the C kernels read k modulo 2**64."""
+    monkeypatch.setattr(llama_handler, "_stop_worker", stop_raises)
+    if sampler == "torch":
+        monkeypatch.setattr("tp_llama.engine.sampling.in_c", lambda logits: False)
+    base = {"prompt": "once upon", "max_new_tokens": 8, "ignore_eos": True, "temperature": 1.5, "seed": 3}
+    bodies = {str(k): json.dumps({**base, "top_k": k}).encode() for k in (0, 1, 512, 2**63, 2**64 + 1, 10**30)}
+    replies = run_to_end(new_handler(engine), bodies)
+    got = {rid: final_json(reply)["token_ids"] for rid, reply in replies.items()}
+    assert got["0"] != got["1"], "the draw is the greedy one; pick another seed"
+    assert got["512"] == got[str(2**63)] == got[str(2**64 + 1)] == got[str(10**30)] == got["0"], got
+    assert parse(b'{"prompt": "hi", "top_k": 18446744073709551617}').params.top_k == 0
 
 
 def test_chat_stream_starts_with_the_assistant_role(engine) -> None:

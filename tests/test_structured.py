@@ -299,6 +299,25 @@ def test_a_slow_grammar_does_not_stall_the_batch(handler, compiler, monkeypatch)
     assert re.fullmatch("slow-[0-9]{2}", final_json(replies["new"])["choices"][0]["message"]["content"])
 
 
+def test_a_request_past_response_timeout_while_its_grammar_compiles_ends_without_a_step(handler, monkeypatch):
+    """A request whose responseTimeout passes before its grammar is compiled (here a timeout of 0, shorter than
+    the call's admissions) answers the timeout and leaves nothing behind: its ended sequences once joined the
+    queue when the grammar was ready, and one stayed there for good, stepped on every call."""
+    real = GrammarCompiler._compile
+
+    def slow(self, spec, grammar):
+        time.sleep(0.2)
+        return real(self, spec, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+    handler.response_timeout_s = 0.0
+    body = json.dumps({"prompt": PROMPT, "max_new_tokens": 8, "structured_outputs": {"regex": "late-[0-9]{2}"}})
+    reply = final_json(run_to_end(handler, {"r": body.encode()})["r"])
+    assert reply["finish_reason"] == "timeout" and reply["usage"]["completion_tokens"] == 0
+    serve(handler, [[]])
+    assert not handler.scheduler.has_work() and not handler.live and handler.scheduler.pool.used == 0
+
+
 def test_mask_bits_match_the_grammar_for_the_real_llama3_vocabulary(real_tokenizer_compiler):
     """The whole 128,256-token vocabulary: after '{"a": ' only tokens that continue a JSON integer or
     start it are allowed, and the stop tokens only once the object can close."""

@@ -50,7 +50,8 @@ def admin_request(path: str, request: dict[str, Any], settings: HandlerSettings,
         raise RequestError(f"the LoRA adapter {name!r} is already loaded", param="lora_name")
     folder = Path(engine.lora_folder) / name
     sent = body.get("lora_path")
-    if sent is not None and (not isinstance(sent, str) or Path(sent).resolve() != folder.resolve()):
+    # A NUL byte is checked first: resolve() raises on it, which was the client's 500.
+    if sent is not None and (not isinstance(sent, str) or "\0" in sent or Path(sent).resolve() != folder.resolve()):
         raise RequestError(f"this server loads adapters by name from handler.lora_folder only; lora_path may only "
                            f"repeat {str(folder)!r}", param="lora_path")
     if not folder.is_dir():

@@ -278,7 +278,8 @@ def sampling_params(body: dict[str, Any], settings: HandlerSettings, max_new_tok
         max_new_tokens,
         temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=bounded_number(body, "top_p", settings.top_p, 0.0, 1.0, open_low=True),
-        top_k=max(top_k or 0, 0),
+        # At least the vocabulary is no limit; kept as such, a huge k overflows the sampler's int64 (a failed step).
+        top_k=top_k if top_k is not None and 0 < top_k < pickable else 0,
         min_p=bounded_number(body, "min_p", 0.0, 0.0, 1.0),
         frequency_penalty=bounded_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=bounded_number(body, "presence_penalty", 0.0, -2.0, 2.0),
