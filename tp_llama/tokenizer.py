@@ -62,6 +62,9 @@ LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED_SPECIALS + [
 ]
 
 CHAT_ROLES = ("system", "user", "assistant")
+# Llama 2's turn markers are plain text, so a message holding one would forge a turn or a system
+# prompt with the template's own ids; Meta's generation.py refuses such dialogs (its SPECIAL_TAGS).
+LLAMA2_CHAT_TAGS = ("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>")
 
 # Long inputs are cut exactly where Meta's reference tokenizers (llama-models, Llama 3's and 4's
 # alike) cut them, so the ids match Meta's for any input: the text is taken in slices of 400,000
@@ -165,6 +168,11 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Llama 2 [INST] format: the system prompt joins the first user turn."""
         turns = _validate_messages(messages)
+        for i, (_, content) in enumerate(turns):
+            tags = [tag for tag in LLAMA2_CHAT_TAGS if tag in content]
+            if tags:
+                raise ValueError(f"llama2 chat: message {i} holds {tags[0]!r}, one of the template's markers "
+                                 f"{LLAMA2_CHAT_TAGS}, which are refused in messages as Meta's reference does")
         if turns[0][0] == "system":
             if len(turns) < 2:
                 raise ValueError("a system message must be followed by a user message")
