@@ -154,6 +154,14 @@ def test_deep_nesting_is_a_bad_request() -> None:
         decode_body({"prompt": deep}, 1_000_000)
 
 
+def test_a_number_longer_than_int_reads_is_a_bad_request() -> None:
+    """json.loads raises a bare ValueError past int()'s digit limit, which the handler answered as its own 500."""
+    with pytest.raises(RequestError, match="a number too long to read"):
+        decode_body(b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 1_000_000)
+    with pytest.raises(RequestError, match="duplicate field"):  # the parser's own refusals pass through as they are
+        decode_body(b'{"seed": 1, "seed": 2}', 1_000_000)
+
+
 def test_bodies_torchserve_already_decoded() -> None:
     assert parse({"prompt": "hi"}).prompt_ids == [1000, 104, 105]
     assert parse('{"prompt": "hi"}').prompt_ids == [1000, 104, 105]

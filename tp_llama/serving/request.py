@@ -149,6 +149,10 @@ def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
             raise RequestError(f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
         except RecursionError:
             raise RequestError("body is nested too deeply") from None
+        except RequestError:
+            raise
+        except ValueError:  # an integer with more digits than int() reads (sys.get_int_max_str_digits)
+            raise RequestError("body is not valid JSON here: a number too long to read") from None
         _utf8_size(value)
     else:
         # TorchServe already decoded an application/json body (decode_input_request=true).
