@@ -148,7 +148,8 @@ setup_checkpoint() {
   [ -f "$CKPT_DIR/params.json" ] || die "$CKPT_DIR has no params.json"
   [ -f "$CKPT_DIR/tokenizer.model" ] || die "$CKPT_DIR has no tokenizer.model"
   local shards
-  shards="$(find "$CKPT_DIR" -maxdepth 1 -name 'consolidated.*.pth' | wc -l)"
+  # -H: a --ckpt-dir that is a symlink (to another disk, say) is the folder it points to.
+  shards="$(find -H "$CKPT_DIR" -maxdepth 1 -name 'consolidated.*.pth' | wc -l)"
   [ "$shards" -ge 1 ] || die "$CKPT_DIR has no consolidated.*.pth files"
   echo "using $CKPT_DIR ($shards shard file(s)), served with tensor parallelism $TP"
 }
@@ -326,6 +327,6 @@ if [ "$SERVE" = 1 ]; then
 else
   again=""
   for assignment in ${SETS[@]+"${SETS[@]}"}; do again+=" --set $(printf '%q' "$assignment")"; done
-  printf '\nDone. To serve it: ./setup_model.sh%s --tp %s%s --name %s --model-store %s --serve\n' \
-    "${CKPT_ARG:+ --ckpt-dir $CKPT_DIR}" "$TP" "$again" "$NAME" "$MODEL_STORE"
+  printf '\nDone. To serve it: ./setup_model.sh%s --tp %s%s --name %s --model-store %q --serve\n' \
+    "${CKPT_ARG:+ --ckpt-dir $(printf '%q' "$CKPT_DIR")}" "$TP" "$again" "$NAME" "$MODEL_STORE"
 fi

@@ -24,7 +24,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script: tp_llama from this checkout
+from tp_llama.checkpoint.params import read_params  # noqa: E402
+from tp_llama.parallel.layout import check_tp_size  # noqa: E402
 from tp_llama.serving.settings import check_model_config  # noqa: E402
+from tp_llama.tokenizer import load_tokenizer  # noqa: E402
 
 HANDLER = REPO / "handler" / "llama_handler.py"
 
@@ -69,6 +72,16 @@ def model_config(template: Path, ckpt_dir: Path, tp: int, overrides: list[str]) 
     return config
 
 
+def check_tp(ckpt: Path, config: dict[str, Any]) -> None:
+    """A TP size that cuts a head in two: the worker would refuse it at load, over and over as
+    TorchServe retries it, while setup waits for READY; say so now."""
+    if config["handler"].get("mode", "tp") != "tp":
+        return
+    tokenizer = ckpt / "tokenizer.model"
+    vocab = load_tokenizer(tokenizer).n_words if tokenizer.is_file() else None
+    check_tp_size(read_params(ckpt, vocab), config["torchrun"]["nproc-per-node"])
+
+
 def stage_extra_files(stage: Path, with_testing: bool) -> Path:
     """The tp_llama package, laid out as it must sit in the model folder."""
     extra = stage / "extra"
@@ -100,7 +113,9 @@ def build_archive(
     with tempfile.TemporaryDirectory(prefix="tpls-archive-") as tmp:
         stage = Path(tmp)
         config_file = stage / "model-config.yaml"
-        config_file.write_text(yaml.safe_dump(model_config(Path(config), ckpt, tp, overrides or []), sort_keys=False))
+        written = model_config(Path(config), ckpt, tp, overrides or [])
+        check_tp(ckpt, written)
+        config_file.write_text(yaml.safe_dump(written, sort_keys=False))
         extra = stage_extra_files(stage, with_testing)
         # torch-model-archiver stages files in $TMPDIR/NAME and deletes that folder first,
         # so it gets a private TMPDIR instead of the shared /tmp.

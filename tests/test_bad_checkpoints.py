@@ -12,6 +12,7 @@ import torch
 
 from tests.support.cli_util import launch_cli
 from tp_llama.testing.faults import fault_env
+from tp_llama.testing.synthetic import main as synthetic_main
 from tp_llama.testing.synthetic import write_checkpoint
 
 FAIL_FAST_S = 45  # the ranks' interpreter start-ups included; a hang would hit the 60 s collective timeout
@@ -151,3 +152,12 @@ def test_a_tokenizer_with_fewer_ids_than_the_embedding_serves_text(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     ids = json.loads(run.stdout.splitlines()[0])["token_ids"]
     assert len(ids) == 24 and max(ids) < 512, ids
+
+
+def test_the_synthetic_writer_refuses_an_mp_that_cuts_a_head(tmp_path: Path, capfd) -> None:
+    """MP 3 of 8 heads wrote files that no loader reads; MP 0 stopped with a traceback."""
+    for mp, message in ((3, "mp 3 must divide n_heads (8), n_kv_heads (4)"), (0, "mp must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as stopped:
+            synthetic_main([str(tmp_path / f"mp{mp}"), "--mp", str(mp)])
+        assert stopped.value.code == 2 and message in capfd.readouterr().err
+        assert not list((tmp_path / f"mp{mp}").glob("consolidated.*.pth"))

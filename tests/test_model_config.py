@@ -8,6 +8,7 @@ refuses such a yaml at load (check_model_config) and make_archive refuses it whe
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.make_archive import apply_override, model_config
+from deploy.make_archive import apply_override, build_archive, model_config
 from tp_llama.serving.settings import TORCHRUN_KEYS, TORCHSERVE_KEYS, check_model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +51,7 @@ def with_(dotted: str, value: object) -> dict:
     (with_("handler.max_seqlen", 4096), r"unknown key\(s\) in the handler block of model-config.yaml: \['max_seqlen'\]"),
     (with_("handler.max_seq_len", "4096"), r"handler.max_seq_len must be an integer"),
     ({**SHIPPED, "handler": "ckpt"}, r"handler must be a mapping"),
+    ({**SHIPPED, "handler": {**SHIPPED["handler"], 1: 2, "foo": 3}}, r"model-config.yaml: \[1, 'foo'\]"),
 ])
 def test_a_wrong_key_or_type_is_refused_by_name(config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -148,3 +150,36 @@ def test_setup_refuses_bad_flags_before_doing_anything(tmp_path: Path, args: lis
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and message in done.stderr, done.stderr
     assert not (tmp_path / "calls").exists()
+
+
+@needs_java
+def test_setup_takes_a_checkpoint_folder_that_is_a_symlink(tmp_path: Path) -> None:
+    repo, ckpt = fake_repo(tmp_path)
+    (tmp_path / "link").symlink_to(ckpt, target_is_directory=True)  # the weights on another disk, say
+    done = subprocess.run([str(repo / "setup_model.sh"), "--ckpt-dir", str(tmp_path / "link"),
+                           "--model-store", str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "(1 shard file(s))" in done.stdout
+
+
+@needs_java
+def test_the_rerun_command_setup_prints_keeps_paths_with_spaces_whole(tmp_path: Path) -> None:
+    repo, ckpt = fake_repo(tmp_path)
+    spaced = ckpt.rename(tmp_path / "my ckpt")
+    store = tmp_path / "model store"
+    done = subprocess.run([str(repo / "setup_model.sh"), "--ckpt-dir", str(spaced), "--tp", "1",
+                           "--model-store", str(store)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rerun = done.stdout.rsplit("To serve it: ", 1)[1].strip()
+    assert shlex.split(rerun) == ["./setup_model.sh", "--ckpt-dir", str(spaced), "--tp", "1", "--name", "llama",
+                                  "--model-store", str(store), "--serve"]
+
+
+def test_the_model_folder_refuses_a_tp_that_cuts_a_head(synthetic_checkpoint, tmp_path: Path) -> None:
+    """The worker would refuse it at load, again at every retry, while setup waited READY_TIMEOUT."""
+    ckpt = synthetic_checkpoint()  # 8 heads, 4 KV heads
+    with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide n_heads \(8\)"):
+        build_archive(ckpt, tmp_path / "store", tp=3)
+    with pytest.raises(ValueError, match=r"tensor-parallel size 8 does not divide n_kv_heads \(4\)"):
+        build_archive(ckpt, tmp_path / "store", tp=2, overrides=["torchrun.nproc-per-node=8"])
+    assert not (tmp_path / "store" / "llama").exists()

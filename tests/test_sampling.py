@@ -20,6 +20,7 @@ from tp_llama.engine.sampling import (
     _penalize_in_c,
     _top_in_c,
     apply_masks,
+    check_params,
     draw_by_bisection,
     sample_rows,
 )
@@ -424,3 +425,11 @@ def test_constrained_rows_keep_raw_logprobs_and_mask_without_a_copy_in_c(monkeyp
         assert math.isclose(logprobs[r].logprob, float(exact[r, tokens[r]]), abs_tol=1e-4)
     monkeypatch.setattr(sampling, "in_c", lambda _: False)
     assert sample_rows(logits, seeded(params, {}), bits, [0, 1])[0] == tokens and len(calls) == (1 if HAS_C else 2)
+
+
+@pytest.mark.parametrize("name, value", [("temperature", math.nan), ("repetition_penalty", math.nan),
+                                         ("top_p", math.nan), ("seed", -1), ("seed", 2**64)])
+def test_nan_and_seeds_out_of_range_are_refused(name: str, value: float) -> None:
+    """The offline CLI's float flags read "nan" (--temperature nan drew token 0 every step); --seed any int."""
+    with pytest.raises(ValueError, match=name):
+        check_params(SamplingParams(4, **{name: value}))

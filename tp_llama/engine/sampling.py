@@ -72,10 +72,13 @@ class History(Protocol):
 
 def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
     """The sampler's own limits (the front doors check their fields first, naming them)."""
-    if params.temperature < 0 or not 0 < params.top_p <= 1 or not 0 <= params.min_p <= 1:
+    # Written so that NaN fails too (the CLI's float flags read "nan"): a NaN temperature drew token 0.
+    if not params.temperature >= 0 or not 0 < params.top_p <= 1 or not 0 <= params.min_p <= 1:
         raise ValueError("temperature must be >= 0, top_p in (0, 1] and min_p in [0, 1]")
-    if params.top_k < 0 or params.repetition_penalty <= 0:
+    if params.top_k < 0 or not params.repetition_penalty > 0:
         raise ValueError("top_k must be >= 0 and repetition_penalty > 0")
+    if params.seed is not None and not 0 <= params.seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
     for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}]")

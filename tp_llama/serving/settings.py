@@ -115,7 +115,7 @@ def settings_from_yaml(block: dict[str, Any] | None) -> HandlerSettings:
     block = dict(block or {})
     engine_keys = {f.name for f in fields(EngineConfig)} - {"device"}  # TorchServe's deviceType says it
     server_keys = {f.name for f in fields(HandlerSettings)} - {"engine"}
-    unknown = sorted(set(block) - engine_keys - server_keys)
+    unknown = sorted(set(block) - engine_keys - server_keys, key=str)  # a yaml key may be a number
     if unknown:
         raise ValueError(f"unknown key(s) in the handler block of model-config.yaml: {unknown}")
     if "ckpt_dir" not in block:

@@ -85,6 +85,8 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     if family not in ("llama2", "llama3"):
         raise ValueError(f"family must be llama2 or llama3, got {family!r}")
+    if mp < 1:
+        raise ValueError(f"mp must be >= 1, got {mp}")
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out / "tokenizer.model")
         n_words = load_tokenizer(out / "tokenizer.model").n_words
@@ -92,8 +94,13 @@ def write_checkpoint(
         n_words = build_tokenizer(family, out / "tokenizer.model", vocab_size)
     params = params_json(family, dim, n_layers, n_heads, n_kv_heads, model_vocab or n_words, multiple_of,
                          ffn_dim_multiplier)
-    (out / "params.json").write_text(json.dumps(params, indent=2) + "\n")
     args = parse_params(params, out / "params.json", n_words)
+    # fairscale splits whole rows: an MP that does not divide them would write files no loader reads.
+    sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "dim": args.dim, "the FFN width": args.ffn_dim,
+             "the vocabulary": args.vocab_size}
+    if any(size % mp for size in sizes.values()):
+        raise ValueError(f"mp {mp} must divide " + ", ".join(f"{name} ({size})" for name, size in sizes.items()))
+    (out / "params.json").write_text(json.dumps(params, indent=2) + "\n")
     gen = torch.Generator().manual_seed(seed)
     weights = {key: random_weight(key, shape, gen, dtype) for key, shape in full_shapes(args).items()}
     for m, state in enumerate(split_for_files(weights, family, mp)):
@@ -118,10 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
-    out = write_checkpoint(
-        a.out, a.family, a.mp, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size,
-        a.multiple_of, a.ffn_dim_multiplier, getattr(torch, a.dtype), a.seed,
-    )
+    try:
+        out = write_checkpoint(
+            a.out, a.family, a.mp, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size,
+            a.multiple_of, a.ffn_dim_multiplier, getattr(torch, a.dtype), a.seed,
+        )
+    except (ValueError, RuntimeError) as exc:  # a size the checkpoint cannot have; SentencePiece's vocabulary
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     print(f"wrote {a.family} checkpoint with {a.mp} shard file(s) to {out}", file=sys.stderr)
 
 
