@@ -277,6 +277,12 @@ serve() {
       tail -n 40 logs/torchserve.out logs/model_log.log 2>/dev/null || true
       die "TorchServe exited; see logs/"
     fi
+    # TorchServe retries a failed load for good, with back-off: the first failure's cause is shown at once.
+    if grep -q "Load model failed" logs/torchserve.out 2>/dev/null; then
+      tail -n 40 logs/model_log.log 2>/dev/null || true
+      "$VENV/bin/torchserve" --stop >/dev/null 2>&1 || true
+      die "the worker failed to load the model (the ranks' output above; all of it in logs/); TorchServe stopped"
+    fi
     if [ "$SECONDS" -ge "$report" ]; then
       echo "  ... still loading after $((SECONDS - started)) s"
       report=$((SECONDS + 15))

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,34 @@ def test_the_rerun_command_setup_prints_keeps_paths_with_spaces_whole(tmp_path: 
     rerun = done.stdout.rsplit("To serve it: ", 1)[1].strip()
     assert shlex.split(rerun) == ["./setup_model.sh", "--ckpt-dir", str(spaced), "--tp", "1", "--name", "llama",
                                   "--model-store", str(store), "--serve"]
+
+
+@needs_java
+def test_serve_stops_at_the_first_failed_load_with_its_cause(tmp_path: Path) -> None:
+    """TorchServe retries a failed load for good: setup shows the ranks' output and stops the server at the
+    first failure instead of waiting READY_TIMEOUT. TorchServe here is a stand-in that fails its load."""
+    repo, ckpt = fake_repo(tmp_path)
+    bin_dir, temp = repo / ".venv" / "bin", tmp_path / "temp"
+    temp.mkdir()
+    python = bin_dir / "python"
+    # The real interpreter only for the pid file's path; no port is busy.
+    stand_in = f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\n[ "$1" = - ] && exit 1\n'
+    python.write_text(python.read_text().replace("#!/bin/sh\n", stand_in))
+    torchserve = bin_dir / "torchserve"
+    torchserve.write_text(f"""#!/bin/sh
+case "$1" in
+  --start) sleep 120 > /dev/null 2>&1 & echo $! > "$TMPDIR/.model_server.pid"; echo "Load model failed: llama" ;;
+  --stop) kill "$(cat "$TMPDIR/.model_server.pid")"; echo stopped >> {tmp_path / "calls"} ;;
+esac
+""")
+    torchserve.chmod(0o755)
+    (repo / "logs").mkdir()
+    (repo / "logs" / "model_log.log").write_text("rank 0] the cause, named\n")
+    done = subprocess.run([str(repo / "setup_model.sh"), "--ckpt-dir", str(ckpt), "--model-store",
+                           str(tmp_path / "store"), "--serve"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(temp), "READY_TIMEOUT": "50"})
+    assert done.returncode == 1 and "the worker failed to load the model" in done.stderr, (done.stdout, done.stderr)
+    assert "the cause, named" in done.stdout and "stopped" in (tmp_path / "calls").read_text().splitlines()
 
 
 def test_the_model_folder_refuses_a_tp_that_cuts_a_head(synthetic_checkpoint, tmp_path: Path) -> None:
