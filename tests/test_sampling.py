@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tp_llama.cli.generate import parse_args
 from tp_llama.engine import sampling
 from tp_llama.engine.sampling import (
     SamplingParams,
@@ -429,7 +430,11 @@ def test_constrained_rows_keep_raw_logprobs_and_mask_without_a_copy_in_c(monkeyp
 
 @pytest.mark.parametrize("name, value", [("temperature", math.nan), ("repetition_penalty", math.nan),
                                          ("top_p", math.nan), ("seed", -1), ("seed", 2**64)])
-def test_nan_and_seeds_out_of_range_are_refused(name: str, value: float) -> None:
+def test_nan_and_seeds_out_of_range_are_refused(name: str, value: float, capsys) -> None:
     """The offline CLI's float flags read "nan" (--temperature nan drew token 0 every step); --seed any int."""
     with pytest.raises(ValueError, match=name):
         check_params(SamplingParams(4, **{name: value}))
+    flag = "--" + name.replace("_", "-")  # and the CLI names it before it loads anything
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--ckpt-dir", "nowhere", "--prompt", "hi", flag, str(value)])
+    assert stopped.value.code == 2 and name in capsys.readouterr().err

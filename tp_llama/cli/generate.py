@@ -19,7 +19,7 @@ from tp_llama.config import COMPILE, DEVICES, DTYPES, MODES, SPECULATIVE, Engine
 from tp_llama.engine.core import Engine
 from tp_llama.engine.runner import CPU_DEFAULT_SEQUENCES
 from tp_llama.kernels.quant import QUANTIZE
-from tp_llama.engine.sampling import SamplingParams
+from tp_llama.engine.sampling import SamplingParams, check_params
 from tp_llama.engine.sequence import Sequence, check_sequence
 from tp_llama.errors import CheckpointError
 from tp_llama.parallel.distributed import every_rank_agrees, leave_group, log
@@ -72,7 +72,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="proposals per decode row at most (ngram: twice as many after a run all taken)")
     parser.add_argument("--ngram-min", type=int, default=SERVER.ngram_min, help="the shortest suffix n-gram that proposes")
     parser.add_argument("--ngram-max", type=int, default=SERVER.ngram_max, help="the longest suffix n-gram, looked up first")
-    return parser.parse_args(argv)
+    a = parser.parse_args(argv)
+    try:  # a bad sampling flag is named now, not after every rank has loaded the checkpoint
+        if a.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+        check_params(sampling_params(a))
+    except ValueError as exc:
+        parser.error(str(exc))
+    return a
+
+
+def sampling_params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                          repetition_penalty=a.repetition_penalty, seed=a.seed, ignore_eos=a.ignore_eos)
 
 
 def peak_rss_mb() -> float:
@@ -109,8 +121,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 def run(a: argparse.Namespace) -> None:
     engine = Engine.load(engine_config(a))
-    params = SamplingParams(a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-                            repetition_penalty=a.repetition_penalty, seed=a.seed, ignore_eos=a.ignore_eos)
+    params = sampling_params(a)
     sequences = [Sequence(str(i), engine.tokenizer.encode(p, bos=True), params) for i, p in enumerate(a.prompt)]
     with every_rank_agrees():  # every rank checks the same prompts, so a bad one stops all of them before any step
         for seq in sequences:
