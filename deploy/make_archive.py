@@ -63,7 +63,12 @@ def archiver_command() -> list[str]:
 
 
 def model_config(template: Path, ckpt_dir: Path, tp: int, overrides: list[str]) -> dict[str, Any]:
-    config = yaml.safe_load(template.read_text())
+    try:
+        config = yaml.safe_load(template.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{template}: not YAML ({exc})") from None
+    if not isinstance(config, dict) or not all(isinstance(config.get(k, {}), dict) for k in ("torchrun", "handler")):
+        raise ValueError(f"{template}: a model-config.yaml is a mapping whose torchrun and handler are blocks of keys")
     config.setdefault("torchrun", {})["nproc-per-node"] = tp
     config.setdefault("handler", {})["ckpt_dir"] = str(ckpt_dir)
     for assignment in overrides:

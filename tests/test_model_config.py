@@ -98,6 +98,14 @@ def test_set_refuses_what_the_worker_would(tmp_path: Path, assignment: str, mess
         model_config(REPO / "model-config.yaml", tmp_path, 2, [assignment])
 
 
+@pytest.mark.parametrize("text, message", [("", "is a mapping"), ("- a\n", "is a mapping"),
+                                           ("handler: 3\n", "blocks of keys"), ("a: [\n", "not YAML")])
+def test_a_config_file_that_is_no_mapping_is_named(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "config.yaml").write_text(text)
+    with pytest.raises(ValueError, match=f"config.yaml: .*{message}"):
+        model_config(tmp_path / "config.yaml", tmp_path, 2, [])
+
+
 def fake_repo(tmp_path: Path) -> tuple[Path, Path]:
     """setup_model.sh in a folder of its own whose venv Python only records its arguments, with the stamp
     that says the requirements are installed: the script's own logic runs, nothing is installed."""
