@@ -160,21 +160,48 @@ def test_is_tp_sharded_follows_the_name_heuristic():
     assert not _is_tp_sharded("layers.0.ffn_norm.weight")
 
 
-def _one_file_holds_a_tensor_whole() -> str:
+def _groups_made(made: list) -> tuple:
+    """dist.new_group and dist.new_subgroups wrapped to keep the groups they make (mine, for subgroups)."""
+    new_group, new_subgroups = dist.new_group, dist.new_subgroups
+
+    def spy_group(*args, **kwargs):
+        made.append(new_group(*args, **kwargs))
+        return made[-1]
+
+    def spy_subgroups(*args, **kwargs):
+        mine, groups = new_subgroups(*args, **kwargs)
+        made.append(mine)
+        return mine, groups
+
+    return spy_group, spy_subgroups
+
+
+def _one_file_holds_a_tensor_whole() -> tuple[str, list[float]]:
     """MP rank 0's file holds w1 whole (from an MP 1 download), MP rank 1's its half: each shard passes the
-    local shape checks, but rank 0 would skip the all-gather rank 1 waits in."""
+    local shape checks, but rank 0 would skip the all-gather rank 1 waits in. Also the timeouts (s) of the
+    groups the converter makes, read from each group's gloo backend."""
     rank = dist.get_rank()
     consolidated = consolidated_for("llama2", 2, rank)
     if rank == 0:
         consolidated["layers.0.feed_forward.w1.weight"] = full_weights("llama2")["layers.0.feed_forward.w1.weight"]
+    made: list[dist.ProcessGroup] = []
+    real = dist.new_group, dist.new_subgroups
+    dist.new_group, dist.new_subgroups = _groups_made(made)
     try:
         build_distributed_state_dict_from_consolidated(Transformer(ARGS["llama2"]), consolidated, 2)
+        message = "not raised"
     except CheckpointError as exc:
-        return str(exc)
-    return "not raised"
+        message = str(exc)
+    finally:
+        dist.new_group, dist.new_subgroups = real
+    return message, [group._get_backend(torch.device("cpu")).options._timeout.total_seconds() for group in made]
 
 
-def test_shards_that_split_a_tensor_differently_fail_every_rank_without_a_hang():
-    for message in run_ranks(_one_file_holds_a_tensor_whole, 2, timeout=90):
+def test_shards_that_split_a_tensor_differently_fail_every_rank_without_a_hang(monkeypatch: pytest.MonkeyPatch):
+    """Every rank fails at once, naming the tensor; and the converter's own groups wait no longer than
+    TP_LLAMA_COLLECTIVE_TIMEOUT_S either (a new group's default is torch's 30 minutes, not the world group's)."""
+    monkeypatch.setenv("TP_LLAMA_COLLECTIVE_TIMEOUT_S", "7")  # a spawned rank starts from this environment
+    for message, timeouts in run_ranks(_one_file_holds_a_tensor_whole, 2, timeout=90):
         assert "layers.0.feed_forward.w1.weight" in message and "(96, 32) on rank 0" in message, message
         assert "(48, 32) on rank 1 (MP rank 1)" in message, message
+        assert timeouts == [7.0, 7.0], timeouts

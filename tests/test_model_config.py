@@ -45,6 +45,11 @@ def with_(dotted: str, value: object) -> dict:
     (with_("torchrun.rdzv-endpoint", 29400), r"torchrun.rdzv-endpoint must be a string, got 29400"),
     (with_("batchSize", "80"), r"batchSize must be an integer >= 1, got '80'"),
     (with_("maxBatchDelay", -1), r"maxBatchDelay must be an integer >= 0, got -1"),
+    # TorchServe ignores (warns) or raises to 1 what is below 1 here; the handler would end every request at once.
+    (with_("responseTimeout", 0), r"responseTimeout must be an integer >= 1, got 0"),
+    (with_("startupTimeout", 0), r"startupTimeout must be an integer >= 1, got 0"),
+    (with_("minWorkers", 0), r"minWorkers must be an integer >= 1, got 0"),
+    (with_("torchrun.monitor-interval", 0), r"torchrun.monitor-interval must be an integer >= 1, got 0"),
     (with_("continuousBatching", "yes"), r"continuousBatching must be true or false, got 'yes'"),
     (with_("deviceIds", [0, "1"]), r"deviceIds must be a list of GPU ids, got \[0, '1'\]"),
     (with_("deviceType", "cuda"), r"deviceType must be one of \['cpu', 'gpu'\], got 'cuda'"),

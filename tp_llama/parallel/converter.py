@@ -21,7 +21,7 @@ from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chu
 from torch.distributed.tensor import DTensor
 
 from tp_llama.errors import CheckpointError
-from tp_llama.parallel.distributed import every_rank_agrees
+from tp_llama.parallel.distributed import collective_timeout, every_rank_agrees
 from tp_llama.parallel.layout import IGNORED_KEYS, is_sharded, source_split_dim
 
 
@@ -131,8 +131,9 @@ def build_distributed_state_dict_from_consolidated(
     if mp < 1 or world_size % mp:
         raise ValueError(f"world size {world_size} is not a multiple of the model-parallel size {mp}")
     ref_state_dict = model.state_dict()
-    grp_gloo = dist.new_group(backend="gloo")
-    model_parallel_group, _ = dist.new_subgroups(group_size=mp)
+    timeout = collective_timeout()  # a new group's own default is torch's (30 minutes), not the world group's
+    grp_gloo = dist.new_group(backend="gloo", timeout=timeout)
+    model_parallel_group, _ = dist.new_subgroups(group_size=mp, timeout=timeout)
     compute_device = _group_device(None)
     with every_rank_agrees(grp_gloo):
         _check_shards(ref_state_dict, consolidated_state_dict, mp)

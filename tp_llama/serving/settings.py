@@ -67,7 +67,9 @@ TORCHRUN_KEYS: dict[str, type] = {
     "nnodes": int, "nproc-per-node": int, "rdzv-backend": str, "rdzv-endpoint": str, "rdzv-conf": str,
     "monitor-interval": int, "node-rank": int, "OMP_NUMBER_THREADS": int,
 }
-POSITIVE = {"batchSize", "nnodes", "nproc-per-node", "OMP_NUMBER_THREADS"}  # the rest of the integers: >= 0
+# At least 1: TorchServe ignores (with a warning) or raises to 1 a value below it; the rest of the integers: >= 0.
+POSITIVE = {"batchSize", "nnodes", "nproc-per-node", "OMP_NUMBER_THREADS", "responseTimeout", "startupTimeout",
+            "minWorkers", "maxSequenceJobQueueSize", "maxNumSequence", "monitor-interval"}
 NOUNS = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "a mapping"}
 
 
