@@ -117,7 +117,7 @@ class LlamaHandler(BaseHandler):
             self.scheduler = self.engine.new_scheduler()
             self.model_name = getattr(context, "model_name", None) or self.model_name
             self.metrics = ServingMetrics(getattr(context, "metrics", None), self.model_name,
-                                          self.scheduler.pool.n_blocks)
+                                          self.scheduler.pool.n_blocks, self.scheduler.speculator is not None)
             self.grammars = GrammarCompiler(grammar_tokenizer(self.engine.tokenizer))
         logger.info(
             "rank %d/%d ready on %s (%d threads): %s (%s tokenizer, mode=%s, %s, up to %d sequences) loaded in %.2f s",
@@ -233,7 +233,7 @@ class LlamaHandler(BaseHandler):
         snapshot = self.scheduler.snapshot()
         self.metrics.update_gauges(snapshot.decoding, snapshot.waiting, snapshot.blocks_used)
         self.metrics.cache_counts(snapshot.prefix_queries, snapshot.prefix_hits, snapshot.preemptions)
-        self.metrics.speculation(snapshot.proposed, snapshot.accepted, list(snapshot.accepted_at))
+        self.metrics.speculation(snapshot.drafts, snapshot.proposed, snapshot.accepted, list(snapshot.accepted_at))
         self.metrics.experts(self.engine.expert_tokens())
         self.metrics.flush()
 

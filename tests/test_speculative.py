@@ -26,6 +26,7 @@ from tp_llama.engine.proposals import step_proposals
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.engine.speculate import LONGEST_WAIT, PROBE_STEPS, NgramIndex, Speculator
+from tp_llama.serving.metrics import SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTS, ServingMetrics
 
 PROMPTS = {"a": 13, "b": 29, "c": 7, "d": 40}  # name: prompt length (b and d cross a block of 16)
 NEW = 24
@@ -95,6 +96,21 @@ def test_a_row_whose_recent_proposals_are_rarely_taken_stops_proposing_and_tries
     assert (speculator.proposed, speculator.accepted, speculator.accepted_at) == (70, 5, [3, 2, 0, 0])  # s: 62 / 2, t: 8 / 3
     speculator.forget("s")
     assert speculator.worth("s")
+
+
+def test_acceptance_per_position_is_counted_under_vllms_position_labels():
+    """vLLM labels a row's first proposal position "0" (vllm/v1/spec_decode/metrics.py): its dashboards'
+    per-position queries must read the same series here, and the positions add up to the accepted total."""
+    speculator = Speculator(4, 2, 4)
+    speculator.record("s", 3, 2)
+    speculator.record("t", 2, 1)
+    metrics = ServingMetrics(None, "llama", 8)
+    metrics.speculation(speculator.verified, speculator.proposed, speculator.accepted, speculator.accepted_at)
+    metrics.flush()
+    per_position = {label: n for (name, label), n in metrics.totals.items() if name == SPEC_ACCEPTED_AT}
+    assert per_position == {"0": 2, "1": 1}
+    assert sum(per_position.values()) == metrics.totals[(SPEC_ACCEPTED, "")] == 3
+    assert metrics.totals[(SPEC_DRAFTS, "")] == 2  # vLLM's mean acceptance length: 1 + accepted / drafts
 
 
 def simulated_steps(counts: ProposalCounts, rows: int, seconds, p: float, steps: int,

@@ -72,9 +72,10 @@ class Snapshot:
     prefix_queries: int
     prefix_hits: int
     preemptions: int
-    proposed: int  # speculative decoding's totals: proposals made, taken, taken at each position
+    proposed: int  # speculative decoding's totals: proposals made, taken, taken at each position, rows verified
     accepted: int
     accepted_at: tuple[int, ...]
+    drafts: int
 
 
 class Scheduler:
@@ -102,9 +103,9 @@ class Scheduler:
 
     def snapshot(self) -> Snapshot:
         prefilling, spec = sum(1 for s in self.running if s.prefilling), self.speculator
+        counts = (spec.proposed, spec.accepted, tuple(spec.accepted_at), spec.verified) if spec else (0, 0, (), 0)
         return Snapshot(len(self.running) - prefilling, len(self.waiting), prefilling, self.pool.used,
-                        self.prefix_queries, self.prefix_hits, self.preemptions, spec.proposed if spec else 0,
-                        spec.accepted if spec else 0, tuple(spec.accepted_at) if spec else ())
+                        self.prefix_queries, self.prefix_hits, self.preemptions, *counts)
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; one that can never run is refused here (ValueError), before it takes a block.

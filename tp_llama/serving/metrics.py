@@ -35,8 +35,9 @@ KV_BLOCKS_TOTAL = PREFIX + "kv_cache_blocks_total"
 PREFIX_QUERIES = PREFIX + "prefix_cache_queries_tokens_total"  # prompt tokens looked up in the prefix cache
 PREFIX_HITS = PREFIX + "prefix_cache_hits_tokens_total"  # of those, found there (not prefilled)
 PREEMPTIONS = PREFIX + "preemptions_total"  # sequences whose blocks were taken back, to be recomputed
-# Speculative decoding, as vLLM reports it: proposals made, accepted, and accepted at each position
-# of a row's proposals (1 = the first).
+# Speculative decoding, as vLLM reports it: rows that carried proposals (drafts), proposals made, accepted,
+# and accepted at each position of a row's proposals (labelled as vLLM labels it: 0 = the first).
+SPEC_DRAFTS = PREFIX + "spec_decode_num_drafts_total"
 SPEC_PROPOSED = PREFIX + "spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = PREFIX + "spec_decode_num_accepted_tokens_total"
 SPEC_ACCEPTED_AT = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
@@ -63,7 +64,7 @@ class ServingMetrics:
     in `totals` and `gauges`, so they can be checked, but nothing is emitted.
     """
 
-    def __init__(self, cache: Any, model_name: str, kv_blocks: int) -> None:
+    def __init__(self, cache: Any, model_name: str, kv_blocks: int, speculative: bool = False) -> None:
         self.model = model_name
         self.metrics: dict[str, Any] = {}
         self.totals: Counter[tuple[str, str]] = Counter()  # (name, outcome, position or "") -> value, for tests
@@ -79,10 +80,11 @@ class ServingMetrics:
         # Series that exist from the start, so that rate() sees the first increment.
         for outcome in OUTCOMES:
             self._emit(REQUESTS, 0, outcome)
-        for name in (PROMPT_TOKENS, GENERATED_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS):
+        speculation = (SPEC_DRAFTS, SPEC_PROPOSED, SPEC_ACCEPTED) if speculative else ()
+        for name in (PROMPT_TOKENS, GENERATED_TOKENS, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, *speculation):
             self._emit(name, 0)
         self._scheduler_totals = (0, 0, 0)
-        self._speculated: tuple[int, int, list[int]] = (0, 0, [])
+        self._speculated: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._routed: dict[tuple[int, int], int] = {}
         self._set(KV_BLOCKS_TOTAL, kv_blocks)
         self.update_gauges(0, 0, 0)
@@ -103,6 +105,7 @@ class ServingMetrics:
             (PREFIX_QUERIES, "tokens", MetricTypes.COUNTER, [MODEL]),
             (PREFIX_HITS, "tokens", MetricTypes.COUNTER, [MODEL]),
             (PREEMPTIONS, "sequences", MetricTypes.COUNTER, [MODEL]),
+            (SPEC_DRAFTS, "drafts", MetricTypes.COUNTER, [MODEL]),
             (SPEC_PROPOSED, "tokens", MetricTypes.COUNTER, [MODEL]),
             (SPEC_ACCEPTED, "tokens", MetricTypes.COUNTER, [MODEL]),
             (SPEC_ACCEPTED_AT, "tokens", MetricTypes.COUNTER, [MODEL, POSITION]),
@@ -152,14 +155,15 @@ class ServingMetrics:
             self._counts[(name, "")] += now - before
         self._scheduler_totals = (queries, hits, preemptions)
 
-    def speculation(self, proposed: int, accepted: int, accepted_at: list[int]) -> None:
+    def speculation(self, drafts: int, proposed: int, accepted: int, accepted_at: list[int]) -> None:
         """The speculator's running totals (engine/speculate.py); what grew since the last call is counted."""
-        before_proposed, before_accepted, before_at = self._speculated
+        before_drafts, before_proposed, before_accepted, before_at = self._speculated
+        self._counts[(SPEC_DRAFTS, "")] += drafts - before_drafts
         self._counts[(SPEC_PROPOSED, "")] += proposed - before_proposed
         self._counts[(SPEC_ACCEPTED, "")] += accepted - before_accepted
         for i, now in enumerate(accepted_at):
-            self._counts[(SPEC_ACCEPTED_AT, str(i + 1))] += now - (before_at[i] if i < len(before_at) else 0)
-        self._speculated = (proposed, accepted, list(accepted_at))
+            self._counts[(SPEC_ACCEPTED_AT, str(i))] += now - (before_at[i] if i < len(before_at) else 0)
+        self._speculated = (drafts, proposed, accepted, list(accepted_at))
 
     def experts(self, routed: dict[tuple[int, int], int]) -> None:
         """The engine's running totals of tokens per (layer, expert) (Engine.expert_tokens); what grew is
