@@ -11,6 +11,8 @@ What `write` produces (used by setup_model.sh and tests/serving_util.py):
 - the management API on a unix socket by default, so it is on no TCP port at all; on
   127.0.0.1:PORT, with the model API (register/unregister) turned on, only when a management
   port is asked for;
+- `allowed_urls` matching no URL: nothing is registered from a URL (a model, or a workflow: TorchServe's
+  workflow API registers and runs code even with the model API off), only by name from model_store;
 - token authorization left on (TorchServe's default; no key here can turn it off);
 - request bodies over `max_request_size` (2 MiB) refused by the frontend with 413, above the
   handler's own 1 MiB cap (`handler.max_request_bytes`, answered with a precise 400);
@@ -44,6 +46,8 @@ from pathlib import Path
 MiB = 1024 * 1024
 FRONTEND_MAX_REQUEST_SIZE = 2 * MiB
 LOOPBACK = "127.0.0.1"
+# A regex no URL matches (an empty negative lookahead): TorchServe's default is every file:// and http(s):// URL.
+NO_URLS = "(?!)"
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 UNIX_PATH_MAX = 107
 LOG_CONFIG = Path(__file__).resolve().with_name("log4j2.xml")
@@ -57,6 +61,7 @@ LOCKED_KEYS = frozenset(
         "grpc_inference_address",
         "grpc_management_address",
         "enable_model_api",
+        "allowed_urls",
         "disable_token_authorization",
         "model_store",
     }
@@ -136,6 +141,7 @@ def config_properties(
         "grpc_management_port": str(grpc_management_port),
         # Registering and unregistering models (which runs their code) only with TCP management.
         "enable_model_api": "true" if management_port is not None else "false",
+        "allowed_urls": NO_URLS,
         # Unix sockets need netty's native transport (TorchServe's default; stated, not assumed).
         "use_native_io": "true",
         "max_request_size": str(max_request_size),
@@ -151,6 +157,7 @@ def config_properties(
                              "# authorization stays on (TorchServe's default, keys in key_file.json).",
         "management_address": "# The management API: a unix socket unless a port was asked for.",
         "enable_model_api": "# Model register/unregister API: on only with TCP management (--management).",
+        "allowed_urls": "# No model or workflow from a URL (the workflow API is on even with the model API off).",
         "max_request_size": "# Bodies over this get 413 from the frontend (the handler's own cap answers 400).",
         "decode_input_request": "# Hand request bodies to the handler as raw bytes, so it can validate them strictly.",
         "metrics_mode": "# /metrics on the metrics port in Prometheus format, with the handler's llama_* metrics\n"

@@ -291,8 +291,8 @@ class LlamaHandler(BaseHandler):
                 if now is not None:
                     answers[rid] = ("reply", now)
                     continue
-                if not request:
-                    raise RequestError("internal error: the worker lost this request's state", 500)
+                if not request:  # a form-encoded body: TorchServe makes it form fields, none of them the body
+                    raise RequestError("empty request: send a JSON object with Content-Type: application/json")
                 api = open_request(path, request, self.settings, tokenizer, self.engine.args.vocab_size,
                                    self.model_name, rid)
                 if api.job.adapter is not None:

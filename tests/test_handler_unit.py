@@ -483,6 +483,16 @@ def test_an_unexpected_error_fails_only_its_own_request(engine, monkeypatch: pyt
     assert len(final_json(replies["y"])["token_ids"]) == 2
 
 
+def test_a_form_encoded_body_is_a_bad_request(engine) -> None:
+    """TorchServe turns an application/x-www-form-urlencoded body (`curl -d '{...}'` without a Content-Type) into
+    form fields, so the request reaches the handler with no body at all: docs/api.md answers it with 400."""
+    for path in ("", "v1/completions"):
+        replies = serve(new_handler(engine), [[("f", None)]], {"f": path})
+        reply, context, idx = replies["f"][0]
+        assert context.status[idx] == 400, (path, reply)
+        assert "Content-Type: application/json" in reply and "ts_stream_next" not in context.headers.get(idx, {})
+
+
 def test_hostile_corpus_verdicts_with_real_tokenizers(real_tokenizer) -> None:
     """Every hostile body is a 400 (never an internal error); the valid ones parse to their own prompt."""
     settings = HandlerSettings(EngineConfig("/ckpt", max_seq_len=256), default_max_new_tokens=8, max_request_bytes=65536)

@@ -73,6 +73,19 @@ def test_tcp_management_with_the_model_api_only_when_asked() -> None:
     assert config["enable_model_api"] == "true"
 
 
+@pytest.mark.parametrize("management_port", [None, 9081])
+def test_nothing_is_registered_from_a_url(management_port: int | None) -> None:
+    """TorchServe's workflow API registers a workflow (and runs its code) even with enable_model_api=false,
+    from any URL allowed_urls lets through: its default lets every file:// and http(s):// URL through."""
+    kwargs = {"management_port": management_port} if management_port else {"management_socket": SOCKET}
+    patterns = parse(config_properties(STORE, **kwargs))["allowed_urls"].split(",")
+    for url in ("file:///tmp/elsewhere/wf.war", "https://example.com/m.mar", f"file://{STORE}/llama.mar",
+                "http://127.0.0.1:8080/x.mar", "s3://bucket/m.mar"):
+        assert not any(re.fullmatch(pattern, url) for pattern in patterns), (url, patterns)
+    with pytest.raises(ValueError, match="cannot be overridden"):
+        config_properties(STORE, **kwargs, extra=["allowed_urls=.*"])
+
+
 def test_frontend_body_cap_is_above_the_handlers() -> None:
     config = parse(config_properties(STORE, management_socket=SOCKET))
     handler_cap = yaml.safe_load((REPO / "model-config.yaml").read_text())["handler"]["max_request_bytes"]
