@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.compilers import unoptimised_compiler
+from tp_llama.kernels.cpu import build as cpu_build
 from tp_llama.kernels.cpu import ffi
 from tp_llama.kernels.cpu.build import COMMON_FLAGS, HEADERS, HERE, SOURCES, VARIANTS, runnable
 
@@ -153,3 +154,54 @@ def test_a_non_editable_install_builds_the_kernels(tmp_path: Path):
     assert run.returncode == 0, run.stderr[-3000:]
     module, library = run.stdout.split()
     assert module.startswith(str(target)) and library.startswith(str(tmp_path / "cache")), run.stdout
+
+
+def writing_compiler(folder: Path, refuse: str = "") -> str:
+    """A stand-in compiler that writes "built" to its -o path, and fails on the flag `refuse` as an older
+    compiler lacking it would: the cache and the reports are tested here, not the code."""
+    cc = folder / "cc"
+    refusal = ""
+    if refuse:
+        refusal = f'case " $* " in *" {refuse} "*) echo "unrecognized option {refuse}" >&2; exit 1;; esac\n'
+    cc.write_text(f'#!/bin/sh\n{refusal}while [ "$1" != -o ]; do shift; done\necho built > "$2"\n')
+    cc.chmod(0o755)
+    return str(cc)
+
+
+@pytest.mark.parametrize("owner", ["another-user", "every-user"])
+def test_a_cache_folder_another_user_could_fill_is_passed_over(monkeypatch, tmp_path: Path, owner: str):
+    """Without a writable user cache the library goes to a per-user folder in the shared temp folder, which
+    another user can make first, a library of theirs inside: a folder neither this user's nor root's, or one
+    every user may write, is never loaded from."""
+    cc, shared, own = writing_compiler(tmp_path), tmp_path / "shared", tmp_path / "own"
+    monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path / "first"])
+    name = cpu_build.build("avx2", cc).name
+    shared.mkdir()
+    (shared / name).write_text("planted")
+    if owner == "every-user":
+        shared.chmod(0o777)
+    elif os.getuid() == 0:
+        os.chown(shared, 54321, -1)
+    else:
+        pytest.skip("only root can give a folder to another user")
+    monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [shared])
+    with pytest.raises(OSError, match="owned by uid 54321|writable by every user"):
+        cpu_build.build("avx2", cc)
+    monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [shared, own])
+    library = cpu_build.build("avx2", cc)
+    assert library.parent == own and library.read_text() == "built\n"
+
+
+def test_building_ahead_reports_a_variant_the_compiler_cannot_build_and_builds_the_rest(monkeypatch, tmp_path: Path,
+                                                                                          capsys):
+    """setup_model.sh builds every variant the CPU runs (set -e): a compiler without -mavxvnni (gcc 10) on
+    an Alder Lake must not stop it before the avx2 build, which loading falls back to."""
+    monkeypatch.setenv("CC", writing_compiler(tmp_path, refuse="-mavxvnni"))
+    monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path / "cache"])
+    monkeypatch.setattr(cpu_build, "unsupported", lambda variant, flags=None: "" if "avx2" in variant else "faked")
+    assert cpu_build.main() == 0
+    report = capsys.readouterr().err
+    assert "avx2-vnni: not built (" in report and "unrecognized option -mavxvnni" in report
+    assert f"avx2: {tmp_path / 'cache'}" in report
+    monkeypatch.setenv("CC", "false")  # a compiler that builds nothing: a failure setup_model.sh stops at
+    assert cpu_build.main() == 1

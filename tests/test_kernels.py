@@ -330,6 +330,10 @@ def test_forced_kind_and_bad_values(monkeypatch):
     if TILES:
         monkeypatch.setenv("TP_LLAMA_MATMUL", "tiles")  # the FMA tiles even where AMX runs
         assert choose(CPU, torch.bfloat16) == ("tiles", "")
+    if TILES and not amx_ready():
+        monkeypatch.setenv("TP_LLAMA_MATMUL", "amx")  # AMX it cannot have: the tiles, saying why
+        kind, why = choose(CPU, torch.bfloat16)
+        assert kind == "tiles" and why.startswith("TP_LLAMA_MATMUL=amx: "), why
     monkeypatch.setenv("TP_LLAMA_MATMUL", "onednn")
     assert choose(CPU, torch.float32)[0] == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
     assert choose(CPU, torch.float32, traced=True)[0] == "plain"  # torch.compile cannot trace oneDNN's weights

@@ -86,6 +86,15 @@ def test_a_weight_packed_in_row_chunks_is_the_weight_packed_whole(bits: int):
     assert torch.equal(prepare_quant_tiles(w, bits).data, pack(quantize_groups(w, bits), bits).data)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_groups_in_any_memory_layout_pack_as_contiguous_ones(bits: int):
+    """Meta's int4 weights come as a checkpoint stored them: a transposed copy must not be read row by row."""
+    groups = quantize_groups(weight(64, 96), bits)
+    strided = tuple(g.T.contiguous().T for g in groups)
+    assert not strided[0].is_contiguous()
+    assert torch.equal(pack(strided, bits).data, pack(groups, bits).data)
+
+
 def test_c_quantized_swiglu_matches_float64():
     gen = torch.Generator().manual_seed(2)
     w1, w3 = weight(64, 96, seed=3), weight(64, 96, seed=4)

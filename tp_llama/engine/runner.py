@@ -164,7 +164,8 @@ class ModelRunner:
             if prepared.kind in C_KINDS:
                 chunks = library().next_tile_min_chunks
                 ahead = "every call" if chunks == 1 else f"calls of {chunks} chunks of rows or more"
-                why = f"{library().variant} build of the C kernels; the next tile prefetched in {ahead}"
+                build = f"{library().variant} build of the C kernels; the next tile prefetched in {ahead}"
+                why = f"{why}; {build}" if why else build  # why: a forced kind it could not have
             weights = f", {config.quantize} weights" if config.quantize != "none" else ""
             log(f"matmuls: {prepared.kind}{weights}" + (f" ({why})" if why else ""), info.rank)
             self.model.to(info.device)

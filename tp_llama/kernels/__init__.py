@@ -72,7 +72,13 @@ def choose(device: torch.device, dtype: torch.dtype, traced: bool = False) -> tu
     if forced != "onednn":
         library, why = ffi.load()
         if library is not None:
-            return ("amx" if forced != "tiles" and ffi.amx_ready() else "tiles"), ""
+            if forced != "tiles" and ffi.amx_ready():
+                return "amx", ""
+            if forced != "amx":
+                return "tiles", ""
+            amx = "Linux lends this process no AMX tile state" if library.variant.endswith("-amx") \
+                else f"the {library.variant} build has no AMX"
+            return "tiles", f"TP_LLAMA_MATMUL=amx: {amx}"
     if not onednn.available(dtype):
         reason = f"oneDNN packs no {str(dtype).removeprefix('torch.')} weights on this CPU"
         return "plain", f"{why}; {reason}" if why else reason

@@ -86,6 +86,15 @@ def _cache_dirs() -> list[Path]:
     return [cache / "tp_llama", *folders]
 
 
+def _untrusted(folder: Path) -> str:
+    """Why a library in `folder` could be another user's ("" when it cannot): a folder someone else owns
+    (root aside), or one every user may write, as one planted in a shared temp folder would be."""
+    info = folder.stat()
+    if info.st_uid not in (os.getuid(), 0):
+        return f"owned by uid {info.st_uid}, not this user's {os.getuid()}"
+    return "writable by every user" if info.st_mode & 0o002 else ""
+
+
 def build(variant: str, cc: str) -> Path:
     """The compiled library of `variant`, from the cache when it was built before.
 
@@ -100,10 +109,13 @@ def build(variant: str, cc: str) -> Path:
     errors = []
     for folder in _cache_dirs():
         library = folder / f"cpu_kernels-{variant}-{digest}.so"
-        if library.is_file():
-            return library
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            if why := _untrusted(folder):
+                errors.append(f"{folder}: {why}")
+                continue
+            if library.is_file():
+                return library
             lock = open(folder / f"{library.name}.lock", "w")
         except OSError as exc:
             errors.append(f"{folder}: {exc}")
@@ -121,17 +133,27 @@ def build(variant: str, cc: str) -> Path:
                 raise OSError(f"{cc} failed on tp_llama's C kernels: {exc.stderr.strip()[-2000:]}") from exc
             os.replace(partial, library)
             return library
-    raise OSError("no writable cache folder: " + "; ".join(errors))
+    raise OSError("no usable cache folder: " + "; ".join(errors))
 
 
 def main() -> int:
-    """Build every variant this CPU runs (`python -m tp_llama.kernels.cpu`), saying why others are not."""
+    """Build every variant this CPU runs (`python -m tp_llama.kernels.cpu`), saying why others are not.
+
+    A variant that fails to build is reported and the next tried, as loading does (an older compiler may
+    lack one's flags); the status is 1 only where a compiler built none of those this CPU runs."""
+    built = failed = 0
     for variant in VARIANTS:
         why = unsupported(variant)
         cc = compiler()
-        if why or cc is None:
-            print(f"{variant}: not built ({why or 'no C compiler'})", file=sys.stderr)
-            continue
-        print(f"{variant}: {build(variant, cc)}", file=sys.stderr)
-    return 0
+        if not why and cc is None:
+            why = "no C compiler"
+        if not why:
+            try:
+                print(f"{variant}: {build(variant, cc)}", file=sys.stderr)
+                built += 1
+                continue
+            except (OSError, subprocess.SubprocessError) as exc:
+                why, failed = str(exc), failed + 1
+        print(f"{variant}: not built ({why})", file=sys.stderr)
+    return 1 if failed and not built else 0
 

@@ -71,8 +71,8 @@ def _tiles(shape: tuple[int, int], bits: int) -> torch.Tensor:
 
 
 def _pack_into(groups: tuple[torch.Tensor, ...], bits: int, address: int) -> None:
-    q, scales = groups[0], groups[1]
-    mins = groups[2] if bits == 4 else scales
+    q, scales = groups[0].contiguous(), groups[1].contiguous()  # C reads them row by row
+    mins = groups[2].contiguous() if bits == 4 else scales
     library().pack_quant_tiles(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), q.shape[0], q.shape[1], bits, address)
 
 
