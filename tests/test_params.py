@@ -38,6 +38,31 @@ def test_llama3_8b_published_sizes(tmp_path):
     assert args.rope_theta == 500000.0 and args.use_scaled_rope
 
 
+LLAMA32_1B = {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "multiple_of": 256,
+              "ffn_dim_multiplier": 1.5, "norm_eps": 1e-05, "rope_theta": 500000.0, "use_scaled_rope": True}
+LLAMA32_3B = {**LLAMA32_1B, "dim": 3072, "n_layers": 28, "n_heads": 24, "ffn_dim_multiplier": 1.0}
+
+
+@pytest.mark.parametrize("params, factor", [(LLAMA32_1B, 32.0), (LLAMA32_3B, 32.0), (LLAMA3_8B, 8.0),
+                                            ({**LLAMA32_1B, "rope_scaling_factor": 16}, 16.0)])
+def test_scaled_rope_stretches_as_each_models_hugging_face_config_says(tmp_path, params, factor):
+    """Llama 3.2 1B and 3B stretch RoPE by 32 (their config.json's rope_scaling; Meta's params.json says nothing
+    and llama-models uses 3.1's 8): the frequencies equal transformers' llama3 RoPE under that config."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tp_llama.model.llama import rope_frequencies
+
+    args = read_params(write(tmp_path, params), tokenizer_vocab=128256)
+    assert args.rope_scaling == (factor, 4.0)
+    config = LlamaConfig(hidden_size=args.dim, num_attention_heads=args.n_heads, rope_parameters={
+        "rope_type": "llama3", "rope_theta": args.rope_theta, "factor": factor, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    got = rope_frequencies(args.head_dim, args.rope_theta, True, args.rope_scaling)
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=0)
+
+
 def test_llama2_70b_ffn_width(tmp_path):
     assert read_params(write(tmp_path, LLAMA2_70B), tokenizer_vocab=32000).ffn_dim == 28672
 

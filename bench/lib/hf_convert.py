@@ -23,8 +23,8 @@ def hf_config(args: ModelArgs, max_len: int) -> LlamaConfig:
 
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.use_scaled_rope:
-        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": args.rope_scaling[0],
+                "low_freq_factor": 1.0, "high_freq_factor": args.rope_scaling[1], "original_max_position_embeddings": 8192}
     return LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,

@@ -53,7 +53,7 @@ from tp_llama.tokenizer import LLAMA3_SPECIAL_TOKENS, TiktokenTokenizer, load_to
 # Bumped whenever what this module writes changes, so cached GGUFs made by an older one are redone.
 FORMAT = 1
 # Llama 3.1's rope stretch, as tp_llama/model/llama.py's rope_frequencies applies it.
-ROPE_FACTOR, LOW_FREQ_FACTOR, HIGH_FREQ_FACTOR, OLD_CONTEXT = 8.0, 1.0, 4.0, 8192.0
+LOW_FREQ_FACTOR, OLD_CONTEXT = 1.0, 8192.0
 
 def to_gguf_rotary(hf_weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's converter on a Hugging Face q/k weight: each head's rows from [2, pair] to [pair, 2]."""
@@ -64,16 +64,16 @@ def to_gguf_rotary(hf_weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def rope_factors(args: ModelArgs) -> np.ndarray:
     """Per rotated pair, the divisor of its frequency that makes llama.cpp's rope Llama 3.1's scaled one."""
-    out = []
+    out, (factor, high) = [], args.rope_scaling
     for i in range(0, args.head_dim, 2):
         wavelen = 2 * math.pi * args.rope_theta ** (i / args.head_dim)
-        if wavelen < OLD_CONTEXT / HIGH_FREQ_FACTOR:
+        if wavelen < OLD_CONTEXT / high:
             out.append(1.0)
         elif wavelen > OLD_CONTEXT / LOW_FREQ_FACTOR:
-            out.append(ROPE_FACTOR)
+            out.append(factor)
         else:
-            smooth = (OLD_CONTEXT / wavelen - LOW_FREQ_FACTOR) / (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR)
-            out.append(1.0 / ((1 - smooth) / ROPE_FACTOR + smooth))
+            smooth = (OLD_CONTEXT / wavelen - LOW_FREQ_FACTOR) / (high - LOW_FREQ_FACTOR)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
 
 

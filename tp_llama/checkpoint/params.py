@@ -46,6 +46,10 @@ KNOWN = frozenset({
     "attn_scale", "vision_args", "moe_args", "quantization_args", "lora_args", "max_batch_size", "max_seq_len",
 })
 MOE_KNOWN = frozenset({"num_experts", "capacity_factor", "auto_scale_F", "top_k", "interleave_moe_layer_step"})
+# (dim, n_layers, n_heads, n_kv_heads) of Llama 3.2 1B and 3B, whose scaled RoPE stretches by 32, not Llama 3.1's
+# 8: their Hugging Face configs say so and Meta confirmed it (meta-llama/llama-models#166, #241); Meta's
+# params.json names no factor, and llama-models' reference code uses 8 for every Llama 3.
+LLAMA32_SMALL = frozenset({(2048, 16, 32, 8), (3072, 28, 24, 8)})
 NUMBER = (int, float)
 
 
@@ -155,7 +159,13 @@ def parse_params(raw: dict, path: Path, tokenizer_vocab: int | None = None) -> M
 
     vocab_size = raw.get("vocab_size", -1)
     family = "llama4" if is_llama4_params(raw) else "llama3" if vocab_size > 0 else "llama2"
-    llama4 = llama4_fields(raw, path) if family == "llama4" else {}
+    extra = llama4_fields(raw, path) if family == "llama4" else {}
+    if family == "llama3" and raw.get("use_scaled_rope"):
+        factor = _get(raw, "rope_scaling_factor", NUMBER, None, path)
+        high = _get(raw, "rope_high_freq_factor", NUMBER, None, path)
+        if factor is None:
+            factor = 32 if (dim, raw["n_layers"], n_heads, n_kv_heads) in LLAMA32_SMALL else 8
+        extra["rope_scaling"] = (float(factor), float(4 if high is None else high))
     if vocab_size <= 0:
         if tokenizer_vocab is None:
             raise CheckpointError(f"{path}: vocab_size is {vocab_size} and no tokenizer was given to take it from")
@@ -174,7 +184,7 @@ def parse_params(raw: dict, path: Path, tokenizer_vocab: int | None = None) -> M
         rope_theta=rope_theta,
         use_scaled_rope=raw.get("use_scaled_rope", False),
         family=family,
-        **llama4,
+        **extra,
     )
 
 

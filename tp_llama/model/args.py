@@ -29,7 +29,8 @@ class ModelArgs:
     use_scaled_rope: bool = False
     # Llama 1/2 write vocab_size -1 (taken from the tokenizer); Llama 3 writes it out; Llama 4 adds moe_args.
     family: str = "llama2"
-    # (factor, high-frequency factor) of the scaled RoPE: Llama 3.1's 8 and 4, Llama 4 Scout's 16 and 1.
+    # (factor, high-frequency factor) of the scaled RoPE: Llama 3.1's 8 and 4 (Llama 3.2 1B / 3B: 32 and 4),
+    # Llama 4 Scout's 16 and 1.
     rope_scaling: tuple[float, float] = (8.0, 4.0)
     # Llama 4 (iRoPE): every nope_layer_interval-th layer attends globally without RoPE (its query
     # scaled by position where attn_temperature_tuning), the others with RoPE then a weightless
