@@ -218,3 +218,19 @@ def test_the_native_api_answers_tool_calls_too(engine, compiler):
     assert "".join(line["text"] for line in lines) == whole["text"]
     assert lines[-1]["finish_reason"] == "tool_calls"
     assert [c["function"] for c in lines[-1]["tool_calls"]] == [c["function"] for c in whole["tool_calls"]]
+
+
+
+@pytest.mark.parametrize("tool_format", ["llama3_json", "pythonic"])
+def test_a_streamed_call_cut_by_max_tokens_sends_its_text_as_the_whole_reply_s_content(engine, compiler, tool_format):
+    """A forced call cut short is no call: the whole reply gives its text as content, and so does the stream
+    (once, though the other choice goes on after it)."""
+    handler = make_handler(engine, compiler, tool_format)
+    whole = final_json(ask(handler, 1, tool_choice="required", max_tokens=8, n=2))["choices"]
+    assert all(c["finish_reason"] == "length" and c["message"]["tool_calls"] == [] for c in whole)
+    contents: dict[int, str] = {}
+    for piece, _, _ in ask(handler, 1, stream=True, tool_choice="required", max_tokens=8, n=2):
+        for line in piece.splitlines():
+            for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                contents[choice["index"]] = contents.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    assert [contents[i] for i in range(2)] == [c["message"]["content"] for c in whole] and all(contents.values())
