@@ -176,3 +176,21 @@ def test_bad_inputs_are_refused_with_a_message(checkpoint: Path, tmp_path: Path,
     ids_file.write_text(" ".join(["5"] * (2 * CTX - 1) + ["99999"]))
     code, _, err = run_cli(capfd, "--ckpt-dir", str(checkpoint), "--ids", str(ids_file), "--ctx", str(CTX))
     assert code == 2 and "token id 99999 lies outside the vocabulary" in err
+
+
+def test_compare_to_and_json_mismatches_are_refused_before_the_model_loads(checkpoint: Path, tmp_path: Path,
+                                                                          capfd) -> None:
+    """--compare-to a run of another --ctx that happens to score as many tokens per chunk (33 and 34:
+    16 each), and --json naming a folder, stop with one line before any chunk is scored; so does a
+    KV-cache pool too small for one chunk."""
+    ids_file, first = tmp_path / "ids.txt", tmp_path / "first.json"
+    ids_file.write_text(" ".join(str(5 + i % 50) for i in range(3 * 34)))
+    common = ["--ckpt-dir", str(checkpoint), "--ids", str(ids_file), "--dtype", "float32", "--chunks", "2"]
+    code, _, err = run_cli(capfd, *common, "--ctx", "33", "--json", str(first))
+    assert code == 0, err
+    code, out, err = run_cli(capfd, *common, "--ctx", "34", "--compare-to", str(first))
+    assert code == 2 and "its chunks differ from this run's" in err and "Final estimate" not in out
+    code, out, err = run_cli(capfd, *common, "--ctx", "33", "--json", str(tmp_path))
+    assert code == 2 and f"--json {tmp_path}: a folder" in err and "Final estimate" not in out
+    code, out, err = run_cli(capfd, *common, "--ctx", "33", "--kv-cache-memory-gb", "0.00001")
+    assert code == 2 and "cannot hold one sequence" in err and "Traceback" not in err

@@ -158,7 +158,7 @@ def on_every_rank(run: Callable[[argparse.Namespace], None], a: argparse.Namespa
     error = None
     try:
         run(a)
-    except (CheckpointError, ValueError, RuntimeError, OSError) as exc:
+    except (CheckpointError, ValueError, RuntimeError, OSError, MemoryError) as exc:  # MemoryError: a KV pool too small
         log(f"error: {exc}")
         error = exc
     leave_group(error)

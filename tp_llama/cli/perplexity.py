@@ -124,11 +124,13 @@ class Tally:
 def read_top1(other_file: str, chunks: int, ctx: int) -> list[list[int]]:
     """Another run's top-1 ids (its --json), checked to cover the same chunks as this run."""
     try:
-        other = json.loads(Path(other_file).read_text(encoding="utf-8"))["top1"]
+        data = json.loads(Path(other_file).read_text(encoding="utf-8"))
+        other, other_ctx = data["top1"], data.get("ctx", ctx)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"--compare-to {other_file}: not a --json file of this command ({exc})") from None
     per_chunk = ctx - 1 - ctx // 2
-    if not isinstance(other, list) or [len(c) if isinstance(c, list) else -1 for c in other] != [per_chunk] * chunks:
+    shape = [len(c) if isinstance(c, list) else -1 for c in other] if isinstance(other, list) else None
+    if other_ctx != ctx or shape != [per_chunk] * chunks:
         raise ValueError(f"--compare-to {other_file}: its chunks differ from this run's ({chunks} of {per_chunk} "
                          "scored tokens): use the same ids, --ctx and --chunks")
     return other
@@ -157,6 +159,8 @@ def run(a: argparse.Namespace) -> None:
     other = read_top1(a.compare_to, len(chunks), a.ctx) if a.compare_to is not None else None
     if a.json_out is not None and not Path(a.json_out).resolve().parent.is_dir():
         raise ValueError(f"--json {a.json_out}: its folder does not exist")
+    if a.json_out is not None and Path(a.json_out).is_dir():
+        raise ValueError(f"--json {a.json_out}: a folder, not a file")
     slots = a.slots if a.slots is not None else DEFAULT_SLOTS
     config = EngineConfig(a.ckpt_dir, a.mode, a.dtype, max(a.ctx, 2), slots, a.prefill_budget, a.device, "off",
                           a.kv_cache_memory_gb, prefix_caching=False, quantize=a.quantize)
