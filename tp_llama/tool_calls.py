@@ -26,7 +26,7 @@ import json
 import keyword
 import math
 
-from tp_llama.tool_format import check_tool_format, chosen_function, py_literal, tool_functions
+from tp_llama.tool_format import check_tool_format, chosen_function, is_string_list, py_literal, tool_functions
 
 # Around JSON tokens: one space, or line breaks and an indent, as llama.cpp's JSON grammars
 # bound it: room for the indented calls of Meta's guide, none for padding a call forever.
@@ -354,7 +354,7 @@ def _check_keys(schema: dict, path: str, allowed: set[str]) -> None:
 def _check_shapes(schema: dict, path: str) -> None:
     """Keywords whose values have the wrong JSON type are refused, as the grammar would misread them or fail."""
     kinds = schema.get("type", [])
-    if not isinstance(kinds, str) and not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
+    if not isinstance(kinds, str) and not is_string_list(kinds):
         raise ValueError(f"{path}: 'type' must be a string or an array of strings")
     for key in ("enum", "anyOf", "oneOf"):
         if key in schema and not (isinstance(schema[key], list) and schema[key]):
@@ -370,7 +370,7 @@ def _check_shapes(schema: dict, path: str) -> None:
 
 def _check_required(schema: dict, path: str) -> None:
     required = schema.get("required", [])
-    if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+    if not is_string_list(required):
         raise ValueError(f"{path}: 'required' must be an array of strings")
     missing = [k for k in required if k not in schema.get("properties", {})]
     if missing:

@@ -59,6 +59,11 @@ def check_tool_format(tool_format: str) -> None:
         raise ValueError(f"tool_format must be one of {TOOL_FORMATS}, got {tool_format!r}")
 
 
+def is_string_list(value: object) -> bool:
+    """A JSON array of strings, as a schema's `required` (and a list `type`) must be."""
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
 def tool_functions(tools: list[dict] | None) -> list[dict]:
     """The ``function`` objects of OpenAI ``tools``, checked, with description and parameters filled in.
 
@@ -82,8 +87,7 @@ def tool_functions(tools: list[dict] | None) -> list[dict]:
             params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict) or not isinstance(params.get("properties", {}), dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object with 'properties'")
-        required = params.get("required", [])
-        if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+        if not is_string_list(params.get("required", [])):
             raise ValueError(f"tools[{i}].function.parameters.required must be an array of strings")
         check_has_instance(params, f"tools[{i}].function.parameters")
         names.add(name)

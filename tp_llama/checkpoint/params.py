@@ -113,9 +113,7 @@ def llama4_fields(raw: dict, path: Path) -> dict:
     floor_scale = _get(raw, "floor_scale", NUMBER, 8192.0, path)
     for key, value in (("attention_chunk_size", chunk), ("nope_layer_interval", interval), ("floor_scale", floor_scale)):
         _positive(value, key, path)
-    scaled = _get(raw, "use_scaled_rope", bool, False, path)
-    factor = _get(raw, "rope_scaling_factor", NUMBER, None, path)
-    high = _get(raw, "rope_high_freq_factor", NUMBER, None, path)
+    scaling = rope_scaling(raw, path, 16, 1)  # llama-models fills in Scout's own where params.json names none
     fields = {
         "moe": moe_args(raw, raw["dim"], raw.get("multiple_of", 256), path),
         "nope_layer_interval": interval,
@@ -125,9 +123,17 @@ def llama4_fields(raw: dict, path: Path) -> dict:
         "floor_scale": float(floor_scale),
         "attn_scale": float(_get(raw, "attn_scale", NUMBER, 0.1, path)),
     }
-    if scaled:  # llama-models fills in Scout's own scaling where params.json names none
-        fields["rope_scaling"] = (float(16 if factor is None else factor), float(1 if high is None else high))
+    if _get(raw, "use_scaled_rope", bool, False, path):
+        fields["rope_scaling"] = scaling
     return fields
+
+
+def rope_scaling(raw: dict, path: Path, factor: float, high: float) -> tuple[float, float]:
+    """Scaled RoPE's (factor, high-frequency factor): params.json's rope_scaling_factor and
+    rope_high_freq_factor where it names them, else the family's own."""
+    named_factor = _get(raw, "rope_scaling_factor", NUMBER, None, path)
+    named_high = _get(raw, "rope_high_freq_factor", NUMBER, None, path)
+    return (float(factor if named_factor is None else named_factor), float(high if named_high is None else named_high))
 
 
 def parse_params(raw: dict, path: Path, tokenizer_vocab: int | None = None) -> ModelArgs:
@@ -161,11 +167,8 @@ def parse_params(raw: dict, path: Path, tokenizer_vocab: int | None = None) -> M
     family = "llama4" if is_llama4_params(raw) else "llama3" if vocab_size > 0 else "llama2"
     extra = llama4_fields(raw, path) if family == "llama4" else {}
     if family == "llama3" and raw.get("use_scaled_rope"):
-        factor = _get(raw, "rope_scaling_factor", NUMBER, None, path)
-        high = _get(raw, "rope_high_freq_factor", NUMBER, None, path)
-        if factor is None:
-            factor = 32 if (dim, raw["n_layers"], n_heads, n_kv_heads) in LLAMA32_SMALL else 8
-        extra["rope_scaling"] = (float(factor), float(4 if high is None else high))
+        small = (dim, raw["n_layers"], n_heads, n_kv_heads) in LLAMA32_SMALL
+        extra["rope_scaling"] = rope_scaling(raw, path, 32 if small else 8, 4)
     if vocab_size <= 0:
         if tokenizer_vocab is None:
             raise CheckpointError(f"{path}: vocab_size is {vocab_size} and no tokenizer was given to take it from")

@@ -60,12 +60,10 @@ def load_shard(path: Path) -> dict[str, torch.Tensor]:
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_float_dtypes(state: dict[str, torch.Tensor], path: Path, keys: Container[str],
-                       skip: Container[str] = ()) -> None:
-    """Every tensor of `state` in `keys` (not in `skip`) is a float of 16 bits or more, else the file and tensor
-    are named."""
+def check_float_dtypes(state: dict[str, torch.Tensor], path: Path, keys: Container[str]) -> None:
+    """Every tensor of `state` in `keys` is a float of 16 bits or more, else the file and tensor are named."""
     for key, tensor in state.items():
-        if key in keys and key not in skip and tensor.dtype not in FLOAT_DTYPES:
+        if key in keys and tensor.dtype not in FLOAT_DTYPES:
             why = (": float8 weights need their row scales, fp8_scales_N.pt beside each consolidated.NN.pth "
                    "(Meta's FP8 download)" if tensor.dtype.itemsize == 1 and tensor.is_floating_point() else "")
             raise CheckpointError(f"{path}: tensor {key!r} is {tensor.dtype}; a 16-bit checkpoint holds float16, "

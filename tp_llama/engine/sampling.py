@@ -30,6 +30,7 @@ import torch
 from tp_llama.kernels.cpu import ffi
 
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's top_logprobs limit)
+SEED_LIMIT = 2**63  # seeds are in [0, 2**63): what an int64 holds (a larger one failed in the step)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
         raise ValueError("temperature must be >= 0, top_p in (0, 1] and min_p in [0, 1]")
     if params.top_k < 0 or not params.repetition_penalty > 0:
         raise ValueError("top_k must be >= 0 and repetition_penalty > 0")
-    if params.seed is not None and not 0 <= params.seed < 2**63:
+    if params.seed is not None and not 0 <= params.seed < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
     for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -226,10 +226,7 @@ class OpenAIRequest:
             if choice.tool is not None:
                 text, calls = choice.tool.feed(choice.unsent)
                 if choice.seq.finished:
-                    text += choice.tool.flush()
-                    tool = choice.tool
-                    if tool.is_call and not tool.finished_as_call:  # a call cut short: the whole reply's content
-                        text, tool.is_call, tool.sent = tool.text, False, len(tool.text)
+                    text += choice.tool.flush() + choice.tool.cut_call()
             if (text or calls or choice.pending or (self.return_token_ids and choice.pending_ids)
                     or (self.chat and not choice.started) or echo):
                 events.append(self._chunk(choice, text, None, choice.pending, choice.pending_ids, calls))

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from collections.abc import Container
 from typing import Any, Protocol
 
-from tp_llama.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from tp_llama.engine.sampling import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, TokenLogprobs
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.settings import HandlerSettings
 
-SEED_LIMIT = 2**63
 MAX_LOGIT_BIAS = 1024
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: smaller temperatures are greedy, as dividing float32 logits overflows
 

@@ -175,6 +175,14 @@ class ToolReply:
             return self.text
         return ""
 
+    def cut_call(self) -> str:
+        """At the end of a streamed chat reply: a call cut short (it does not parse) goes out as content, as the
+        whole reply gives it; none of it went out before, a call being held from its first character."""
+        if self.is_call and not self.finished_as_call:
+            self.is_call, self.sent = False, len(self.text)
+            return self.text
+        return ""
+
     @property
     def finished_as_call(self) -> bool:
         """The whole reply parses as calls to the given tools (a reply cut short does not)."""
