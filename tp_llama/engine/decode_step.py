@@ -15,6 +15,7 @@ with its numerics, in the bucket of its positions (proposal lengths vary; bucket
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -86,13 +87,16 @@ class DecodeStep:
         b = self.block_size
         each = [(row, i) for row in rows for i in range(len(row.tokens))]
         pad = size - len(each)
-        tables = [t for row in rows for t in [padded_table(row.blocks, self.width, self.spare)] * len(row.tokens)]
-        tables += [padded_table([], self.width, self.spare)] * pad
-        return torch.tensor([row.tokens[i] for row, i in each] + [0] * pad
-                            + [row.start + i for row, i in each] + [0] * pad
-                            + [cache_index(row.blocks, row.start + i, b) for row, i in each] + [self.spare * b] * pad
-                            + [row.adapter for row, _ in each] + [0] * pad
-                            + [v for table in tables for v in table], dtype=torch.long)
+        values = array("q", [row.tokens[i] for row, i in each] + [0] * pad)
+        values += array("q", [row.start + i for row, i in each] + [0] * pad)
+        values += array("q", [cache_index(row.blocks, row.start + i, b) for row, i in each] + [self.spare * b] * pad)
+        values += array("q", [row.adapter for row, _ in each] + [0] * pad)
+        for row in rows:
+            values += array("q", padded_table(row.blocks, self.width, self.spare)) * len(row.tokens)
+        values += array("q", [self.spare]) * (self.width * pad)
+        # From a buffer, not a list: torch.tensor reads a list's ints one by one, which left the GPU idle
+        # before a 32-row step (bench/gpu_profile.py)
+        return torch.frombuffer(values, dtype=torch.long)
 
     def _split(self, inputs: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
         tokens, positions, locations, adapters, flat = inputs.split([size, size, size, size, size * self.width])
