@@ -80,6 +80,19 @@ def timed_ms(run, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def host_ms(run, repeats: int) -> float:
+    """Median ms the host spends in `run` before it returns (a sync after each, untimed): with the GPU idle at
+    the call, about how long the step's first kernel waits."""
+    times = []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    sync()
+    return sorted(times)[len(times) // 2] * 1e3
+
+
 def kernel_times(run, repeats: int) -> tuple[dict[str, list], float]:
     """Per category: [kernels, total ms, {name: ms}] per call of `run`, from torch.profiler; and the
     host's ms per call to enqueue `run` (its CPU time before the GPU is waited on)."""
@@ -144,6 +157,9 @@ def decode_profile(model, step: DecodeStep, rows: list[Row], floor_ms: float, ba
     n = len(rows)
     wall = timed_ms(lambda: step(rows), 30)
     found, host = kernel_times(lambda: step(rows), 10)
+    enqueue = host_ms(lambda: step(rows), 30)
+    size = next(b for b in step.sizes if b >= n)
+    inputs = host_ms(lambda: step._inputs(rows, size), 30)
     busy = sum(entry[1] for entry in found.values())
     alone, weight_bytes = matmul_alone_ms(model, n)
     logits = step(rows)
@@ -159,7 +175,7 @@ def decode_profile(model, step: DecodeStep, rows: list[Row], floor_ms: float, ba
         print(f"| {label} | {count:.0f} | {ms:.3f} | {ms / wall:.1%} | {what} |")
     gaps = wall - busy
     print(f"| GPU idle within the step (host, launch, sync) | | {gaps:.3f} | {gaps / wall:.1%} | host enqueue "
-          f"{host:.2f} ms of it |")
+          f"{enqueue:.3f} ms unprofiled ({inputs:.3f} building the inputs), {host:.2f} profiled |")
     print(f"\naccounted: kernels {busy / wall:.0%} + idle {gaps / wall:.0%} of the step; sampling (greedy pick and "
           f"the ids to the host) {sample:.2f} ms more per step")
 
