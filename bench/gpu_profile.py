@@ -160,6 +160,15 @@ def decode_profile(model, step: DecodeStep, rows: list[Row], floor_ms: float, ba
     enqueue = host_ms(lambda: step(rows), 30)
     size = next(b for b in step.sizes if b >= n)
     inputs = host_ms(lambda: step._inputs(rows, size), 30)
+    parts = f"{inputs:.3f} building the inputs"
+    captured = step.graphs.get(size)
+    if captured is not None:  # the rest of the enqueue, each part alone
+        host = step._inputs(rows, size)
+        pinned = host.pin_memory()
+        pin = host_ms(lambda: host.pin_memory(), 30)
+        copy = host_ms(lambda: captured.inputs.copy_(pinned, non_blocking=True), 30)
+        launch = host_ms(captured.graph.replay, 30)
+        parts += f", {pin:.3f} pinning them, {copy:.3f} their copy, {launch:.3f} the graph's launch"
     busy = sum(entry[1] for entry in found.values())
     alone, weight_bytes = matmul_alone_ms(model, n)
     logits = step(rows)
@@ -175,7 +184,7 @@ def decode_profile(model, step: DecodeStep, rows: list[Row], floor_ms: float, ba
         print(f"| {label} | {count:.0f} | {ms:.3f} | {ms / wall:.1%} | {what} |")
     gaps = wall - busy
     print(f"| GPU idle within the step (host, launch, sync) | | {gaps:.3f} | {gaps / wall:.1%} | host enqueue "
-          f"{enqueue:.3f} ms unprofiled ({inputs:.3f} building the inputs), {host:.2f} profiled |")
+          f"{enqueue:.3f} ms unprofiled ({parts}), {host:.2f} profiled |")
     print(f"\naccounted: kernels {busy / wall:.0%} + idle {gaps / wall:.0%} of the step; sampling (greedy pick and "
           f"the ids to the host) {sample:.2f} ms more per step")
 
