@@ -24,6 +24,7 @@ from tp_llama.engine.sampling import (
     check_params,
     draw_by_bisection,
     sample_rows,
+    top_logits,
 )
 from tp_llama.engine.sampling import penalize as torch_penalize
 from tp_llama.kernels.cpu import ffi
@@ -181,6 +182,29 @@ def test_penalties_at_llama3s_vocabulary_are_the_definitions(path: str):
         assert torch.allclose(got[r].double(), penalized(logits[r], row), rtol=0, atol=2e-6), r
     again = penalize(logits[2:], rows[2:])  # after the rows above, and on its own
     assert torch.equal(again, got[2:])
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_a_tiny_repetition_penalty_makes_its_tokens_certain_not_infinite(path: str):
+    """1e-40 (inside the API's range) divides a positive logit past float32's range: it stops at the largest
+    float, so the draw is among the penalized positive tokens, on both sampling paths, with finite log-probabilities
+    (an inf drew token 0 and made them NaN)."""
+    if path == "c" and not HAS_C:
+        pytest.skip("tp_llama's C kernels do not run here (test_kernels checks that they do where they can)")
+    penalize = _penalize_in_c if path == "c" else torch_penalize
+    logits = torch.tensor([[2.0, 1.5, -1.0, 0.5, 3.0, 0.25]])
+    params = SamplingParams(1, temperature=1.0, repetition_penalty=1e-40)
+    got = penalize(logits, [Row(params, prompt_ids=[3, 5, 2])])
+    biggest = torch.finfo(torch.float32).max
+    tiny = torch.tensor(1e-40).item()  # as float32 holds it
+    assert got[0].tolist() == [2.0, 1.5, -tiny, biggest, 3.0, biggest]
+    uniforms = [0.01, 0.3, 0.49, 0.51, 0.7, 0.99]
+    draws = [draw_by_bisection(got, [0], [params], [u]).item() for u in uniforms]
+    assert draws == [3, 3, 3, 5, 5, 5]
+    if HAS_C:
+        assert [sampling._draw_in_c(got, [0], [params], [u]).item() for u in uniforms] == draws
+    lse, _, values = top_logits(got, [0], 2)
+    assert math.isfinite(lse.item()) and (values.double() - lse).tolist() == [[0.0, 0.0]]  # log 2 below lse's ulp
 
 
 @pytest.mark.skipif(not HAS_C, reason="needs tp_llama's C kernels")

@@ -170,7 +170,10 @@ def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
     if repeat[0]:
         at = (torch.tensor(repeat[0], device=device), torch.tensor(repeat[1], device=device))
         factor, values = torch.tensor(repeat[2], device=device), logits[at]
-        logits[at] = torch.where(values > 0, values / factor, values * factor)
+        # A tiny penalty divides past float32's range: the largest float keeps the token certain without an inf,
+        # which no draw or log-probability takes (sample.c stops there too)
+        divided = (values / factor).clamp(max=torch.finfo(values.dtype).max)
+        logits[at] = torch.where(values > 0, divided, values * factor)
     for (at_rows, tokens, values), sign in ((shift, -1.0), (bias, 1.0)):
         if at_rows:
             at = (torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device))

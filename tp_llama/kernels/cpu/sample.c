@@ -14,6 +14,7 @@
  * time through its allowed lanes, so 16 tokens the grammar refuses cost one test of their bits, and
  * the refused tokens fall out of each filter exactly as -inf logits would: weight 0, never the best.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -293,7 +294,7 @@ static int penalize_row(float *l, int64_t vocab, const struct PenaltyRow *p, int
             const int64_t t = p->tokens[j];
             if (marks[t] & SEEN) continue;
             marks[t] |= SEEN;
-            l[t] = l[t] > 0.0f ? l[t] / p->repetition : l[t] * p->repetition;
+            l[t] = l[t] > 0.0f ? fminf(l[t] / p->repetition, FLT_MAX) : l[t] * p->repetition;
         }
     const int shift = p->frequency != 0.0 || p->presence != 0.0;
     for (int64_t j = 0; j < n; j++) {
