@@ -375,7 +375,7 @@ class LlamaHandler(BaseHandler):
                 return json_line(value)
             error = value
             context.set_response_status(error.status, STATUS_PHRASES.get(error.status, "Error"), idx)
-            self._count("4xx" if error.status < 500 else "failed")
+            self._count("4xx" if error.status < 500 else "unavailable" if error.status == 503 else "failed")
             return json_line(error_body(error) if kind == "openai" else {"error": str(error)})
         live = self.live[rid]
         context.set_response_content_type(idx, live.api.content_type)

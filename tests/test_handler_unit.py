@@ -995,6 +995,19 @@ def test_metrics_count_tokens_requests_and_first_tokens(engine) -> None:
     assert cache.total(REQUESTS, "cancelled") == 1 and handler.metrics.gauges["llama_kv_cache_blocks_used"] == 0
 
 
+def test_a_503_counts_as_unavailable_not_failed(engine) -> None:
+    """The handler's 503 (every LoRA slot busy: retry later) is neither the client's 4xx nor an internal failure."""
+    handler = new_handler(engine)
+    cache = FakeMetricCache()
+    handler.metrics = ServingMetrics(cache, "llama", 3)
+    handler.context = FakeContext(["busy", "broken"], None)
+    handler._reply(0, "busy", ("openai", RequestError("all 1 LoRA adapter slots hold adapters in use", 503)))
+    handler._reply(1, "broken", ("openai", RequestError("internal", 500)))
+    handler.metrics.flush()
+    assert [cache.total(REQUESTS, outcome) for outcome in ("unavailable", "failed", "4xx")] == [1, 1, 0]
+    assert handler.context.status == {0: 503, 1: 500}
+
+
 def test_a_request_past_response_timeout_ends_and_frees_its_slot(engine) -> None:
     handler = new_handler(engine, WITHIN_CALLS)  # the request must not end between calls
     handler.response_timeout_s = 0.2

@@ -48,7 +48,7 @@ LORA_PROMPT_TOKENS = PREFIX + "lora_prompt_tokens_total"
 LORA_GENERATED_TOKENS = PREFIX + "lora_generation_tokens_total"
 # Llama 4: tokens routed to each expert of each MoE layer (prompt, generated and verified proposals).
 EXPERT_TOKENS = PREFIX + "moe_expert_tokens_total"
-OUTCOMES = ("ok", "4xx", "cancelled", "failed")
+OUTCOMES = ("ok", "4xx", "unavailable", "cancelled", "failed")
 
 MODEL = "model_name"
 OUTCOME = "outcome"
