@@ -114,7 +114,7 @@ def test_ranks_starting_together_build_once(tmp_path: Path):
     log = tmp_path / "compiles.log"
     wrapper = unoptimised_compiler(tmp_path, COMPILER, log)
     script = ("import sys; from tp_llama.kernels.cpu.build import build; "
-              f"print(build('avx512', {str(wrapper)!r}))")
+              f"print(build('avx512', [{str(wrapper)!r}]))")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(3)]
@@ -163,7 +163,8 @@ def writing_compiler(folder: Path, refuse: str = "") -> str:
     refusal = ""
     if refuse:
         refusal = f'case " $* " in *" {refuse} "*) echo "unrecognized option {refuse}" >&2; exit 1;; esac\n'
-    cc.write_text(f'#!/bin/sh\n{refusal}while [ "$1" != -o ]; do shift; done\necho built > "$2"\n')
+    version = '[ "$1" = --version ] && { echo "stand-in cc ${STAND_IN_VERSION:-1}"; exit 0; }\n'
+    cc.write_text(f'#!/bin/sh\n{version}{refusal}while [ "$1" != -o ]; do shift; done\necho built > "$2"\n')
     cc.chmod(0o755)
     return str(cc)
 
@@ -175,7 +176,7 @@ def test_a_cache_folder_another_user_could_fill_is_passed_over(monkeypatch, tmp_
     every user may write, is never loaded from."""
     cc, shared, own = writing_compiler(tmp_path), tmp_path / "shared", tmp_path / "own"
     monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path / "first"])
-    name = cpu_build.build("avx2", cc).name
+    name = cpu_build.build("avx2", [cc]).name
     shared.mkdir()
     (shared / name).write_text("planted")
     if owner == "every-user":
@@ -186,10 +187,30 @@ def test_a_cache_folder_another_user_could_fill_is_passed_over(monkeypatch, tmp_
         pytest.skip("only root can give a folder to another user")
     monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [shared])
     with pytest.raises(OSError, match="owned by uid 54321|writable by every user"):
-        cpu_build.build("avx2", cc)
+        cpu_build.build("avx2", [cc])
     monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [shared, own])
-    library = cpu_build.build("avx2", cc)
+    library = cpu_build.build("avx2", [cc])
     assert library.parent == own and library.read_text() == "built\n"
+
+
+def test_cc_with_arguments_is_split_and_a_new_compiler_version_builds_anew(monkeypatch, tmp_path: Path):
+    """CC may carry arguments (`ccache gcc`), split as a shell splits them; and the library's name holds the
+    compiler's version, so a compiler upgraded at the same path builds again instead of loading the old build."""
+    cc = writing_compiler(tmp_path)
+    monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path / "cache"])
+    monkeypatch.setenv("CC", f"env STAND_IN=1 {cc}")  # a wrapper with arguments, as `ccache gcc` is
+    command = cpu_build.compiler()
+    assert command == ["env", "STAND_IN=1", cc]
+    cpu_build._version.cache_clear()
+    try:
+        first = cpu_build.build("avx2", command)
+        assert first.read_text() == "built\n" and cpu_build.build("avx2", command) == first
+        monkeypatch.setenv("STAND_IN_VERSION", "2")
+        cpu_build._version.cache_clear()
+        second = cpu_build.build("avx2", command)
+        assert second != first and second.read_text() == "built\n"
+    finally:
+        cpu_build._version.cache_clear()
 
 
 def test_building_ahead_reports_a_variant_the_compiler_cannot_build_and_builds_the_rest(monkeypatch, tmp_path: Path,

@@ -363,7 +363,7 @@ def test_a_forced_build_and_bad_values(monkeypatch):
 def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path])
     with pytest.raises(OSError, match="false failed"):
-        build("avx512", "false")
+        build("avx512", ["false"])
     assert not list(tmp_path.glob("*.so"))
 
 
@@ -374,10 +374,10 @@ def test_the_build_is_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path / "unwritable", tmp_path / "cache"])
     (tmp_path / "unwritable").write_text("a file where the folder should be")
     cc = unoptimised_compiler(tmp_path, COMPILER)
-    first = build("avx512", cc)
+    first = build("avx512", [cc])
     assert first.parent == tmp_path / "cache" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert build("avx512", cc) == first and first.stat().st_mtime_ns == stamp
+    assert build("avx512", [cc]) == first and first.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")

@@ -63,11 +63,11 @@ INSTRUCTIONS = {
 }
 
 
-def peak_gflops(cc: str, flags: list[str], defines: dict[str, str], flops: int, threads: int, steps: int) -> float:
+def peak_gflops(cc: list[str], flags: list[str], defines: dict[str, str], flops: int, threads: int, steps: int) -> float:
     with tempfile.TemporaryDirectory() as work:
         source, program = Path(work) / "peak.c", Path(work) / "peak"
         source.write_text(SOURCE)
-        subprocess.run([cc, "-O2", "-fopenmp", *flags, *(f"-D{k}={v}" for k, v in defines.items()),
+        subprocess.run([*cc, "-O2", "-fopenmp", *flags, *(f"-D{k}={v}" for k, v in defines.items()),
                         "-o", str(program), str(source)], check=True, timeout=120)
         out = subprocess.run([str(program), str(steps)], env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                              check=True, capture_output=True, text=True, timeout=300).stdout.split()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 def unoptimised_compiler(folder: Path, compiler: str, log: Path | None = None) -> str:
     """A script in `folder` that runs `compiler` with -O0 after the caller's flags; with `log`, each
-    call first appends its process id there (a line a compile)."""
+    compile first appends its process id there (a line a compile; `--version` is none)."""
     wrapper = folder / "cc-O0"
-    record = f"echo $$ >> {log}\n" if log is not None else ""
+    record = f'[ "$1" = --version ] || echo $$ >> {log}\n' if log is not None else ""
     wrapper.write_text(f"#!/bin/sh\n{record}exec {compiler} \"$@\" -O0\n")
     wrapper.chmod(0o755)
     return str(wrapper)

@@ -2,17 +2,19 @@
 
     python -m tp_llama.kernels.cpu.build      # build now and print where (setup_model.sh does)
 
-The library is kept in the user's cache, named by a digest of the sources, headers, compiler and
-flags, so an edited source is rebuilt and an unchanged one never is. Ranks that start together
+The library is kept in the user's cache, named by a digest of the sources, headers, compiler (its
+command and version) and flags, so an edited source is rebuilt and an unchanged one never is. Ranks that start together
 wait on one lock while the first of them compiles.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -72,8 +74,23 @@ def runnable(flags: set[str] | None = None) -> list[str]:
     return [variant for variant in VARIANTS if not unsupported(variant, flags)]
 
 
-def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+def compiler() -> list[str] | None:
+    """The C compiler's command: $CC split as a shell would (`ccache gcc`), else gcc or cc on the PATH."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("gcc") or shutil.which("cc")
+    return [found] if found else None
+
+
+@functools.cache
+def _version(cc: tuple[str, ...]) -> str:
+    """The compiler's `--version` text: part of the library's digest, so an upgraded compiler at the same
+    path builds anew (its code may differ)."""
+    try:
+        run = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise OSError(f"the C compiler {shlex.join(cc)} does not run: {exc}") from exc
+    return run.stdout
 
 
 def _cache_dirs() -> list[Path]:
@@ -95,7 +112,7 @@ def _untrusted(folder: Path) -> str:
     return "writable by every user" if info.st_mode & 0o002 else ""
 
 
-def build(variant: str, cc: str) -> Path:
+def build(variant: str, cc: list[str]) -> Path:
     """The compiled library of `variant`, from the cache when it was built before.
 
     TP_LLAMA_KERNELS_TEST_DEFINES: -D flags for the tests alone (tests/test_kernels.py builds a
@@ -105,7 +122,7 @@ def build(variant: str, cc: str) -> Path:
         raise ValueError(f"TP_LLAMA_KERNELS_TEST_DEFINES takes -D flags only, not {defines}")
     flags = [*COMMON_FLAGS, *VARIANTS[variant][1], *defines]
     code = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(code + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(code + "\n".join([*cc, _version(tuple(cc)), *flags]).encode()).hexdigest()[:16]
     errors = []
     for folder in _cache_dirs():
         library = folder / f"cpu_kernels-{variant}-{digest}.so"
@@ -126,11 +143,11 @@ def build(variant: str, cc: str) -> Path:
                 return library
             partial = folder / f"{library.name}.{os.getpid()}.tmp"
             try:
-                subprocess.run([cc, *flags, "-o", str(partial), *(str(HERE / s) for s in SOURCES)],
+                subprocess.run([*cc, *flags, "-o", str(partial), *(str(HERE / s) for s in SOURCES)],
                                check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except subprocess.CalledProcessError as exc:
                 partial.unlink(missing_ok=True)
-                raise OSError(f"{cc} failed on tp_llama's C kernels: {exc.stderr.strip()[-2000:]}") from exc
+                raise OSError(f"{shlex.join(cc)} failed on tp_llama's C kernels: {exc.stderr.strip()[-2000:]}") from exc
             os.replace(partial, library)
             return library
     raise OSError("no usable cache folder: " + "; ".join(errors))
