@@ -8,13 +8,16 @@ compares the whole path with the independent float64 reference.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.support.dist_util import run_ranks
 from tests.support.run_model import dense_logits, setup_slots, slot_batch
 from tp_llama import backend
 from tp_llama.engine.blocks import BlockPool
+from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Scheduler, Sequence
 from tp_llama.model import ModelArgs, Transformer
@@ -217,8 +220,6 @@ def test_a_kv_cache_too_big_for_memory_fails_the_load_naming_the_keys(tmp_path):
 
 
 def test_the_plan_comes_back_whole_from_its_wire():
-    from tp_llama.engine.plan import PlanWire, Row, StepPlan
-
     wire = PlanWire(max_rows=4, max_tokens=16, max_blocks=12)
     plan = StepPlan([Row(7, [5], True, [3, 9], copy=(6, 9)), Row(0, [1, 2, 3], False, [4]),
                      Row(32, [8, 9], True, [0, 1, 2], 2, 1, 11), Row(7, [6], True, [3, 0], copy=(6, 0))], end=False)
@@ -226,3 +227,33 @@ def test_the_plan_comes_back_whole_from_its_wire():
     assert wire.decode(wire.encode(StepPlan([]))) == StepPlan([])
     with pytest.raises(ValueError, match="exceeds the wire's capacity"):
         wire.encode(StepPlan([Row(0, [1], True, list(range(13)))]))
+
+
+PLANS = [StepPlan([Row(7, [5], True, [3, 9], copy=(6, 9)), Row(32, [8, 9], True, list(range(10, 21)), 2, 1, 11)]),
+         StepPlan([Row(0, [1], True, [4, 5, 6])], end=False), StepPlan([])]
+
+
+def _exchanged() -> list[StepPlan]:
+    """ModelRunner.exchange on this rank, the wire holding 5 block ids: the first plan's other 8 go in a second part."""
+    import torch.distributed as dist
+
+    from tp_llama.engine import plan as plan_module
+    from tp_llama.engine.runner import ModelRunner
+    from tp_llama.parallel.distributed import DistInfo
+
+    plan_module.INLINE_BLOCKS = 5
+    rank = dist.get_rank()
+    runner = SimpleNamespace(info=DistInfo(rank, 2, rank, torch.device("cpu"), "gloo"),
+                             wire=PlanWire(max_rows=4, max_tokens=16, max_blocks=40))
+    parts = [len(runner.wire.encode(plan)) for plan in PLANS]
+    return [parts, [ModelRunner.exchange(runner, plan if rank == 0 else None) for plan in PLANS]]
+
+
+def test_a_plan_with_more_blocks_than_its_wire_holds_reaches_every_rank_in_two_parts():
+    """Long contexts: the block ids past the wire's room go in a second broadcast, so the wire every step sends
+    stays small whatever max_seq_len sizes; rank 1 gets rank 0's plans whole, one part or two."""
+    from tp_llama.engine import plan as plan_module
+
+    wire = PlanWire(max_rows=4, max_tokens=16, max_blocks=40)
+    assert wire.inline_blocks == min(40, plan_module.INLINE_BLOCKS)
+    assert run_ranks(_exchanged, 2, timeout=60) == [[[2, 1, 1], PLANS]] * 2

@@ -1,7 +1,8 @@
-"""What every rank runs in one step, as pure data, and its encoding for the one broadcast a step makes."""
+"""What every rank runs in one step, as pure data, and its encoding for the broadcast a step makes."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,15 @@ class StepPlan:
         return [row.copy for row in self.rows if row.copy is not None]
 
 
+# Block ids the wire holds itself: every row's whole table up to 4,096 positions at 32 rows. A step with more
+# (long contexts) sends the rest in a second broadcast, so that the broadcast every step makes does not grow
+# with max_seq_len (bench/engine/plan_wire.py).
+INLINE_BLOCKS = 8192
+
+
 class PlanWire:
-    """A step plan as one fixed-size int64 tensor, so sending it is a single broadcast.
+    """A step plan as a fixed-size int64 tensor, and the block ids past its room in a second one where a step has
+    more: a step is one broadcast, or two at long contexts.
 
     Layout: [end, n_rows, draft, load, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
     copy dst, proposed, adapter), tokens..., block ids...]; a row without a copy has -1 for both.
@@ -65,37 +73,55 @@ class PlanWire:
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
-        self.size = 4 + self.FIELDS * max_rows + max_tokens + max_blocks
+        self.inline_blocks = min(max_blocks, INLINE_BLOCKS)
+        self.size = 4 + self.FIELDS * max_rows + max_tokens + self.inline_blocks
 
-    def encode(self, plan: StepPlan) -> torch.Tensor:
-        tokens = [t for row in plan.rows for t in row.tokens]
-        blocks = [b for row in plan.rows for b in row.blocks]
+    def encode(self, plan: StepPlan) -> list[torch.Tensor]:
+        """The wire, then the block ids past its room (only where the plan has more)."""
+        head, tokens, blocks = array("q", [int(plan.end), len(plan.rows), int(plan.draft), plan.load]), array("q"), \
+            array("q")
+        for row in plan.rows:
+            head.extend((row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score, row.scored,
+                         row.next_token, *(row.copy or (-1, -1)), row.proposed, row.adapter))
+            tokens.extend(row.tokens)
+            blocks.extend(row.blocks)
         if len(plan.rows) > self.max_rows or len(tokens) > self.max_tokens or len(blocks) > self.max_blocks:
             raise ValueError(f"plan of {len(plan.rows)} rows / {len(tokens)} tokens / {len(blocks)} blocks exceeds "
                              "the wire's capacity")
-        rows = [v for row in plan.rows for v in (row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score,
-                                                 row.scored, row.next_token, *(row.copy or (-1, -1)), row.proposed,
-                                                 row.adapter)]
         wire = torch.zeros(self.size, dtype=torch.long)
-        head = [int(plan.end), len(plan.rows), int(plan.draft), plan.load] + rows
-        wire[: len(head)] = torch.tensor(head, dtype=torch.long)
         at = 4 + self.FIELDS * self.max_rows
-        wire[at : at + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        wire[: len(head)] = _longs(head)
+        wire[at : at + len(tokens)] = _longs(tokens)
         at += self.max_tokens
-        wire[at : at + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return wire
+        inline = blocks[: self.inline_blocks]
+        wire[at : at + len(inline)] = _longs(inline)
+        return [wire] if len(blocks) <= self.inline_blocks else [wire, _longs(blocks[self.inline_blocks :])]
 
-    def decode(self, wire: torch.Tensor) -> StepPlan:
+    def rest_size(self, wire: torch.Tensor) -> int:
+        """How many block ids the plan in `wire` sends in a second part (0: none)."""
+        n_rows = int(wire[1])
+        return max(int(wire[4 : 4 + self.FIELDS * n_rows].view(n_rows, self.FIELDS)[:, 3].sum()) - self.inline_blocks,
+                   0)
+
+    def decode(self, parts: list[torch.Tensor]) -> StepPlan:
         """The plan back, reading only the parts of the wire it fills (the block region is large)."""
+        wire = parts[0]
         end, n_rows, draft, load = wire[:4].tolist()
         fields = wire[4 : 4 + self.FIELDS * n_rows].view(n_rows, self.FIELDS).tolist()
         at = 4 + self.FIELDS * self.max_rows
         tokens = wire[at : at + sum(f[1] for f in fields)].tolist()
         at += self.max_tokens
-        blocks = wire[at : at + sum(f[3] for f in fields)].tolist()
+        blocks = wire[at : at + min(sum(f[3] for f in fields), self.inline_blocks)].tolist()
+        if len(parts) > 1:
+            blocks += parts[1].tolist()
         rows, t, b = [], 0, 0
         for start, length, sample, n_blocks, score, scored, next_token, src, dst, proposed, adapter in fields:
             rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
                             next_token, (src, dst) if src >= 0 else None, proposed, adapter))
             t, b = t + length, b + n_blocks
         return StepPlan(rows, end=bool(end), draft=bool(draft), load=load)
+
+
+def _longs(values: array) -> torch.Tensor:
+    """An int64 tensor over an array's buffer (torch.tensor reads a list's ints one at a time)."""
+    return torch.frombuffer(values, dtype=torch.long) if values else torch.empty(0, dtype=torch.long)

@@ -218,13 +218,18 @@ class ModelRunner:
         return step
 
     def exchange(self, plan: StepPlan | None = None) -> StepPlan:
-        """Rank 0's plan, sent to every rank in one broadcast; the other ranks pass None and get it."""
+        """Rank 0's plan, sent to every rank in one broadcast (two at long contexts: PlanWire); the other ranks pass
+        None and get it."""
         if self.info.world_size > 1:
             if self.info.rank == 0:
-                broadcast_from_rank0(self.wire.encode(plan), self.info.device)
+                for part in self.wire.encode(plan):
+                    broadcast_from_rank0(part, self.info.device)
             else:
-                plan = self.wire.decode(broadcast_from_rank0(torch.zeros(self.wire.size, dtype=torch.long),
-                                                             self.info.device))
+                wire = broadcast_from_rank0(torch.zeros(self.wire.size, dtype=torch.long), self.info.device)
+                parts = [wire]
+                if rest := self.wire.rest_size(wire):
+                    parts.append(broadcast_from_rank0(torch.zeros(rest, dtype=torch.long), self.info.device))
+                plan = self.wire.decode(parts)
         return plan
 
     @torch.inference_mode()
