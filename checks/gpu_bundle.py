@@ -94,6 +94,10 @@ def build(out: Path, java: bool = False) -> dict[str, float]:
         sizes[name] = size_mib(out / source.name) + size_mib(out / info.name)
     shutil.copy2(llama3_tokenizer(), out / "tokenizer.model")
     sizes["tokenizer.model"] = size_mib(out / "tokenizer.model")
+    # The commit the bundle goes with: the GPU machine gets the working tree without .git (checks/gpu_run.sh prints it)
+    described = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
+                               text=True, check=False)
+    (out / "COMMIT").write_text(described.stdout.strip() or "unknown\n")
     if java:
         sizes.update(java_parts(out))
     total = sum(sizes.values())

@@ -5,8 +5,10 @@ checks/ts_frontend.py) on a small checkpoint, with the bundle first on PYTHONPAT
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +33,10 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_bundle_holds_what_the_gpu_machine_lacks_and_no_java(bundle: Path):
     assert {p.name.split("-")[0] for p in bundle.iterdir()} == {
-        "ts", "torchserve", "model_archiver", "torch_model_archiver", "llguidance", "tokenizer.model"}
+        "ts", "torchserve", "model_archiver", "torch_model_archiver", "llguidance", "tokenizer.model", "COMMIT"}
+    described = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
+                               text=True, timeout=60).stdout.strip()
+    assert (bundle / "COMMIT").read_text() == described  # the GPU machine's tree has no .git to say it
     assert not list(bundle.rglob("*.jar")) and not list(bundle.rglob("__pycache__"))
     assert gpu_bundle.size_mib(bundle) < gpu_bundle.LIMIT_MIB
     # First on PYTHONPATH, the bundle's copies are the ones imported (here they are also installed).
@@ -78,3 +83,16 @@ def test_the_serving_check_passes_on_cpu(bundle: Path, tmp_path: Path):
     assert all(float(level[1]) > 0 and float(level[4]) > 0 for level in levels), levels  # served and offline rates
     left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not left  # the worker's processes all stopped
+
+
+def test_the_one_call_gpu_run_names_files_and_modules_that_exist():
+    """checks/gpu_run.sh runs only where a GPU is lent: keep it parsing, and every test file and module it runs
+    present, so the call a GPU session makes does not fail on a name."""
+    script = REPO / "checks" / "gpu_run.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=60).returncode == 0
+    text = script.read_text()
+    files = re.findall(r"tests/test_\w+\.py", text)
+    modules = re.findall(r"python3 -m ((?:bench|checks)\.\w+)", text)
+    assert len(files) == 6 and len(modules) == 3
+    assert all((REPO / f).is_file() for f in files), files
+    assert all(importlib.util.find_spec(m) is not None for m in modules), modules
