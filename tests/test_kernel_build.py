@@ -201,6 +201,9 @@ def test_cc_with_arguments_is_split_and_a_new_compiler_version_builds_anew(monke
     monkeypatch.setenv("CC", f"env STAND_IN=1 {cc}")  # a wrapper with arguments, as `ccache gcc` is
     command = cpu_build.compiler()
     assert command == ["env", "STAND_IN=1", cc]
+    monkeypatch.setenv("CC", 'gcc "-O2')
+    with pytest.raises(ValueError, match="CC='gcc \"-O2' does not read as a command"):
+        cpu_build.compiler()
     cpu_build._version.cache_clear()
     try:
         first = cpu_build.build("avx2", command)

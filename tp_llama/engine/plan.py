@@ -78,8 +78,8 @@ class PlanWire:
 
     def encode(self, plan: StepPlan) -> list[torch.Tensor]:
         """The wire, then the block ids past its room (only where the plan has more)."""
-        head, tokens, blocks = array("q", [int(plan.end), len(plan.rows), int(plan.draft), plan.load]), array("q"), \
-            array("q")
+        head = array("q", [int(plan.end), len(plan.rows), int(plan.draft), plan.load])
+        tokens, blocks = array("q"), array("q")
         for row in plan.rows:
             head.extend((row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score, row.scored,
                          row.next_token, *(row.copy or (-1, -1)), row.proposed, row.adapter))

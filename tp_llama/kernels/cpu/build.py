@@ -3,8 +3,8 @@
     python -m tp_llama.kernels.cpu.build      # build now and print where (setup_model.sh does)
 
 The library is kept in the user's cache, named by a digest of the sources, headers, compiler (its
-command and version) and flags, so an edited source is rebuilt and an unchanged one never is. Ranks that start together
-wait on one lock while the first of them compiles.
+command and version) and flags, so an edited source is rebuilt and an unchanged one never is. Ranks
+that start together wait on one lock while the first of them compiles.
 """
 
 from __future__ import annotations
@@ -77,7 +77,10 @@ def runnable(flags: set[str] | None = None) -> list[str]:
 def compiler() -> list[str] | None:
     """The C compiler's command: $CC split as a shell would (`ccache gcc`), else gcc or cc on the PATH."""
     if os.environ.get("CC", "").strip():
-        return shlex.split(os.environ["CC"])
+        try:
+            return shlex.split(os.environ["CC"])
+        except ValueError as exc:
+            raise ValueError(f"CC={os.environ['CC']!r} does not read as a command: {exc}") from None
     found = shutil.which("gcc") or shutil.which("cc")
     return [found] if found else None
 
