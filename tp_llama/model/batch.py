@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +30,7 @@ class Batch:
     tables: torch.Tensor
     block_size: int
     n_decode: int
-    decode_mask: torch.Tensor | None  # [n_decode, 1, 1, kv_len] keys each decode row may see
+    decode_len: int  # keys the longest decode row sees (0: no decode rows): decode_mask's width
     prefill: list[tuple[int, int, int, int]]
     block_mask: BlockMask | None = None  # decode_by_index: the blocks each row reads, for every layer
     token_rows: torch.Tensor | None = None  # build: each token's row of `tables`
@@ -75,18 +77,23 @@ class Batch:
         n_verify = sum(len(ids) for _, ids, want, _ in rows if len(ids) > 1 and want > 1)
         # One host-to-device copy for everything the forward reads.
         parts = (tokens, positions, locations, logits_at, tables, token_rows)
+        values = array("q")
+        for part in parts:
+            values.extend(part)  # an array, not one list for torch.tensor, which reads its ints one at a time
         tokens_t, positions_t, locations_t, logits_t, tables_t, token_rows_t = to_device(
-            torch.tensor([v for part in parts for v in part], dtype=torch.long), device
-        ).split([len(part) for part in parts])
-        decode_mask = None
-        if n_decode:
-            kv_len = max(positions[:n_decode]) + 1
-            decode_mask = (torch.arange(kv_len, device=device) <= positions_t[:n_decode].unsqueeze(1)
-                           ).view(n_decode, 1, 1, kv_len)
+            torch.frombuffer(values, dtype=torch.long), device).split([len(part) for part in parts])
+        decode_len = max(positions[:n_decode]) + 1 if n_decode else 0
         slots, groups = adapter_slots([adapters[i] for i in order] if adapters else [], token_rows, device)
         return cls(tokens_t, positions_t, locations_t, logits_t, tables_t.view(len(rows), width), block_size,
-                   n_decode, decode_mask, prefill, token_rows=token_rows_t, n_verify=n_verify, adapters=slots,
+                   n_decode, decode_len, prefill, token_rows=token_rows_t, n_verify=n_verify, adapters=slots,
                    adapter_groups=groups)
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[n_decode, 1, 1, decode_len] keys each decode row may see, made at first use: only PyTorch's decode
+        attention reads it, so a step of the C kernels never compares its rows x keys."""
+        keys = torch.arange(self.decode_len, device=self.positions.device).unsqueeze(0)
+        return (keys <= self.positions[: self.n_decode].unsqueeze(1)).view(self.n_decode, 1, 1, self.decode_len)
 
     def tables_of(self, tokens: int) -> torch.Tensor:
         """The block table of each of the first `tokens` tokens (each a row of its own when they
@@ -107,7 +114,7 @@ class Batch:
         """
         rows = torch.arange(len(tokens), device=tokens.device)
         windowed = {w: paged_block_mask(tables, positions, locations, block_size, pool_blocks, w) for w in windows}
-        return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), None, [],
+        return cls(tokens, positions, locations, rows, tables, block_size, len(tokens), 0, [],
                    paged_block_mask(tables, positions, locations, block_size, pool_blocks), window_masks=windowed)
 
 
