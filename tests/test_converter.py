@@ -139,16 +139,26 @@ def helper_checks() -> dict:
         bad_shard = "not raised"
     except CheckpointError as exc:
         bad_shard = str(exc)
-    return {"gathered_ok": gathered_ok, "mismatch": mismatch, "bad_world": bad_world, "bad_shard": bad_shard}
+    # The seed passes on every `rope.freqs` entry: Llama 2's at the top, the original LLaMA's one per layer.
+    consolidated = consolidated_for("llama2", 2, rank)
+    consolidated["layers.0.attention.inner_attention.rope.freqs"] = torch.arange(4.0)
+    try:
+        state = build_distributed_state_dict_from_consolidated(Transformer(ARGS["llama2"]), consolidated, 2)
+        layer_freqs = torch.equal(state["layers.0.attention.inner_attention.rope.freqs"], torch.arange(4.0))
+    except CheckpointError as exc:
+        layer_freqs = str(exc)
+    return {"gathered_ok": gathered_ok, "mismatch": mismatch, "bad_world": bad_world, "bad_shard": bad_shard,
+            "layer_freqs": layer_freqs}
 
 
-def test_helpers_gather_verify_and_fail_together(two_ranks):
+def test_helpers_gather_verify_fail_together_and_pass_rope_tables(two_ranks):
     for result in (ranks["helpers"] for ranks in two_ranks):
         assert isinstance(result, dict), result
         assert result["gathered_ok"]
         assert "different parameters" in result["mismatch"]
         assert "not a multiple" in result["bad_world"]
         assert "layers.1.feed_forward.w2.weight" in result["bad_shard"] and "rank 1" in result["bad_shard"]
+        assert result["layer_freqs"] is True, result["layer_freqs"]
 
 
 def test_is_tp_sharded_follows_the_name_heuristic():

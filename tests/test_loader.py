@@ -83,6 +83,17 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
         files.tensor(0, "rows")
 
 
+def test_rope_tables_at_the_top_and_inside_layers_are_dropped(tmp_path):
+    """Llama 2 files write `rope.freqs`, the original LLaMA's one per layer: neither is a parameter."""
+    paths = write_files(tmp_path, 1)
+    state = torch.load(paths[0])
+    state["rope.freqs"] = torch.arange(4.0)
+    state["layers.0.attention.inner_attention.rope.freqs"] = torch.arange(4.0)
+    torch.save(state, paths[0])
+    files = ShardFiles(paths, {k: tuple(v.shape) for k, v in FULL.items()})
+    assert torch.equal(files.tensor(0, "norm"), FULL["norm"])
+
+
 # Positioned reads against torch.load, for both dtypes Meta ships and the conversions between them.
 BIG = {
     "rows": (64, 40),  # split by file along dim 0

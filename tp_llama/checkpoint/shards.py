@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tp_llama.errors import CheckpointError
-from tp_llama.parallel.layout import IGNORED_KEYS, IGNORED_SUFFIXES
+from tp_llama.parallel.layout import IGNORED_SUFFIXES, is_ignored
 
 _SHARD_NAME = re.compile(r"consolidated\.(\d+)\.pth")
 
@@ -52,7 +52,7 @@ def load_shard(path: Path) -> dict[str, torch.Tensor]:
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
-    return {k: v for k, v in state.items() if k not in IGNORED_KEYS}
+    return {k: v for k, v in state.items() if not is_ignored(k)}
 
 
 # The dtypes a 16-bit checkpoint's weights come in; anything else (float8 without its fp8_scales_N.pt, integers)

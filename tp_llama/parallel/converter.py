@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from tp_llama.errors import CheckpointError
 from tp_llama.parallel.distributed import collective_timeout, every_rank_agrees
-from tp_llama.parallel.layout import IGNORED_KEYS, is_sharded, source_split_dim
+from tp_llama.parallel.layout import is_ignored, is_sharded, source_split_dim
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -85,7 +85,7 @@ def _unshard_param(
 def _check_shards(ref_state_dict: Dict[str, Tensor], consolidated_state_dict: Dict[str, Tensor], mp: int) -> None:
     """Local shape checks before any collective, so a bad shard is an error and not a hang."""
     for fqn, tensor in consolidated_state_dict.items():
-        if fqn in IGNORED_KEYS:
+        if is_ignored(fqn):
             continue
         if fqn not in ref_state_dict:
             raise CheckpointError(f"unexpected tensor {fqn!r} (the model has no such parameter)")
@@ -101,7 +101,7 @@ def _check_alike_on_every_rank(consolidated_state_dict: Dict[str, Tensor], mp: i
                                grp_gloo: dist.ProcessGroup) -> None:
     """Every rank's shard of each tensor has one shape and dtype (fairscale splits evenly): a rank holding a
     tensor whole where another holds a split of it would skip the all-gather the other waits in."""
-    mine = {fqn: (tuple(t.shape), t.dtype) for fqn, t in consolidated_state_dict.items() if fqn not in IGNORED_KEYS}
+    mine = {fqn: (tuple(t.shape), t.dtype) for fqn, t in consolidated_state_dict.items() if not is_ignored(fqn)}
     every: list[dict | None] = [None] * dist.get_world_size(grp_gloo)
     dist.all_gather_object(every, mine, group=grp_gloo)
     for rank, theirs in enumerate(every[1:], start=1):
@@ -147,7 +147,7 @@ def build_distributed_state_dict_from_consolidated(
 
     dist_state_dict: Dict[str, Union[Tensor, DTensor, ShardedTensor]] = {}
     for fqn, tensor in consolidated_state_dict.items():
-        if fqn in IGNORED_KEYS:
+        if is_ignored(fqn):  # the seed's `"rope.freqs" in fqn`: Llama 2's table and the original LLaMA's per layer
             dist_state_dict[fqn] = tensor.clone()
             continue
         if is_sharded(fqn):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from tp_llama.errors import CheckpointError
 from tp_llama.model.args import ModelArgs
 
-# Non-parameters some Meta files carry (Llama 2 writes the RoPE table); every loader drops them.
+# Non-parameters some Meta files carry (Llama 2 writes the RoPE table as `rope.freqs`, the original
+# LLaMA files one per layer as `layers.N.attention.inner_attention.rope.freqs`); every loader drops them.
 IGNORED_KEYS = frozenset({"rope.freqs"})
 # Llama 4's files add training statistics of its routers and Transformer Engine's extra state.
 IGNORED_SUFFIXES = ("._extra_state", ".global_gate_stats_3E", ".expert_activation_DE")
@@ -65,6 +66,11 @@ TP_TABLE: dict[str, Sharding | dict[str, Sharding]] = {
 }
 _LAYER = re.compile(r"layers\.\d+\.")
 _EXPERT = re.compile(r"\.\d+$")  # Llama 4's routed experts: experts.w1.3 is expert 3's w1
+
+
+def is_ignored(key: str) -> bool:
+    """Whether a file's entry is a RoPE table (`rope.freqs`, at the top or inside a layer), never a parameter."""
+    return key in IGNORED_KEYS or key.endswith(tuple("." + k for k in IGNORED_KEYS))
 
 
 def tp_sharding(key: str, family: str) -> Sharding:
