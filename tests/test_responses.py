@@ -259,6 +259,9 @@ def test_function_tools_are_called_and_the_round_trip_is_the_chat_prompt(engine,
     ({"instructions": "x", "input": [{"role": "user", "content": "u"}, {"type": "function_call", "call_id": "c",
                                                                         "name": "f", "arguments": "{}"}]},
      "input", "input[1]: function_call items need the request's tools"),
+    ({"input": [{"role": "user", "content": "u"}, {"type": "function_call", "call_id": "c", "name": "get_weather",
+                                                  "arguments": '{"city": 1' + "0" * 5000 + "}"}], "tools": [WEATHER]},
+     "input", "input[1].arguments holds a number too long to read"),  # json.loads' bare ValueError: was a 500
 ])
 def test_refusals_name_the_field(engine, body: dict, param: str, message: str) -> None:
     settings = dataclasses.replace(SETTINGS, tool_format="pythonic")
@@ -269,6 +272,16 @@ def test_refusals_name_the_field(engine, body: dict, param: str, message: str) -
             GrammarCompiler(grammar_tokenizer(engine.tokenizer)).compile_now(reply.job.grammar)
     assert message in str(info.value) and info.value.status == 400 and info.value.param == param, str(info.value)
     assert set(error_body(info.value)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_tool_holding_a_number_past_float_s_range_is_refused(engine) -> None:
+    """1e999 reads as infinity, and the reply echoes the tools: it wrote Infinity, which is no JSON."""
+    settings = dataclasses.replace(SETTINGS, tool_format="pythonic")
+    body = (b'{"input": "hi", "tool_choice": "none", "tools": [{"type": "function", "name": "f", "parameters": '
+            b'{"type": "object", "properties": {"a": {"type": "number", "default": 1e999}}}}]}')
+    with pytest.raises(RequestError, match=r"tools\[0\] holds a number out of range") as info:
+        parse_responses({"body": body}, settings, engine.tokenizer, 512, "m", "r", 0)
+    assert info.value.param == "tools" and info.value.status == 400
 
 
 def test_hostile_bodies_are_400s_on_the_new_paths(engine) -> None:

@@ -196,11 +196,18 @@ def test_deep_nesting_and_huge_enums_are_refused_or_compiled_within_the_limit(co
     ({"response_format": {"type": "json_schema"}}, "json_schema must be an object"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema is required"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": {"a": 1}}}, "response_format.type"),  # unhashable: a TypeError, the handler's 500
+    ({"response_format": {"type": ["text"]}}, "response_format.type"),
     ({"response_format": {"type": "json_object", "schema": {}}}, "unknown field"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
     ({"structured_outputs": {"choice": []}}, "non-empty array"),
     ({"structured_outputs": {"structural_tag": "x"}}, "unsupported field"),
     ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
+    # Read with json.loads, which raised a RecursionError or a bare ValueError (the handler's own 500) for these.
+    ({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs.json is nested too deeply"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '{"maximum": 1' + "0" * 5000
+                                                                 + "}"}}},
+     "response_format.json_schema.schema holds a number too long to read"),
     ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "only one"),
 ])
 def test_malformed_structured_fields_are_refused(body, message):
@@ -297,6 +304,25 @@ def test_a_slow_grammar_does_not_stall_the_batch(handler, compiler, monkeypatch)
     assert got["new"][0][1].status.get(got["new"][0][2]) is None  # admitted, not refused
     replies = run_to_end(handler, {"long": None, "new": None}, paths={"new": "v1/chat/completions"})
     assert re.fullmatch("slow-[0-9]{2}", final_json(replies["new"])["choices"][0]["message"]["content"])
+
+
+def test_a_grammar_that_waited_behind_slow_ones_is_a_503_and_the_slow_ones_are_the_400s(engine, monkeypatch):
+    """Both compile workers busy past the limit with slow grammars: a grammar queued behind them in the same call had
+    no time of its own, and was refused as too slow to compile, a 400 blaming a request that did nothing wrong."""
+    real = GrammarCompiler._compile
+
+    def slow(self, spec, grammar):
+        if spec.text.startswith("slow"):
+            time.sleep(COMPILE_LIMIT_S + 0.5)
+        return real(self, spec, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+    handler = new_handler(engine, SETTINGS, GrammarCompiler(grammar_tokenizer(engine.tokenizer)))  # 2 idle workers
+    requests = {rid: chat({"structured_outputs": {"regex": f"{rid}-[a-z]{{2}}"}}) for rid in ("slow0", "slow1", "queued")}
+    got = serve(handler, [list(requests.items())], {rid: "v1/chat/completions" for rid in requests})
+    status = {rid: got[rid][0][1].status.get(got[rid][0][2]) for rid in requests}
+    assert status == {"slow0": 400, "slow1": 400, "queued": 503}, status
+    assert "busy with other requests' grammars" in json.loads(got["queued"][0][0])["error"]["message"]
 
 
 def test_a_request_past_response_timeout_while_its_grammar_compiles_ends_without_a_step(handler, monkeypatch):

@@ -161,6 +161,20 @@ def test_bad_tool_requests_are_refused_naming_the_field(engine, fields, param, m
     assert info.value.param == param
 
 
+def test_a_parameter_schema_nested_past_what_the_pythonic_grammar_recurses_is_a_400(engine):
+    """Building a pythonic call's rules recurses a few frames per level of a parameter's schema: arrays of arrays
+    300 deep raised a RecursionError, which the handler answered as its own 500."""
+    deep: dict = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "array", "items": deep}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}}]
+    body = json.dumps({"messages": MESSAGES, "tools": tools}).encode()
+    settings = dataclasses.replace(SETTINGS, tool_format="pythonic")
+    with pytest.raises(RequestError, match="tools: a parameter schema is nested too deeply") as info:
+        parse_openai(CHAT, {"body": body}, settings, engine.tokenizer, engine.args.vocab_size, "m", "r")
+    assert info.value.param == "tools" and info.value.status == 400
+
+
 @pytest.mark.parametrize("tool_format", ["llama3_json", "pythonic"])
 def test_a_parameter_schema_the_grammar_cannot_enforce_is_a_400_naming_it(engine, compiler, tool_format):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {

@@ -95,16 +95,22 @@ class Pending:
     spec: GrammarSpec
     future: Future
     started: float
+    began: list[float]  # when a worker began compiling it: empty while it waits behind other grammars
 
     @property
     def ready(self) -> bool:
         return self.future.done() or time.perf_counter() - self.started > COMPILE_LIMIT_S
 
     def result(self) -> Constraint:
-        """The request's own matcher; RequestError when the grammar is refused or took too long."""
+        """The request's own matcher; RequestError when the grammar is refused or took too long (503 where it
+        waited behind other requests' grammars for half its time or more: it is not the one to blame)."""
         if not self.future.done():
-            raise RequestError(f"{self.spec.param}: the grammar did not compile within {COMPILE_LIMIT_S:g} s; "
-                               "simplify it (fewer alternatives, smaller bounds)", param=self.spec.param)
+            param = self.spec.param
+            if not self.began or self.began[0] - self.started >= COMPILE_LIMIT_S / 2:
+                raise RequestError(f"{param}: the grammar compilers are busy with other requests' grammars; retry",
+                                   503, param=param)
+            raise RequestError(f"{param}: the grammar did not compile within {COMPILE_LIMIT_S:g} s; "
+                               "simplify it (fewer alternatives, smaller bounds)", param=param)
         return Constraint(self.future.result().deep_copy())
 
 
@@ -114,19 +120,19 @@ class GrammarCompiler:
     def __init__(self, tokenizer: llguidance.LLTokenizer, workers: int = 2) -> None:
         self.tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[Future, list[float]]] = OrderedDict()
 
     def submit(self, spec: GrammarSpec) -> Pending:
         """Start compiling (or take the cached grammar); RequestError at once for text that cannot be read."""
         key = (spec.kind, spec.text)
-        future = self._cache.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, spec, llguidance_grammar(spec))
-            self._cache[key] = future
+        cached = self._cache.get(key)
+        if cached is None:
+            began: list[float] = []
+            cached = self._cache[key] = self._pool.submit(self._begin, began, spec, llguidance_grammar(spec)), began
             while len(self._cache) > CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        return Pending(spec, future, time.perf_counter())
+        return Pending(spec, cached[0], time.perf_counter(), cached[1])
 
     def compile_now(self, spec: GrammarSpec) -> Constraint:
         """Compile on the caller's thread, within the time limit (the offline paths)."""
@@ -136,6 +142,10 @@ class GrammarCompiler:
         except TimeoutError:
             pass
         return pending.result()
+
+    def _begin(self, began: list[float], spec: GrammarSpec, grammar: str) -> llguidance.LLMatcher:
+        began.append(time.perf_counter())
+        return self._compile(spec, grammar)
 
     def _compile(self, spec: GrammarSpec, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=parser_limits(), log_level=0)

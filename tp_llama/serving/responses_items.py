@@ -92,6 +92,8 @@ def _call(item: dict, where: str) -> dict:
         raise _refuse(f"{where}.arguments is not JSON: {exc}") from None
     except RecursionError:
         raise _refuse(f"{where}.arguments is nested too deeply") from None
+    except ValueError:  # an integer with more digits than int() reads (sys.get_int_max_str_digits)
+        raise _refuse(f"{where}.arguments holds a number too long to read") from None
     if not isinstance(parsed, dict):
         raise _refuse(f"{where}.arguments must be a JSON object, got {type_name(parsed)}")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -177,6 +179,10 @@ def chat_tools(tools: Any) -> list[dict] | None:
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters.get("properties", {}), dict):
             raise _refuse(f"{where}.parameters.properties must be an object", "tools")
+        try:  # the reply echoes the tools, and a number past float's range (1e999) is no JSON there
+            json.dumps(tool, allow_nan=False)
+        except ValueError:
+            raise _refuse(f"{where} holds a number out of range (past float's, as 1e999 is)", "tools") from None
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
         nested.append({"type": "function", "function": function})
     return nested

@@ -52,6 +52,10 @@ def _schema_text(schema: Any, param: str) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise RequestError(f"{param} is not valid JSON: {exc.msg}", param=param) from None
+        except RecursionError:
+            raise RequestError(f"{param} is nested too deeply", param=param) from None
+        except ValueError:  # an integer with more digits than int() reads (sys.get_int_max_str_digits)
+            raise RequestError(f"{param} holds a number too long to read", param=param) from None
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"{param} must be a JSON schema (an object), got {type_name(schema)}", param=param)
     text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
@@ -70,7 +74,7 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
         raise RequestError(f"{param} must be an object, got {type_name(fmt)}", param=param)
     kind = fmt.get("type")
     allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:  # an object or array would not even hash
         raise RequestError(f"{param}.type must be one of {sorted(allowed)}, got {kind!r}", param=param)
     extra = sorted(set(fmt) - allowed[kind])
     if extra:

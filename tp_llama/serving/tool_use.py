@@ -60,6 +60,8 @@ class ToolUse:
             text = tool_call_grammar(self.tools, self.choice, self.fmt, self.parallel)
         except ValueError as exc:
             raise RequestError(f"tools: {exc}", param="tools") from None
+        except RecursionError:  # a parameter schema nested past what building its rules recurses
+            raise RequestError("tools: a parameter schema is nested too deeply", param="tools") from None
         return GrammarSpec("lark", text, "tools")
 
     def prompt_ids(self, messages: Any, tokenizer: ChatTokenizer) -> list[int]:
