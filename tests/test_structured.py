@@ -325,6 +325,28 @@ def test_a_grammar_that_waited_behind_slow_ones_is_a_503_and_the_slow_ones_are_t
     assert "busy with other requests' grammars" in json.loads(got["queued"][0][0])["error"]["message"]
 
 
+def test_a_grammar_compile_that_raises_fails_its_request_alone(engine, monkeypatch):
+    """An exception of llguidance's own while compiling (not a refusal of the grammar) is that request's 500; the
+    requests beside it in the call are served (it escaped the call, and every request in it got a 500)."""
+    real = GrammarCompiler._compile
+
+    def broken(self, spec, grammar):
+        if spec.text.startswith("broken"):
+            raise ValueError("the compiler broke")
+        return real(self, spec, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", broken)
+    handler = new_handler(engine, SETTINGS, GrammarCompiler(grammar_tokenizer(engine.tokenizer)))
+    requests = {rid: chat({"structured_outputs": {"regex": f"{rid}-[a-z]{{2}}"}}) for rid in ("broken", "fine")}
+    requests["plain"] = chat({})
+    replies = run_to_end(handler, requests, paths={rid: "v1/chat/completions" for rid in requests})
+    message = json.loads(replies["broken"][0][0])["error"]["message"]
+    assert "compiling the grammar failed (ValueError: the compiler broke)" in message
+    assert replies["broken"][0][1].status.get(replies["broken"][0][2]) == 500
+    assert re.fullmatch("fine-[a-z]{2}", final_json(replies["fine"])["choices"][0]["message"]["content"])
+    assert final_json(replies["plain"])["choices"][0]["message"]["content"]
+
+
 def test_a_request_past_response_timeout_while_its_grammar_compiles_ends_without_a_step(handler, monkeypatch):
     """A request whose responseTimeout passes before its grammar is compiled (here a timeout of 0, shorter than
     the call's admissions) answers the timeout and leaves nothing behind: its ended sequences once joined the

@@ -111,7 +111,14 @@ class Pending:
                                    503, param=param)
             raise RequestError(f"{param}: the grammar did not compile within {COMPILE_LIMIT_S:g} s; "
                                "simplify it (fewer alternatives, smaller bounds)", param=param)
-        return Constraint(self.future.result().deep_copy())
+        try:
+            matcher = self.future.result()
+        except RequestError:
+            raise
+        except Exception as exc:  # llguidance's own failure: this request's 500, not the whole call's
+            raise RequestError(f"{self.spec.param}: compiling the grammar failed ({type(exc).__name__}: {exc})", 500,
+                               param=self.spec.param) from exc
+        return Constraint(matcher.deep_copy())
 
 
 class GrammarCompiler:
