@@ -21,6 +21,7 @@ from tp_llama.engine.constraint import Constraint, Masks, grammar_tokenizer
 from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
+from tp_llama.engine.speculate import Speculator
 from tp_llama.serving.grammars import GrammarCompiler
 from tp_llama.serving.request import GrammarSpec
 
@@ -122,6 +123,47 @@ def test_proposals_under_a_grammar_follow_its_forced_tokens_and_change_no_reply(
     assert_same_replies(fast, slow)
     assert speculating.stats.accepted > 0 and speculating.stats.forced > 0
     assert proposer == "ngram" or drafted_after_forced
+
+
+class Ahead(Speculator):
+    """Proposes each named sequence's own reply after its tokens (`replies`: its prompt's length, its reply and
+    the most proposals a step, by id), so every proposal is taken."""
+
+    def __init__(self, replies: dict[str, tuple[int, list[int], int]]):
+        super().__init__(4, 1, 1)
+        self.replies = replies
+
+    def worth(self, seq_id: str) -> bool:
+        return True
+
+    def per_row(self, rows: int) -> int:
+        return self.tokens
+
+    def propose(self, seq_id: str, tokens, most: int) -> list[int]:
+        prompt, reply, cap = self.replies[seq_id]
+        return reply[len(tokens) - prompt :][: min(most, cap)]
+
+
+def test_a_free_rows_run_of_taken_proposals_passes_the_masks_of_the_constrained_rows_beside_it(engine, compiler):
+    """A free row verifying a position past every mask of its step: a constrained row beside it takes forced
+    tokens and one proposal after them (two masks: before and after the proposal) while the free row's run is
+    longer. Each row draws under its own masks or none, and the replies are those of each alone."""
+    prompt = engine.tokenizer.encode(PROMPT, bos=True)
+
+    def pair() -> list[Sequence]:
+        schema = Sequence("schema", prompt, SamplingParams(160))
+        schema.constraint = compiler.compile_now(GrammarSpec("json", json.dumps(LONG_KEYS), "response_format"))
+        return [schema, Sequence("free", prompt, SamplingParams(40, ignore_eos=True))]
+
+    alone = [engine.generate([seq])[0].output for seq in pair()]
+    scheduler = engine.new_scheduler()
+    scheduler.speculator = Ahead({"schema": (len(prompt), alone[0], 1), "free": (len(prompt), alone[1], 40)})
+    together = pair()
+    for seq in together:
+        scheduler.add(seq)
+    engine.run(scheduler)
+    assert [seq.output for seq in together] == alone
+    assert scheduler.speculator.accepted_at[3] > 0 and engine.stats.forced > 0
 
 
 def allowed(masks: Masks, constraint: Constraint, n_words: int) -> list[int]:

@@ -96,8 +96,10 @@ def _pick(logits: torch.Tensor, histories: list[History], samplers: list[int], p
     if drawn:
         under = [] if masks is None else [k for k, j in enumerate(drawn) if samplers[j] in masks.first]
         allowed = None
-        if under:  # the mask of each drawn row's position (unused for the free ones)
-            index = [masks.first.get(s, 0) + position - len(taken.get(s, ())) for s in (samplers[j] for j in drawn)]
+        if under:  # the mask of each drawn row's position; a free row's is never read, so it takes the first
+            # (its position can pass every mask there is: a free row verifies runs longer than the constrained ones')
+            index = [masks.first[s] + position - len(taken.get(s, ())) if s in masks.first else 0
+                     for s in (samplers[j] for j in drawn)]
             allowed = masks.bits[index]
         x = logits if len(drawn) == len(samplers) else logits[drawn]
         for j, token, token_lp in zip(drawn, *sample_rows(x, [histories[j] for j in drawn], allowed, under)):
