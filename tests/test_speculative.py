@@ -351,6 +351,31 @@ def test_the_cache_holds_the_accepted_sequence_and_the_prefix_cache_no_rejected_
     assert again.output == expected.output
 
 
+def test_a_reply_ending_in_taken_proposals_leaves_its_blocks_to_the_next_turn(checkpoint):
+    """A reply whose last step takes a run of proposals (and reaches max_tokens there): the blocks that run
+    filled join the prefix cache as a reply's blocks do without speculation, so the chat's next turn reads as
+    many cached positions either way (they were left out, and the next turn computed them again)."""
+    engine = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=96, max_batch_size=4,
+                                      prefill_budget=64))
+    reference = {"b": run(engine, [requests(engine, False)[1]], None)[0].output}
+
+    def next_turn_cached(speculator: Speculator | None) -> int:
+        seq, scheduler = requests(engine, False)[1], engine.new_scheduler()
+        scheduler.speculator = speculator
+        scheduler.add(seq)
+        engine.run(scheduler)
+        assert seq.output == reference["b"]
+        scheduler.speculator = None
+        follow = Sequence("next", seq.prompt_ids + seq.output + [7], SamplingParams(2, ignore_eos=True))
+        scheduler.add(follow)
+        engine.run(scheduler)
+        return follow.cached_tokens
+
+    replay = Replay(reference, set(), engine.args.vocab_size, grow=True)
+    assert next_turn_cached(replay) == next_turn_cached(None) == (PROMPTS["b"] + NEW) // 16 * 16
+    assert replay.longest >= 8
+
+
 def test_proposals_stop_at_max_tokens_and_the_ngram_proposer_runs_through_the_yaml_setting(checkpoint):
     engine = Engine.load(EngineConfig(str(checkpoint), "tp", "float32", max_seq_len=640, max_batch_size=4,
                                       prefill_budget=128, speculative="ngram", speculative_tokens=3, ngram_min=1))

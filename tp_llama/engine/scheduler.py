@@ -260,17 +260,18 @@ class Scheduler:
     def _commit_verified(self, row: Row, seq: Sequence, accepted: list[TokenLogprobs | None],
                          pick: tuple[int, TokenLogprobs | None], now: float, forced: int) -> None:
         """A decode row with proposals (the first `forced` of them forced tokens): its newest token and the
-        accepted proposals are in the cache, the rest are dropped (the sequence's length goes back past
-        them, and blocks holding only them go back to the pool); the accepted proposals, then the picked
-        token, join its output."""
+        accepted proposals are in the cache (the blocks they fill join the prefix cache first, so a reply ending
+        here leaves them to its next turn), the rest are dropped (the sequence's length goes back past them,
+        and blocks holding only them go back to the pool); the accepted proposals, then the picked token, join
+        its output."""
         seq.computed += 1 + len(accepted)
+        self._remember_full_blocks(seq, row.tokens[1 : 1 + len(accepted)])
         if self.speculator is not None and row.proposed > forced:
             self.speculator.record(seq.id, row.proposed - forced, len(accepted) - forced)
         for token, token_logprobs in [*zip(row.tokens[1:], accepted), pick]:
             self._take(seq, token, token_logprobs, now)
             if seq.finished:
                 return
-        self._remember_full_blocks(seq)
         keep = self.pool.blocks_for(len(seq.prompt_ids) + len(seq.output))
         self.pool.release(seq.blocks[keep:])
         del seq.blocks[keep:]
@@ -365,11 +366,11 @@ class Scheduler:
     def _table(self, seq: Sequence, positions: int) -> list[int]:
         return seq.blocks[: self.pool.blocks_for(positions)]
 
-    def _remember_full_blocks(self, seq: Sequence) -> None:
-        """Blocks the step filled join the prefix cache (a chat's answer included, for its next turn)."""
+    def _remember_full_blocks(self, seq: Sequence, taken: list[int] = ()) -> None:
+        """Filled blocks join the prefix cache (a chat's answer too, for its next turn); taken: proposals accepted."""
         size, tokens = self.pool.size, None
         for i in range(len(seq.keys), seq.computed // size):
-            tokens = tokens or seq.tokens
+            tokens = tokens or seq.tokens + list(taken)
             previous = seq.keys[-1] if seq.keys else None
             seq.keys.append(self.pool.remember(seq.blocks[i], previous, tuple(tokens[i * size : (i + 1) * size]),
                                                self._salt(seq)))
