@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checks import meta_matmuls
+from tests.support.proposals import Scripted
 from tests.support.reference import Config, ReferenceModel, greedy
 from tp_llama.checkpoint.loader import build_local_model
 from tp_llama.kernels.quant import dequantize, quantize
@@ -52,7 +53,6 @@ from tp_llama.engine.decode_step import DecodeStep
 from tp_llama.engine.plan import Row
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
-from tp_llama.engine.speculate import Speculator
 from tp_llama.model import ModelArgs, Transformer
 from tp_llama.model.args import MoEArgs
 from tp_llama.model.batch import Batch
@@ -206,19 +206,13 @@ def parity(device: str, expected: Expected) -> None:
                        share < 0.05)
 
 
-class ReferenceProposals(Speculator):
+class ReferenceProposals(Scripted):
     """Proposes the float64 reference's own greedy continuation, 4 tokens a row at every step: a verify
     step whose positions score as decode steps do takes every one."""
 
     def __init__(self, tokens: list[list[int]]):
-        super().__init__(4, 1, 1)
+        super().__init__()
         self.want = tokens
-
-    def worth(self, seq_id: str) -> bool:
-        return True
-
-    def per_row(self, rows: int) -> int:
-        return self.tokens
 
     def propose(self, seq_id: str, tokens: list[int], most: int) -> list[int]:
         done = len(tokens) - len(PROMPTS[int(seq_id)])

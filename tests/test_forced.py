@@ -15,13 +15,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.support.proposals import Scripted
 from tests.support.schemas import SCHEMAS
 from tp_llama.config import EngineConfig
 from tp_llama.engine.constraint import Constraint, Masks, grammar_tokenizer
 from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
-from tp_llama.engine.speculate import Speculator
 from tp_llama.serving.grammars import GrammarCompiler
 from tp_llama.serving.request import GrammarSpec
 
@@ -125,19 +125,13 @@ def test_proposals_under_a_grammar_follow_its_forced_tokens_and_change_no_reply(
     assert proposer == "ngram" or drafted_after_forced
 
 
-class Ahead(Speculator):
+class Ahead(Scripted):
     """Proposes each named sequence's own reply after its tokens (`replies`: its prompt's length, its reply and
     the most proposals a step, by id), so every proposal is taken."""
 
     def __init__(self, replies: dict[str, tuple[int, list[int], int]]):
-        super().__init__(4, 1, 1)
+        super().__init__()
         self.replies = replies
-
-    def worth(self, seq_id: str) -> bool:
-        return True
-
-    def per_row(self, rows: int) -> int:
-        return self.tokens
 
     def propose(self, seq_id: str, tokens, most: int) -> list[int]:
         prompt, reply, cap = self.replies[seq_id]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.proposals import Scripted
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.blocks import BlockPool
@@ -175,21 +176,15 @@ def test_the_plan_wire_carries_a_rows_proposals():
     assert wire.decode(wire.encode(plan)) == plan
 
 
-class Replay(Speculator):
+class Replay(Scripted):
     """Proposes each sequence's reference continuation, with the tokens at `wrong` positions of the
     output replaced, so proposals are accepted up to a planted token and rejected there. grow: as many as
     the step allows a row (its run of taken proposals doubling), not at most `tokens`."""
 
     def __init__(self, reference: dict[str, list[int]], wrong: set[int], vocab: int, grow: bool = False):
-        super().__init__(4, 1, 1)
+        super().__init__()
         self.reference, self.wrong, self.vocab, self.grow = reference, wrong, vocab, grow
         self.longest = 0  # the most proposals a row carried
-
-    def worth(self, seq_id: str) -> bool:
-        return True
-
-    def per_row(self, rows: int) -> int:
-        return self.tokens  # every acceptance length, whatever the steps cost
 
     def propose(self, seq_id: str, tokens, most: int) -> list[int]:
         done = len(tokens) - PROMPTS[seq_id]
