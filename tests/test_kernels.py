@@ -226,6 +226,8 @@ def test_prompt_attention_matches_float64(heads: int, kv_heads: int, head_dim: i
     with pytest.raises(IndexError):
         ops.prompt_attention(qkv, heads, head_dim, cache_k, cache_v, block_size, torch.full((64,), n_blocks + 5), 0,
                              mine)
+    with pytest.raises(IndexError):  # positions 700 .. 702 need block 43, past a table of 43 (the C call would read on)
+        ops.prompt_attention(qkv, heads, head_dim, cache_k, cache_v, block_size, table[:43], 700, mine)
     qkv = torch.randn(4, (heads + 2 * kv_heads) * 32, generator=gen).bfloat16()
     out = torch.zeros(4, heads * 32, dtype=torch.bfloat16)
     cache = torch.zeros(kv_heads, 4 * block_size, 32, dtype=torch.bfloat16)

@@ -189,6 +189,9 @@ def prompt_attention(qkv: torch.Tensor, n_heads: int, head_dim: int, cache_k: to
         return False
     if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
         raise ValueError("prompt_attention needs contiguous caches")
+    if rows and (start + rows - 1) // block_size >= table.numel():  # the C call reads that many entries
+        raise IndexError(f"positions up to {start + rows - 1} lie outside a block table of {table.numel()} blocks "
+                         f"of {block_size}")
     n_kv_heads, pool, _ = cache_k.shape
     status = lib.prompt_attention(qkv.data_ptr(), rows, qkv.stride(0), n_heads, n_kv_heads, head_dim,
                                   cache_k.data_ptr(), cache_v.data_ptr(), pool // block_size, block_size,
