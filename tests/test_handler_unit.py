@@ -1020,3 +1020,17 @@ def test_a_request_past_response_timeout_ends_and_frees_its_slot(engine) -> None
     assert "responseTimeout" in reply["error"] and reply["finish_reason"] == "timeout"
     assert reply["usage"]["completion_tokens"] < 30
     assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
+
+
+def test_a_streamed_request_past_response_timeout_sends_the_tokens_its_usage_counts(engine) -> None:
+    """Tokens made between calls went unsent when the next call ended the request, yet its usage counted them."""
+    handler = new_handler(engine, dataclasses.replace(SETTINGS, decode_call_ms=0))
+    first = serve(handler, [[("s", GREEDY % (b"hi", 30, b', "stream": true'))]])["s"]  # the prompt's step: one token
+    handler.steps.end_between_calls()  # a step or more ran meanwhile, their tokens not sent yet
+    assert len(handler.live["s"].seqs[0].output) >= 2
+    handler.response_timeout_s = 0.0
+    replies = first + serve(handler, [[("s", None)]])["s"]
+    lines = [json.loads(line) for reply, _, _ in replies for line in reply.splitlines()]
+    assert lines[-1]["finish_reason"] == "timeout" and "responseTimeout" in lines[-1]["error"]
+    assert sum(len(line.get("token_ids", [])) for line in lines) == lines[-1]["usage"]["completion_tokens"]
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live

@@ -114,8 +114,8 @@ class NativeRequest:
         """This call's reply: the new tokens of a streamed request, or the whole answer at the end."""
         finished = all(seq.finished for seq in self.seqs)
         if any(seq.finish_reason == "timeout" for seq in self.seqs) and finished:
-            return json_line({"error": f"the request ran past responseTimeout ({timeout_s:g} s)",
-                              "finish_reason": "timeout", "usage": self.usage()})
+            return self._unsent() + json_line({"error": f"the request ran past responseTimeout ({timeout_s:g} s)",
+                                               "finish_reason": "timeout", "usage": self.usage()})
         if self.streams is None:
             if not finished:
                 return ""
@@ -131,6 +131,23 @@ class NativeRequest:
             return json_line(line) if line is not None else ""
         out = "".join(json_line({"index": i, **line}) for i, line in enumerate(lines) if line is not None)
         return out + (json_line({"usage": self.usage()}) if finished else "")
+
+    def _unsent(self) -> str:
+        """Streamed: the lines of the tokens made since the last call (the steps between calls), which go out
+        before a timeout's error line, as its usage counts them; "" for a whole reply."""
+        if self.streams is None:
+            return ""
+        out = ""
+        for i, seq in enumerate(self.seqs):
+            if i in self.done:
+                continue
+            self.done.add(i)
+            new, logprobs = seq.take_new_tokens()
+            text = self.streams[i].push(new) + self.streams[i].finish()
+            if new or text:
+                piece = self._piece(text, new, logprobs)
+                out += json_line(piece if self.job.n == 1 else {"index": i, **piece})
+        return out
 
     def _streamed(self, i: int, seq: Sequence) -> dict[str, Any] | None:
         """Choice i's new text and ids since the last call, with its finish_reason once it ends."""
