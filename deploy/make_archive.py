@@ -24,7 +24,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script: tp_llama from this checkout
+from tp_llama.checkpoint.loader import check_fsdp_world  # noqa: E402
 from tp_llama.checkpoint.params import read_params  # noqa: E402
+from tp_llama.checkpoint.shards import find_shards  # noqa: E402
 from tp_llama.parallel.layout import check_tp_size  # noqa: E402
 from tp_llama.serving.settings import check_model_config  # noqa: E402
 from tp_llama.tokenizer import load_tokenizer  # noqa: E402
@@ -79,12 +81,15 @@ def model_config(template: Path, ckpt_dir: Path, tp: int, overrides: list[str]) 
 
 def check_tp(ckpt: Path, config: dict[str, Any]) -> None:
     """A TP size that cuts a head in two: the worker would refuse it at load, over and over as
-    TorchServe retries it, while setup waits for READY; say so now."""
+    TorchServe retries it, while setup waits for READY; say so now. In fsdp mode the world size must
+    be a multiple of the checkpoint's MP size instead (the loader's rule)."""
+    world = config["torchrun"]["nproc-per-node"]
     if config["handler"].get("mode", "tp") != "tp":
+        check_fsdp_world(len(find_shards(ckpt)), world)
         return
     tokenizer = ckpt / "tokenizer.model"
     vocab = load_tokenizer(tokenizer).n_words if tokenizer.is_file() else None
-    check_tp_size(read_params(ckpt, vocab), config["torchrun"]["nproc-per-node"])
+    check_tp_size(read_params(ckpt, vocab), world)
 
 
 def stage_extra_files(stage: Path, with_testing: bool) -> Path:

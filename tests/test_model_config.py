@@ -225,3 +225,13 @@ def test_the_model_folder_refuses_a_tp_that_cuts_a_head(synthetic_checkpoint, tm
     with pytest.raises(ValueError, match=r"tensor-parallel size 8 does not divide n_kv_heads \(4\)"):
         build_archive(ckpt, tmp_path / "store", tp=2, overrides=["torchrun.nproc-per-node=8"])
     assert not (tmp_path / "store" / "llama").exists()
+
+
+def test_the_model_folder_refuses_an_fsdp_world_that_splits_the_shard_files(synthetic_checkpoint,
+                                                                              tmp_path: Path) -> None:
+    """fsdp mode's loader needs a world size that is a multiple of the MP size; the worker would
+    refuse any other at every retry, as it refuses a TP size that cuts a head."""
+    ckpt = synthetic_checkpoint()  # MP 2
+    with pytest.raises(ValueError, match=r"multiple of the checkpoint's MP size 2, got 3"):
+        build_archive(ckpt, tmp_path / "store", tp=3, overrides=["handler.mode=fsdp"])
+    assert not (tmp_path / "store" / "llama").exists()

@@ -170,6 +170,14 @@ def quantized_layout(ckpt_dir: str | Path, args: ModelArgs, paths: list[Path], t
     return Layout.build(args, fmt, paths, tp, dtype, device, getattr(prepare, "kind", None) in C_KINDS)
 
 
+def check_fsdp_world(mp: int, world_size: int) -> None:
+    """fsdp mode's rule (make_archive checks it too, before a worker would refuse it at every retry): each rank
+    reads whole shard files, so the world size is a multiple of the checkpoint's MP size."""
+    if world_size % mp:
+        raise CheckpointError(f"fsdp mode needs a world size that is a multiple of the checkpoint's MP size {mp}, "
+                              f"got {world_size}; use mode 'tp' to reshard")
+
+
 def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype: torch.dtype) -> FSDP:
     """Seed path: each rank loads the file of MP rank (rank % MP), then the converter and FSDP."""
     # FSDP, DTensor and the converter import torch._dynamo: only this mode pays for them.
@@ -187,11 +195,7 @@ def load_fsdp_model(ckpt_dir: str | Path, args: ModelArgs, info: DistInfo, dtype
     if fmt.quantized:
         raise CheckpointError(f"{ckpt_dir}: fsdp mode reads 16-bit checkpoints only, and this one is quantized "
                               f"({fmt.describe()}); use mode 'tp'")
-    if info.world_size % mp:
-        raise CheckpointError(
-            f"fsdp mode needs a world size that is a multiple of the checkpoint's MP size {mp}, "
-            f"got {info.world_size}; use mode 'tp' to reshard"
-        )
+    check_fsdp_world(mp, info.world_size)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
     with every_rank_agrees():
