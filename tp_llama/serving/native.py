@@ -141,9 +141,7 @@ class NativeRequest:
         for i, seq in enumerate(self.seqs):
             if i in self.done:
                 continue
-            self.done.add(i)
-            new, logprobs = seq.take_new_tokens()
-            text = self.streams[i].push(new) + self.streams[i].finish()
+            text, new, logprobs = self._new(i, seq)
             if new or text:
                 piece = self._piece(text, new, logprobs)
                 out += json_line(piece if self.job.n == 1 else {"index": i, **piece})
@@ -153,15 +151,21 @@ class NativeRequest:
         """Choice i's new text and ids since the last call, with its finish_reason once it ends."""
         if i in self.done:
             return None
+        text, new, logprobs = self._new(i, seq)
+        if seq.finished:
+            return self._last(text, new, logprobs, seq, self.texts[i])
+        return self._piece(text, new, logprobs) if new else None
+
+    def _new(self, i: int, seq: Sequence) -> tuple[str, list[int], list]:
+        """Choice i's text, token ids and log-probabilities since the last call; once it has ended, the decoder's
+        rest too, and the choice is done."""
         new, logprobs = seq.take_new_tokens()
         text = self.streams[i].push(new)
         if seq.finished:
             self.done.add(i)
             text += self.streams[i].finish()
         self.texts[i] += text
-        if seq.finished:
-            return self._last(text, new, logprobs, seq, self.texts[i])
-        return self._piece(text, new, logprobs) if new else None
+        return text, new, logprobs
 
     def _last(self, text: str, token_ids: list[int], logprobs: list, seq: Sequence,
               whole: str | None = None) -> dict[str, Any]:
