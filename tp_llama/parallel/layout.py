@@ -68,9 +68,12 @@ _LAYER = re.compile(r"layers\.\d+\.")
 _EXPERT = re.compile(r"\.\d+$")  # Llama 4's routed experts: experts.w1.3 is expert 3's w1
 
 
+_IGNORED_INSIDE = tuple("." + key for key in IGNORED_KEYS)  # the same entries inside a layer
+
+
 def is_ignored(key: str) -> bool:
     """Whether a file's entry is a RoPE table (`rope.freqs`, at the top or inside a layer), never a parameter."""
-    return key in IGNORED_KEYS or key.endswith(tuple("." + k for k in IGNORED_KEYS))
+    return key in IGNORED_KEYS or key.endswith(_IGNORED_INSIDE)
 
 
 def tp_sharding(key: str, family: str) -> Sharding:
