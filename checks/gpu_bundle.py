@@ -97,7 +97,7 @@ def build(out: Path, java: bool = False) -> dict[str, float]:
     # The commit the bundle goes with: the GPU machine gets the working tree without .git (checks/gpu_run.sh prints it)
     described = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
                                text=True, check=False)
-    (out / "COMMIT").write_text(described.stdout.strip() or "unknown\n")
+    (out / "COMMIT").write_text(described.stdout.strip() or "unknown")
     if java:
         sizes.update(java_parts(out))
     total = sum(sizes.values())
