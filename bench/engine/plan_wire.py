@@ -15,38 +15,33 @@ import argparse
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.lib.common import table
-from tp_llama.engine import plan as plan_module
-from tp_llama.engine.plan import PlanWire, Row, StepPlan
 from bench.lib.llamacpp import cpu_flags
 from tests.support.dist_util import free_port
+from tp_llama.engine import plan as plan_module
+from tp_llama.engine.plan import PlanWire, Row, StepPlan
+from tp_llama.engine.runner import ModelRunner
+from tp_llama.parallel.distributed import DistInfo
 
 BLOCK, MAX_ROWS = 16, 32
 
 
 def exchange_ms(wire: PlanWire, plan: StepPlan, rank: int, steps: int) -> float:
-    """Median ms of a step's exchange as runner.ModelRunner.exchange makes it."""
+    """Median ms of a step's exchange, runner.ModelRunner.exchange itself over this wire."""
+    runner = SimpleNamespace(info=DistInfo(rank, 2, rank, torch.device("cpu"), "gloo"), wire=wire)
     times = []
     for _ in range(steps + 3):
         dist.barrier()
         started = time.perf_counter()
-        if rank == 0:
-            for part in wire.encode(plan):
-                dist.broadcast(part, 0)
-        else:
-            first = torch.zeros(wire.size, dtype=torch.long)
-            dist.broadcast(first, 0)
-            parts = [first]
-            if rest := wire.rest_size(first):
-                parts.append(torch.zeros(rest, dtype=torch.long))
-                dist.broadcast(parts[1], 0)
-            assert wire.decode(parts) == plan
+        got = ModelRunner.exchange(runner, plan if rank == 0 else None)
         times.append(time.perf_counter() - started)
+        assert got == plan
     return statistics.median(times[3:]) * 1e3
 
 
