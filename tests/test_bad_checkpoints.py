@@ -15,7 +15,10 @@ from tp_llama.testing.faults import fault_env
 from tp_llama.testing.synthetic import main as synthetic_main
 from tp_llama.testing.synthetic import write_checkpoint
 
-FAIL_FAST_S = 45  # the ranks' interpreter start-ups included; a hang would hit the 60 s collective timeout
+# The ranks' interpreter start-ups included, with the suite's other worker busy on the same cores. A hang
+# cannot pass for a failure: no collective times out before launch_cli's limit.
+FAIL_FAST_S = 100
+COLLECTIVE_TIMEOUT_S = "600"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,8 @@ def ckpt(good, tmp_path) -> Path:
 
 
 def failed_run(ckpt: Path, world: int, mode: str, env: dict | None = None):
-    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2", "--mode", mode], world, env=env)
+    run = launch_cli(["--ckpt-dir", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2", "--mode", mode], world,
+                     env={"TP_LLAMA_COLLECTIVE_TIMEOUT_S": COLLECTIVE_TIMEOUT_S, **(env or {})})
     assert run.returncode != 0, run.stdout
     assert run.seconds < FAIL_FAST_S, f"took {run.seconds:.1f} s"
     return run
