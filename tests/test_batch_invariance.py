@@ -11,16 +11,21 @@ them (`TP_LLAMA_KERNELS_TEST_DEFINES=-DTPL_TEST_REMAINDER_ORDER pytest tests/tes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 
 from tp_llama import backend
+from tp_llama.checkpoint.params import parse_params
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams, top_logits
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.kernels import choose
-from tp_llama.model import ModelArgs, Transformer
+from tp_llama.model import ModelArgs, Transformer, build
+from tests.support.meta_llama4 import small_params
 from tests.support.run_model import setup_slots, slot_batch
 
 pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"),
@@ -53,22 +58,36 @@ def tokens_of(slot: int, count: int) -> list[int]:
     return torch.randint(0, VOCAB, (count,), generator=gen).tolist()
 
 
-def with_history(dtype: torch.dtype, head_dim: int, quantized: str) -> Transformer:
+def with_history(built: Transformer, rows: list[tuple[int, int, int]] = ROWS) -> Transformer:
     """The model with each row's earlier tokens in its cache, each prefilled in a step of its own."""
-    built = model(dtype, head_dim, quantized)
-    for slot, done, _ in ROWS:
+    for slot, done, _ in rows:
         if done:
             built(slot_batch(built, [(slot, 0, tokens_of(slot, done), True)]))
     return built
 
 
-def step_rows(order: list[int]) -> list[tuple[int, int, list[int], bool]]:
-    return [(ROWS[i][0], ROWS[i][1], tokens_of(ROWS[i][0], ROWS[i][1] + ROWS[i][2])[ROWS[i][1]:], True) for i in order]
+def step_rows(order: list[int], rows: list[tuple[int, int, int]] = ROWS) -> list[tuple[int, int, list[int], bool]]:
+    return [(rows[i][0], rows[i][1], tokens_of(rows[i][0], rows[i][1] + rows[i][2])[rows[i][1]:], True) for i in order]
 
 
-def per_row(logits: torch.Tensor, order: list[int]) -> dict[int, torch.Tensor]:
-    """Every token's logits of a step (all_logits, the caller's row order), by row of ROWS."""
-    return dict(zip(order, logits.split([ROWS[i][2] for i in order])))
+def per_row(logits: torch.Tensor, order: list[int], rows: list[tuple[int, int, int]] = ROWS) -> dict[int, torch.Tensor]:
+    """Every token's logits of a step (all_logits, the caller's row order), by row of `rows`."""
+    return dict(zip(order, logits.split([rows[i][2] for i in order])))
+
+
+def assert_alone_equals_batched(make: Callable[[], Transformer], rows: list[tuple[int, int, int]]) -> None:
+    """Each row's logits alone equal (torch.equal) its logits at every place of a batch of all `rows`."""
+    alone_model, batched_model = (with_history(make(), rows) for _ in range(2))
+    alone = {i: alone_model(slot_batch(alone_model, step_rows([i], rows), all_logits=True)) for i in range(len(rows))}
+    for shift in range(len(rows)):  # each row at each place of the batch
+        order = [(i + shift) % len(rows) for i in range(len(rows))]
+        step = batched_model(slot_batch(batched_model, step_rows(order, rows), all_logits=True))
+        batched = per_row(step, order, rows)
+        for i, logits in batched.items():
+            assert torch.equal(logits, alone[i]), f"row {rows[i]} at place {order.index(i)} of {order}"
+            lse, ids, values = top_logits(logits, list(range(len(logits))), 5)
+            lse_alone, ids_alone, values_alone = top_logits(alone[i], list(range(len(logits))), 5)
+            assert torch.equal(lse, lse_alone) and torch.equal(ids, ids_alone) and torch.equal(values, values_alone)
 
 
 CASES = [(torch.float32, 16, "none"), (torch.float32, 64, "none"), (torch.bfloat16, 16, "none"),
@@ -80,16 +99,32 @@ CASES = [(torch.float32, 16, "none"), (torch.float32, 64, "none"), (torch.bfloat
                          ids=[f"{str(d)[6:]}-hd{h}-{q}" for d, h, q in CASES])
 @torch.inference_mode()
 def test_a_rows_logits_alone_equal_it_at_every_place_of_a_mixed_batch(dtype, head_dim, quantized):
-    alone_model, batched_model = (with_history(dtype, head_dim, quantized) for _ in range(2))
-    alone = {i: alone_model(slot_batch(alone_model, step_rows([i]), all_logits=True)) for i in range(len(ROWS))}
-    for shift in range(len(ROWS)):  # each row at each place of the batch
-        order = [(i + shift) % len(ROWS) for i in range(len(ROWS))]
-        batched = per_row(batched_model(slot_batch(batched_model, step_rows(order), all_logits=True)), order)
-        for i, logits in batched.items():
-            assert torch.equal(logits, alone[i]), f"row {ROWS[i]} at place {order.index(i)} of {order}"
-            lse, ids, values = top_logits(logits, list(range(len(logits))), 5)
-            lse_alone, ids_alone, values_alone = top_logits(alone[i], list(range(len(logits))), 5)
-            assert torch.equal(lse, lse_alone) and torch.equal(ids, ids_alone) and torch.equal(values, values_alone)
+    assert_alone_equals_batched(lambda: model(dtype, head_dim, quantized), ROWS)
+
+
+# Llama 4 (tests/support/meta_llama4.py's small model: 32-position chunks, a NoPE layer, experts): decode rows
+# at a chunk's last position, its first, and past the first chunk; a later prompt chunk across a chunk's end.
+LLAMA4_ROWS = [(0, 7, 1), (1, 31, 1), (2, 32, 1), (3, 40, 1), (4, 0, 13), (5, 9, 30), (6, 0, 1)]
+
+
+def llama4_model(dtype: torch.dtype) -> Transformer:
+    """The small Llama 4 with random weights, prepared for the C kernels."""
+    torch.manual_seed(0)
+    built = build(parse_params(small_params(vocab_size=VOCAB), Path("params.json"))).to(dtype)
+    for name, weight in built.named_parameters():
+        if "experts" in name or "router" in name:  # left uninitialised by the model
+            torch.nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
+    assert backend.optimize(built)[0] in ("amx", "tiles")
+    setup_slots(built, SLOTS, 64, dtype, torch.device("cpu"))
+    return built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@torch.inference_mode()
+def test_a_llama4_rows_logits_alone_equal_it_at_every_place_of_a_mixed_batch(dtype):
+    """Its attention (chunked or global, after PyTorch's RoPE, QK-norm and temperature) runs every token as a
+    decode row in C; PyTorch's padded the decode rows to the longest, and bfloat16's bits moved with it."""
+    assert_alone_equals_batched(lambda: llama4_model(dtype), LLAMA4_ROWS)
 
 
 ROW_PATH = [(torch.float32, 16), (torch.float32, 64), (torch.bfloat16, 16)]

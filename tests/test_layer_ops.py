@@ -79,9 +79,9 @@ class Case:
     """A paged cache with random history and some decode rows, each in its own slot: a table of
     blocks scattered over the pool (a random permutation), so block lookups are exercised."""
 
-    def __init__(self, dtype, heads, kv_heads, hd, slots, positions, max_seq_len=40, seed=0):
+    def __init__(self, dtype, heads, kv_heads, hd, slots, positions, max_seq_len=40, seed=0, window=None):
         gen = torch.Generator().manual_seed(seed)
-        self.heads, self.kv_heads, self.hd = heads, kv_heads, hd
+        self.heads, self.kv_heads, self.hd, self.window = heads, kv_heads, hd, window
         per_slot = -(-max_seq_len // BLOCK)
         self.n_blocks = (max(slots) + 2) * per_slot
         shape = (kv_heads, self.n_blocks * BLOCK, hd)
@@ -97,7 +97,7 @@ class Case:
 
     def call(self, qkv, rotation, tables, positions, k, v, out) -> None:
         rows = ops.decode_rows(rotation.contiguous(), tables.contiguous(), positions.contiguous())
-        ops.decode_attention(qkv, rows, k, v, BLOCK, out)
+        ops.decode_attention(qkv, rows, k, v, BLOCK, out, window=self.window)
 
     def run(self, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k, v = self.k.clone(), self.v.clone()
@@ -113,11 +113,12 @@ class Case:
         qkv = self.qkv.double().unflatten(-1, (-1, hd))
         outs = []
         for r, (table, pos) in enumerate(zip(self.tables.tolist(), self.positions.tolist())):
-            where = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(pos + 1)]
+            first = pos - pos % self.window if self.window else 0  # Llama 4's chunk: keys from its start on
+            where = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, pos + 1)]
             angles = torch.atan2(*self.rotation[r, 0].double().unbind(-1)[::-1])  # the angles the kernel is given
             q = rotate(qkv[r, :heads], angles)
-            k[:, where[pos]] = rotate(qkv[r, heads : heads + kv_heads], angles)
-            v[:, where[pos]] = qkv[r, heads + kv_heads :]
+            k[:, where[-1]] = rotate(qkv[r, heads : heads + kv_heads], angles)
+            v[:, where[-1]] = qkv[r, heads + kv_heads :]
             keys = k[:, where].repeat_interleave(heads // kv_heads, dim=0)
             values = v[:, where].repeat_interleave(heads // kv_heads, dim=0)
             weights = torch.softmax(q.unsqueeze(1) @ keys.transpose(1, 2) / math.sqrt(hd), dim=-1)
@@ -139,6 +140,21 @@ def test_decode_attention_matches_float64(dtype: torch.dtype, shape: tuple[int, 
     torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=4 * tol)
     torch.testing.assert_close(k.double(), want_k, rtol=tol, atol=tol)
     assert torch.equal(v.double(), want_v)
+
+
+@DTYPES
+@pytest.mark.parametrize("window", [16, 32])
+def test_decode_attention_in_a_window_matches_float64(dtype: torch.dtype, window: int):
+    """Llama 4's chunked layers: a row sees only the keys from its window's first position on (rows at a
+    window's first position, its last, and past the first window)."""
+    case = Case(dtype, 8, 2, 64, slots=[3, 0, 5, 1, 2], positions=[17, 0, 39, 16, 31], window=window)
+    out, k, _ = case.run()
+    want_out, want_k, _ = case.expected()
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=4 * tol)
+    torch.testing.assert_close(k.double(), want_k, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="no multiple of the cache's blocks of 16"):
+        Case(dtype, 8, 2, 64, slots=[0], positions=[3], window=24).run()
 
 
 @DTYPES

@@ -2,7 +2,11 @@
 
 q/k/v run as one matmul and the FFNs' w1/w3 as one (with the C kernels, tiles that end in SwiGLU), as
 for Llama 2/3 (backend/fused.py, backend/cpu.py); iRoPE's steps between the projections and attention
-stay PyTorch's (model/llama4.py). Each routed expert is a feed-forward of its own, so a decode row reads
+stay PyTorch's (model/llama4.py). With the C kernels every token then attends as a decode row in C,
+within its window on the chunked layers, so that a row's bits do not depend on the rows beside it
+(PyTorch's attention pads decode rows to the longest, which moves their bits).
+
+Each routed expert is a feed-forward of its own, so a decode row reads
 only the weights of the expert it was routed to, and a prompt step reads each chosen expert's weights
 once for all its rows. The router runs on the same kernels, so with the C kernels a row's expert and
 result do not depend on the rows beside it (their tiles compute each row alone).
@@ -18,6 +22,8 @@ from torch import nn
 from tp_llama.backend import cpu
 from tp_llama.backend.fused import FusedAttention, FusedFeedForward, held
 from tp_llama.kernels import C_KINDS, linear, prepare
+from tp_llama.kernels.cpu import ops
+from tp_llama.kernels.cpu.ffi import library
 from tp_llama.model.batch import Batch
 from tp_llama.model.llama import FeedForward
 from tp_llama.model.llama4 import Llama4Attention, Llama4Block, MoE, each_expert, grouped_experts, route
@@ -31,11 +37,23 @@ class ServingAttention(FusedAttention):
     def __init__(self, attention: Llama4Attention, kind: str, device: torch.device | None = None, bits: int = 16):
         super().__init__(attention, kind, device, bits)
         self.irope = attention.irope
+        self.in_c = kind in C_KINDS and self.head_dim <= library().constants["MAX_HEAD_DIM"]
 
     def attend(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int = 0) -> torch.Tensor:
         n_q, n_kv = self.widths
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv.split([n_q, n_kv, n_kv], dim=1))
-        return self.irope.attend(self.cache, q, k, v, rotation, batch).flatten(1)
+        window, cache = self.irope.window, self.cache
+        if not self.in_c or (window is not None and window % cache.block_size):
+            return self.irope.attend(cache, q, k, v, rotation, batch).flatten(1)
+        q, k = self.irope.query_and_key(q, k, rotation, batch)
+        ready = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)  # rotated already: C's RoPE is 1 + 0i
+        tokens = len(ready)
+        unrotated = torch.tensor([1.0, 0.0]).repeat(tokens, self.head_dim // 2)
+        tables = batch.tables_of(tokens)  # alive for the call
+        out = ready.new_empty((tokens, n_q))
+        ops.decode_attention(ready, ops.decode_rows(unrotated, tables, batch.positions[:tokens]), cache.k, cache.v,
+                             cache.block_size, out, write_first=tokens > batch.n_decode, window=window)
+        return out
 
 
 def feed_forward(ffn: FeedForward | SimpleNamespace, kind: str, device: torch.device | None, bits: int) -> nn.Module:

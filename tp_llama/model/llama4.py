@@ -57,13 +57,19 @@ class IRoPE:
     def attend(self, cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor,
                batch: Batch) -> torch.Tensor:
         """Attention [T, heads, hd] of the batch's tokens from their projections q, k, v [T, heads, hd]."""
+        q, k = self.query_and_key(q, k, rotation, batch)
+        return attend(cache, q, k, v, batch, window=self.window)
+
+    def query_and_key(self, q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor,
+                      batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [T, heads, hd] as this layer attends with them: rotated, normed, q scaled by position."""
         if self.rope:
             q, k = apply_rope(q, rotation), apply_rope(k, rotation)
         if self.qk_norm_eps is not None:
             q, k = unit_rms_norm(q, self.qk_norm_eps), unit_rms_norm(k, self.qk_norm_eps)
         if self.temperature is not None:
             q = (q * temperature_scales(batch.positions, *self.temperature).view(-1, 1, 1)).to(q.dtype)
-        return attend(cache, q, k, v, batch, window=self.window)
+        return q, k
 
 
 def attention_windows(model: nn.Module) -> tuple[int, ...]:
@@ -124,10 +130,17 @@ def route(x: torch.Tensor, scores: torch.Tensor, shared: nn.Module,
     if counts is not None:  # a scatter, not bincount, whose output size waits for the device
         counts.scatter_add_(0, chosen, torch.ones_like(chosen))
     out = shared(x)
-    out += experts(x * torch.sigmoid(score.to(x.dtype)).unsqueeze(-1), chosen)
+    out += experts(x * sigmoid(score).to(x.dtype).unsqueeze(-1), chosen)
     if group is not None:
         dist.all_reduce(out, group=group)
     return out
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in float32, each value's bits its own: torch.sigmoid's CPU kernel computes the elements
+    past its last whole pair of vectors by another formula, so a token's gate would move with the step's size
+    (tests/test_batch_invariance.py); torch.exp maps every element through the same vector code."""
+    return 1 / (1 + torch.exp(-x.float()))
 
 
 def each_expert(run: Callable[[torch.Tensor, int], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

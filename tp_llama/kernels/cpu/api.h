@@ -178,10 +178,11 @@ int prompt_attention(const void *qkv, int64_t rows, int64_t ld, int64_t n_heads,
 void rms_norm(const void *x, const void *weight, void *y, int64_t rows, int64_t dim, float eps, int bf16);
 /* Attention of rows each at its own position (RoPE on its q and k, its key and value written to the
  * cache, softmax(qK)V over its blocks): a decode step's rows, or with write_first a prompt chunk's
- * (every row's key written before any row attends), with a decode row's bits either way. */
+ * (every row's key written before any row attends), with a decode row's bits either way. window
+ * (a multiple of block_size; 0: none): a row sees only the keys of its window of positions. */
 int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads,
                      int64_t n_kv_heads, int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks,
-                     int64_t block_size, void *out, int bf16, int write_first);
+                     int64_t block_size, void *out, int bf16, int write_first, int64_t window);
 /* SwiGLU: y [M][F] = silu(gate) * up for x [M][2F], each row's F gate columns then its F up columns,
  * x and y float32 or bfloat16 (bf16), rounded where PyTorch's ops round. swiglu_rows is the in-region
  * form, x in its own type (x_bf16). */
@@ -244,7 +245,7 @@ void rms_norm_rows(const void *x, const void *weight, void *y, int64_t rows, int
 /* Rows already checked by check_rows; scores: max_threads * scores_per_thread floats. */
 void attention_rows(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,
                     int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
-                    int bf16, float *scores, int64_t scores_per_thread, int write_first);
+                    int bf16, float *scores, int64_t scores_per_thread, int write_first, int64_t window);
 /* TPL_OK where the blocks of a sequence's table that hold its positions 0 .. last all lie in the
  * cache's n_blocks, else TPL_OFF_CACHE. */
 int blocks_in_cache(const int64_t *table, int64_t last, int64_t block_size, int64_t n_blocks);

@@ -148,7 +148,7 @@ int attention_block(const struct DecodeLayer *L, const struct DecodeRows *R, voi
         if (adapters && L->lora_qkv)
             lora_rows(L->lora_qkv, s.normed, rows, L->dim, adapters, s.first, qkv, L->bf16, s.lora);
         attention_rows(s.first, R, L->n_heads, L->n_kv_heads, L->head_dim, L->cache_k, L->cache_v, L->n_blocks,
-                       L->block_size, s.second, L->bf16, scores, per_thread, write_first);
+                       L->block_size, s.second, L->bf16, scores, per_thread, write_first, 0);
         layer_matmul(L, s.second, rows, attn, L->wo, L->dim, delta_out, 0, s.wide);
         if (adapters && L->lora_wo)
             lora_rows(L->lora_wo, s.second, rows, attn, adapters, delta_out, L->dim, L->bf16, s.lora);

@@ -251,13 +251,17 @@ int check_rows(const struct DecodeRows *R, int64_t n_blocks, int64_t block_size,
 
 /* Row r's KV head g, inlined with constant hd and bf16 for Llama's head sizes. */
 static void attend_item(const struct Attention *a, const void *qkv, const struct DecodeRows *R, int64_t r, int64_t g,
-                        int64_t head_dim, void *cache_k, void *cache_v, void *out, int bf16, float *scores, int write) {
+                        int64_t head_dim, void *cache_k, void *cache_v, void *out, int bf16, float *scores, int write,
+                        int64_t window) {
     const int64_t width = (a->n_heads + 2 * a->n_kv_heads) * head_dim, size = bf16 ? 2 : 4;
     const void *row = (const char *)qkv + r * width * size;
     const float *rot = R->rotation + r * head_dim;
-    const int64_t *table = R->tables + r * R->width;
+    /* A window starts at a block's first position, so the row's keys from there are those of a
+     * table that starts at that block, at positions counted from it. */
+    const int64_t pos = R->positions[r], first = window ? pos / window * window : 0;
+    const int64_t *table = R->tables + r * R->width + first / a->block_size;
     void *out_row = (char *)out + r * a->n_heads * head_dim * size;
-#define ATTEND(HD, BF16, W) attend(a, row, rot, table, R->positions[r], g, cache_k, cache_v, out_row, scores, HD, BF16, W)
+#define ATTEND(HD, BF16, W) attend(a, row, rot, table, pos - first, g, cache_k, cache_v, out_row, scores, HD, BF16, W)
 #define BY_HEAD_DIM(W)                                         \
     if (head_dim == 128)                                       \
         bf16 ? ATTEND(128, 1, W) : ATTEND(128, 0, W);          \
@@ -276,14 +280,14 @@ static void attend_item(const struct Attention *a, const void *qkv, const struct
 
 void attention_rows(const void *qkv, const struct DecodeRows *R, int64_t n_heads, int64_t n_kv_heads,
                     int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
-                    int bf16, float *scores, int64_t scores_per_thread, int write_first) {
+                    int bf16, float *scores, int64_t scores_per_thread, int write_first, int64_t window) {
     const struct Attention a = {n_heads, n_kv_heads, n_blocks, block_size};
     float *mine = scores + omp_get_thread_num() * scores_per_thread;
     if (!write_first) {
 #pragma omp for collapse(2) schedule(static)
         for (int64_t r = 0; r < R->rows; r++)
             for (int64_t g = 0; g < n_kv_heads; g++)
-                attend_item(&a, qkv, R, r, g, head_dim, cache_k, cache_v, out, bf16, mine, 1);
+                attend_item(&a, qkv, R, r, g, head_dim, cache_k, cache_v, out, bf16, mine, 1, window);
         return;
     }
     /* Rows of one sequence see each other's keys: all are written (the loop's barrier) before any
@@ -297,7 +301,7 @@ void attention_rows(const void *qkv, const struct DecodeRows *R, int64_t n_heads
 #pragma omp for collapse(2) schedule(static, 1)
     for (int64_t r = 0; r < R->rows; r++)
         for (int64_t g = 0; g < n_kv_heads; g++)
-            attend_item(&a, qkv, R, r, g, head_dim, cache_k, cache_v, out, bf16, mine, 0);
+            attend_item(&a, qkv, R, r, g, head_dim, cache_k, cache_v, out, bf16, mine, 0, window);
 }
 
 /* qkv [rows][(n_heads + 2 n_kv_heads) head_dim]: each row's new token, q then k then v heads.
@@ -305,10 +309,11 @@ void attention_rows(const void *qkv, const struct DecodeRows *R, int64_t n_heads
  * out [rows][n_heads head_dim]. Rows must write distinct cache positions. write_first: rows may
  * see each other's keys (a prompt chunk's tokens, each at its own position): every row's key and
  * value are written before any row attends. Either way a row's bits are those of a decode step.
- * TPL_OK, TPL_NO_MEMORY, TPL_OFF_CACHE or TPL_HEAD_DIM. */
+ * window: a row at position p sees only keys from p / window * window on (Llama 4's chunked layers;
+ * a multiple of block_size), 0 every key. TPL_OK, TPL_NO_MEMORY, TPL_OFF_CACHE or TPL_HEAD_DIM. */
 int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_heads, int64_t n_kv_heads,
                      int64_t head_dim, void *cache_k, void *cache_v, int64_t n_blocks, int64_t block_size, void *out,
-                     int bf16, int write_first) {
+                     int bf16, int write_first, int64_t window) {
     int64_t per_thread;
     int status = check_rows(rows, n_blocks, block_size, n_heads, n_kv_heads, head_dim, &per_thread);
     if (status) return status;
@@ -316,7 +321,7 @@ int decode_attention(const void *qkv, const struct DecodeRows *rows, int64_t n_h
     if (scores == NULL) return TPL_NO_MEMORY;
 #pragma omp parallel
     attention_rows(qkv, rows, n_heads, n_kv_heads, head_dim, cache_k, cache_v, n_blocks, block_size, out, bf16, scores,
-                   per_thread, write_first);
+                   per_thread, write_first, window);
     free(scores);
     return TPL_OK;
 }

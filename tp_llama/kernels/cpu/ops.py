@@ -126,22 +126,28 @@ def _raise_for(status: int, cache_k: torch.Tensor) -> None:
 
 
 def decode_attention(qkv: torch.Tensor, rows: ctypes.Structure, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                     block_size: int, out: torch.Tensor, write_first: bool = False) -> None:
+                     block_size: int, out: torch.Tensor, write_first: bool = False, window: int | None = None) -> None:
     """Attention of one new token per row (`decode_rows`), in one C call: RoPE, the cache write, softmax(qK)V.
 
     qkv [rows, (heads + 2 kv_heads) * head_dim]; writes out [rows, heads * head_dim] and each
     row's new key and value into cache_k / cache_v [kv_heads, blocks * block_size, head_dim].
     write_first: rows that see each other's keys (a prompt chunk's tokens, each a row at its own
     position) have every key written before any row attends; each row gets a decode step's bits.
+    window: a row at position p sees only the keys from p // window * window on (Llama 4's chunked
+    layers); a multiple of block_size.
     """
     if not rows.rows:
         return
     n_kv_heads, pool, head_dim = cache_k.shape
     if not all(t.is_contiguous() for t in (qkv, cache_k, cache_v, out)):
         raise ValueError("decode_attention needs contiguous tensors")
+    if window is not None and (window <= 0 or window % block_size):
+        raise ValueError(f"an attention window of {window} positions is no multiple of the cache's blocks of "
+                         f"{block_size}")
     status = library().decode_attention(
         qkv.data_ptr(), ctypes.byref(rows), out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(),
-        cache_v.data_ptr(), pool // block_size, block_size, out.data_ptr(), qkv.dtype == torch.bfloat16, write_first)
+        cache_v.data_ptr(), pool // block_size, block_size, out.data_ptr(), qkv.dtype == torch.bfloat16, write_first,
+        window or 0)
     _raise_for(status, cache_k)
 
 
