@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.meta_llama4 import small_params, write_llama4_checkpoint
 from tests.support.proposals import Scripted
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
@@ -28,6 +29,7 @@ from tp_llama.engine.sampling import SamplingParams
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.engine.speculate import LONGEST_WAIT, PROBE_STEPS, NgramIndex, Speculator
 from tp_llama.serving.metrics import SPEC_ACCEPTED, SPEC_ACCEPTED_AT, SPEC_DRAFTS, ServingMetrics
+from tp_llama.testing.tokenizer_train import build_tokenizer
 
 PROMPTS = {"a": 13, "b": 29, "c": 7, "d": 40}  # name: prompt length (b and d cross a block of 16)
 NEW = 24
@@ -221,6 +223,26 @@ def run(engine: Engine, seqs: list[Sequence], speculator: Speculator | None) -> 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_replies_are_the_same_with_proposals_accepted_and_rejected_at_every_length(checkpoint, dtype, seeded):
+    assert_proposals_keep_the_replies(checkpoint, dtype, seeded)
+
+
+@pytest.fixture(scope="module")
+def llama4_checkpoint(tmp_path_factory) -> Path:
+    """tests/support/meta_llama4.py's small Llama 4: 32-position attention chunks, a NoPE layer, experts."""
+    folder = tmp_path_factory.mktemp("llama4")
+    write_llama4_checkpoint(folder, small_params(vocab_size=256 + 2048), mp=1)
+    build_tokenizer("llama3", folder / "tokenizer.model", 512)  # 256 base tokens, read in Llama 4's format
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama4s_replies_are_the_same_with_proposals_accepted_and_rejected(llama4_checkpoint, dtype):
+    """Its verifying rows attend within their chunks, in C on this CPU (backend/llama4.py): d's prompt and
+    every reply cross a chunk's end."""
+    assert_proposals_keep_the_replies(llama4_checkpoint, dtype, seeded=True)
+
+
+def assert_proposals_keep_the_replies(checkpoint: Path, dtype: str, seeded: bool) -> None:
     engine = Engine.load(EngineConfig(str(checkpoint), "tp", dtype, max_seq_len=96, max_batch_size=4,
                                       prefill_budget=32))
     plain = run(engine, requests(engine, seeded), None)
