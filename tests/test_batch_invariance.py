@@ -12,20 +12,18 @@ them (`TP_LLAMA_KERNELS_TEST_DEFINES=-DTPL_TEST_REMAINDER_ORDER pytest tests/tes
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
 from tp_llama import backend
-from tp_llama.checkpoint.params import parse_params
 from tp_llama.config import EngineConfig
 from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams, top_logits
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.kernels import choose
-from tp_llama.model import ModelArgs, Transformer, build
-from tests.support.meta_llama4 import small_params
+from tp_llama.model import ModelArgs, Transformer
+from tests.support.meta_llama4 import random_served, small_params
 from tests.support.run_model import setup_slots, slot_batch
 
 pytestmark = pytest.mark.skipif(choose(torch.device("cpu"), torch.float32)[0] not in ("amx", "tiles"),
@@ -105,26 +103,34 @@ def test_a_rows_logits_alone_equal_it_at_every_place_of_a_mixed_batch(dtype, hea
 # Llama 4 (tests/support/meta_llama4.py's small model: 32-position chunks, a NoPE layer, experts): decode rows
 # at a chunk's last position, its first, and past the first chunk; a later prompt chunk across a chunk's end.
 LLAMA4_ROWS = [(0, 7, 1), (1, 31, 1), (2, 32, 1), (3, 40, 1), (4, 0, 13), (5, 9, 30), (6, 0, 1)]
+LLAMA4_CASES = [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 64)]
 
 
-def llama4_model(dtype: torch.dtype) -> Transformer:
-    """The small Llama 4 with random weights, prepared for the C kernels."""
-    torch.manual_seed(0)
-    built = build(parse_params(small_params(vocab_size=VOCAB), Path("params.json"))).to(dtype)
-    for name, weight in built.named_parameters():
-        if "experts" in name or "router" in name:  # left uninitialised by the model
-            torch.nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
-    assert backend.optimize(built)[0] in ("amx", "tiles")
-    setup_slots(built, SLOTS, 64, dtype, torch.device("cpu"))
+def llama4_model(dtype: torch.dtype, head_dim: int) -> Transformer:
+    """The small Llama 4 with random weights on the C kernels (heads of 64: bfloat16 prompts in prompt_attention.c)."""
+    built = random_served(small_params(vocab_size=VOCAB, dim=8 * head_dim), dtype, SLOTS, 96)
+    assert all(layer.attention.in_c for layer in built.layers)
     return built
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("dtype", "head_dim"), LLAMA4_CASES, ids=[f"{str(d)[6:]}-hd{h}" for d, h in LLAMA4_CASES])
 @torch.inference_mode()
-def test_a_llama4_rows_logits_alone_equal_it_at_every_place_of_a_mixed_batch(dtype):
-    """Its attention (chunked or global, after PyTorch's RoPE, QK-norm and temperature) runs every token as a
-    decode row in C; PyTorch's padded the decode rows to the longest, and bfloat16's bits moved with it."""
-    assert_alone_equals_batched(lambda: llama4_model(dtype), LLAMA4_ROWS)
+def test_a_llama4_rows_logits_alone_equal_it_at_every_place_of_a_mixed_batch(dtype, head_dim):
+    """Its attention (chunked or global, after PyTorch's RoPE, QK-norm and temperature) runs in C, decode rows
+    within their windows, prompt chunks a piece per window; PyTorch's padded the decode rows to the longest,
+    and a row's bits moved with its batch."""
+    assert_alone_equals_batched(lambda: llama4_model(dtype, head_dim), LLAMA4_ROWS)
+
+
+@torch.inference_mode()
+def test_a_llama4_bfloat16_prompt_in_prompt_attentions_blocks_gets_the_same_bits_however_it_is_chunked():
+    """A prompt across two windows' ends, whole and in chunks that start and end inside windows."""
+    prompt = tokens_of(9, 70)
+    one_step, chunked = (llama4_model(torch.bfloat16, 64) for _ in range(2))
+    whole = one_step(slot_batch(one_step, [(0, 0, prompt, True)], all_logits=True))
+    parts = torch.cat([chunked(slot_batch(chunked, [(0, start, prompt[start:end], True)], all_logits=True))
+                       for start, end in ((0, 7), (7, 40), (40, 70))])
+    assert torch.equal(whole, parts)
 
 
 ROW_PATH = [(torch.float32, 16), (torch.float32, 64), (torch.bfloat16, 16)]

@@ -153,7 +153,7 @@ def test_decode_attention_in_a_window_matches_float64(dtype: torch.dtype, window
     tol = tolerance(dtype)
     torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=4 * tol)
     torch.testing.assert_close(k.double(), want_k, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="no multiple of the cache's blocks of 16"):
+    with pytest.raises(ValueError, match="not a multiple of the cache's 16-position blocks"):
         Case(dtype, 8, 2, 64, slots=[0], positions=[3], window=24).run()
 
 

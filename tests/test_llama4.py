@@ -31,8 +31,9 @@ from tp_llama.serving.metrics import EXPERT_TOKENS, ServingMetrics
 from tp_llama.testing.tokenizer_train import build_tokenizer
 
 from tests.support.dist_util import run_ranks
-from tests.support.meta_llama4 import META_VOCAB, is_moe_layer, meta_run, small_params, write_llama4_checkpoint
-from tests.support.run_model import dense_logits, setup_slots
+from tests.support.meta_llama4 import (META_VOCAB, is_moe_layer, meta_run, random_served, small_params,
+                                       write_llama4_checkpoint)
+from tests.support.run_model import dense_logits, setup_slots, slot_batch
 
 # 8 heads over 4 KV heads: TP 1, 2 and 4 all divide them. 2,304 ids: the least a trained tokenizer has
 # in Llama 4's format (256 byte-level tokens, then Llama 4's 2,048 special ids).
@@ -280,3 +281,24 @@ def test_llama4_refuses_lora_and_compiles_only_where_it_can(checkpoints):
     assert "bfloat16" in compiles_decode(on, cuda, "plain", args, torch.float32)[1]
     odd = dataclasses.replace(args, attention_chunk_size=40)
     assert "40" in compiles_decode(on, cuda, "plain", odd, torch.bfloat16)[1]
+
+
+@torch.inference_mode()
+def test_bfloat16_prompt_blocks_within_windows_match_pytorchs_attention():
+    """Heads of 64 in bfloat16: prompt chunks through prompt_attention.c a piece per 32-position window, decode
+    rows within theirs (backend/llama4.py). The reference is the same weights in float32 attending through
+    PyTorch's masked attention (kv_cache.attend): the logits of chunks that start and end inside windows, and
+    of a decode step past them, agree up to bfloat16's rounding."""
+    dense = {**small_params()["moe_args"], "interleave_moe_layer_step": 8}  # no layer's expert choice to flip
+    params = small_params(vocab_size=256, dim=512, moe_args=dense)
+    served, reference = (random_served(params, dtype, 2, 96) for dtype in (torch.bfloat16, torch.float32))
+    for layer in reference.layers:
+        layer.attention.in_c = False
+    gen = torch.Generator().manual_seed(4)
+    long, short = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (70, 40))
+    steps = [[(0, 0, long[:7], True), (1, 0, short, True)], [(0, 7, long[7:40], True)], [(0, 40, long[40:], True)],
+             [(0, 70, [5], True), (1, 40, [9], True)]]
+    for i, rows in enumerate(steps):
+        ours, theirs = (model(slot_batch(model, rows, all_logits=True)).float() for model in (served, reference))
+        worst = (ours - theirs).abs().max().item()
+        assert worst < 0.02 * theirs.abs().max().item(), f"step {i}: logits differ by {worst}"

@@ -79,6 +79,24 @@ def small_params(**overrides: object) -> dict:
     return params
 
 
+def random_served(params: dict, dtype: torch.dtype, slots: int, max_seq_len: int) -> torch.nn.Module:
+    """Our model of `params` with random weights (seed 0), prepared for serving (the C kernels where they run),
+    with a paged cache of `slots` slots (tests/support/run_model.py)."""
+    from tp_llama import backend
+    from tp_llama.checkpoint.params import parse_params
+    from tp_llama.model import build
+    from tests.support.run_model import setup_slots
+
+    torch.manual_seed(0)
+    model = build(parse_params(params, Path("params.json"))).to(dtype)
+    for name, weight in model.named_parameters():
+        if "experts" in name or "router" in name:  # left uninitialised by the model
+            torch.nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
+    backend.optimize(model)
+    setup_slots(model, slots, max_seq_len, dtype, torch.device("cpu"))
+    return model
+
+
 def is_moe_layer(params: dict, layer: int) -> bool:
     """Whether `layer` has a MoE feed-forward (TransformerBlock's rule: every step-th layer, 1-based)."""
     moe = params.get("moe_args")

@@ -32,7 +32,9 @@ from tp_llama.parallel.modules import LocalLinear
 
 
 class ServingAttention(FusedAttention):
-    """Llama 4's attention with q, k and v in one matmul."""
+    """Llama 4's attention with q, k and v in one matmul. With the C kernels, after iRoPE's steps: decode and
+    verifying rows in one C call, within their windows; prompt chunks as CAttention runs them (backend/cpu.py),
+    each cut at its windows' ends."""
 
     def __init__(self, attention: Llama4Attention, kind: str, device: torch.device | None = None, bits: int = 16):
         super().__init__(attention, kind, device, bits)
@@ -47,13 +49,42 @@ class ServingAttention(FusedAttention):
             return self.irope.attend(cache, q, k, v, rotation, batch).flatten(1)
         q, k = self.irope.query_and_key(q, k, rotation, batch)
         ready = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)  # rotated already: C's RoPE is 1 + 0i
-        tokens = len(ready)
-        unrotated = torch.tensor([1.0, 0.0]).repeat(tokens, self.head_dim // 2)
-        tables = batch.tables_of(tokens)  # alive for the call
-        out = ready.new_empty((tokens, n_q))
-        ops.decode_attention(ready, ops.decode_rows(unrotated, tables, batch.positions[:tokens]), cache.k, cache.v,
-                             cache.block_size, out, write_first=tokens > batch.n_decode, window=window)
+        out = ready.new_empty((len(ready), n_q))
+        rows = len(ready) if not ops.blocked_prompts(ready.dtype, self.head_dim) else batch.n_decode + batch.n_verify
+        if rows:
+            self._as_decode_rows(ready[:rows], batch.tables_of(rows), batch.positions[:rows], out[:rows],
+                                 rows > batch.n_decode)
+        if rows < len(ready):
+            cache.write(batch.locations[rows:], k[rows:], v[rows:])
+            for first, row, start, length in batch.prefill:
+                if first >= rows:
+                    self._prompt_chunk(ready, batch, first, row, start, length, out)
         return out
+
+    def _as_decode_rows(self, ready: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+                        write_first: bool) -> None:
+        """Each row of `ready` (q, k, v rotated) a decode row at its position (decode_attention's write_first)."""
+        unrotated = torch.tensor([1.0, 0.0]).repeat(len(ready), self.head_dim // 2)
+        cache = self.cache
+        ops.decode_attention(ready, ops.decode_rows(unrotated, tables, positions), cache.k, cache.v, cache.block_size,
+                             out, write_first=write_first, window=self.irope.window)
+
+    def _prompt_chunk(self, ready: torch.Tensor, batch: Batch, first: int, row: int, start: int, length: int,
+                      out: torch.Tensor) -> None:
+        """A prompt chunk (its keys written) through prompt_attention.c, a piece per window it spans: a piece
+        attends over the blocks from its window's first on, as a sequence that starts there."""
+        window, cache, n_heads = self.irope.window, self.cache, self.widths[0] // self.head_dim
+        at = start
+        while at < start + length:
+            opened = at - at % window if window else 0
+            end = min(start + length, opened + window) if window else start + length
+            rows = slice(first + at - start, first + end - start)
+            table = batch.tables[row, opened // cache.block_size :]
+            if not ops.prompt_attention(ready[rows], n_heads, self.head_dim, cache.k, cache.v, cache.block_size, table,
+                                        at - opened, out[rows]):
+                tables = batch.tables[row : row + 1].expand(end - at, -1).contiguous()
+                self._as_decode_rows(ready[rows], tables, batch.positions[rows], out[rows], True)
+            at = end
 
 
 def feed_forward(ffn: FeedForward | SimpleNamespace, kind: str, device: torch.device | None, bits: int) -> nn.Module:

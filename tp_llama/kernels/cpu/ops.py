@@ -16,7 +16,6 @@ from tp_llama.kernels.cpu.qtiles import QuantTiled
 from tp_llama.pages import huge_empty
 
 
-
 @dataclass(frozen=True)
 class Tiled:
     """A weight [out, in] (`shape`) in matmul.c's tile layout (`data`).
@@ -44,9 +43,8 @@ def tileable(weight: torch.Tensor) -> bool:
 
 def prepare_tiles(weight: torch.Tensor, amx: bool = False) -> Tiled:
     """weight [out, in] in tiles, on 2 MiB pages where Linux gives them (tp_llama.pages); amx: see Tiled."""
-    lib = library()
+    lib, out = library(), weight.shape[0]
     cols = lib.constants["TILE_COLS"]
-    out = weight.shape[0]
     units = weight.detach().contiguous().view(torch.int32)  # a float32, or a pair of bfloat16 along k
     shape = (-(-out // cols), units.shape[1], cols)
     data = huge_empty(shape, torch.int32)
@@ -88,8 +86,7 @@ def tiled_linear(x: torch.Tensor, weight: Tiled, lib: Library | None = None) -> 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Meta's RMSNorm over the last dim, one C call (CPU float32 or bfloat16)."""
     x = x.contiguous()
-    y = torch.empty_like(x)
-    dim = x.shape[-1]
+    y, dim = torch.empty_like(x), x.shape[-1]
     library().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps,
                        x.dtype == torch.bfloat16)
     return y
@@ -133,8 +130,7 @@ def decode_attention(qkv: torch.Tensor, rows: ctypes.Structure, cache_k: torch.T
     row's new key and value into cache_k / cache_v [kv_heads, blocks * block_size, head_dim].
     write_first: rows that see each other's keys (a prompt chunk's tokens, each a row at its own
     position) have every key written before any row attends; each row gets a decode step's bits.
-    window: a row at position p sees only the keys from p // window * window on (Llama 4's chunked
-    layers); a multiple of block_size.
+    window (a multiple of block_size): a row at position p sees the keys from p // window * window on (Llama 4).
     """
     if not rows.rows:
         return
@@ -142,8 +138,7 @@ def decode_attention(qkv: torch.Tensor, rows: ctypes.Structure, cache_k: torch.T
     if not all(t.is_contiguous() for t in (qkv, cache_k, cache_v, out)):
         raise ValueError("decode_attention needs contiguous tensors")
     if window is not None and (window <= 0 or window % block_size):
-        raise ValueError(f"an attention window of {window} positions is no multiple of the cache's blocks of "
-                         f"{block_size}")
+        raise ValueError(f"attention window {window}: not a multiple of the cache's {block_size}-position blocks")
     status = library().decode_attention(
         qkv.data_ptr(), ctypes.byref(rows), out.shape[1] // head_dim, n_kv_heads, head_dim, cache_k.data_ptr(),
         cache_v.data_ptr(), pool // block_size, block_size, out.data_ptr(), qkv.dtype == torch.bfloat16, write_first,
