@@ -75,6 +75,10 @@ def model_config(template: Path, ckpt_dir: Path, tp: int, overrides: list[str]) 
     config.setdefault("handler", {})["ckpt_dir"] = str(ckpt_dir)
     for assignment in overrides:
         apply_override(config, assignment)
+    handler = config["handler"]
+    if isinstance(handler, dict) and handler.get("ckpt_dir") != str(ckpt_dir):  # else the folder written is unchecked
+        raise ValueError("--set may not change handler.ckpt_dir: name the checkpoint folder with --ckpt-dir, whose "
+                         "checks (params.json, the TP size or fsdp world it allows) the model folder needs")
     check_model_config(config)  # the worker would refuse it at load: say so now
     return config
 

@@ -41,7 +41,7 @@ from tp_llama.serving.lora_admin import PATHS as ADMIN_PATHS
 from tp_llama.serving.metrics import ServingMetrics
 from tp_llama.serving.openai_api import error_body
 from tp_llama.serving.request import Live, RequestError, json_line, request_of
-from tp_llama.serving.routes import answer_now, open_request, openai_shaped
+from tp_llama.serving.routes import answer_now, open_request, openai_shaped, repeats
 from tp_llama.serving.settings import (HandlerSettings, check_model_config, device_of, resolve_adapters,
                                        resolve_ckpt_dir)
 from tp_llama.serving.step_thread import StepThread
@@ -139,6 +139,7 @@ class LlamaHandler(BaseHandler):
         ids = [context.request_ids[idx] for idx in range(len(data))]
         answered_before = {rid for rid in ids if rid in self.live}
         self._cancel_absent(set(ids))
+        repeated = repeats(ids, self._url_path)  # a 400 each (its flag the id's); the first of each id is served
         answers = self._admit(data, ids)
         self._settle_grammars(answers)
         self._expire()
@@ -152,7 +153,7 @@ class LlamaHandler(BaseHandler):
             self.steps.run(self._guarded, self.engine.run, self.scheduler,
                            COMPILE_LIMIT_S if self.compiling else budget - between_s, not self.compiling, self._after_step)
         self._settle_grammars(answers, wait=True)
-        replies = [self._reply(idx, rid, answers.get(rid)) for idx, rid in enumerate(ids)]
+        replies = [self._reply(idx, rid, repeated.get(idx) or answers.get(rid)) for idx, rid in enumerate(ids)]
         context.stopping_criteria = [self._stop_flag(rid, rid in answered_before) for rid in ids]
         self._update_metrics()
         if self.settings.step_between_calls:
@@ -280,7 +281,7 @@ class LlamaHandler(BaseHandler):
         answers: dict[str, tuple[str, Any]] = {}
         tokenizer = self.engine.tokenizer
         for idx, (request, rid) in enumerate(zip(data, ids)):
-            if rid in self.live:
+            if rid in self.live or rid in answers:  # in progress, or seen earlier in this call
                 continue
             path = self._url_path(idx)
             openai = openai_shaped(path)

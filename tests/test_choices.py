@@ -10,6 +10,7 @@ import pytest
 
 from tests.test_handler_unit import final_json, run_to_end, serve
 from tests.test_structured import PROMPT, SCHEMAS, ckpt, compiler, engine, handler  # noqa: F401 (fixtures)
+from tp_llama.serving.stream import StreamDecoder
 
 COMPLETIONS = {"r": "v1/completions"}
 CHAT = {"r": "v1/chat/completions"}
@@ -71,6 +72,27 @@ def test_native_n_answers_choices_and_each_validates_under_a_schema(handler):
     usage = lines[-1]["usage"]  # the second request finds the prompt in the prefix cache
     assert set(lines[-1]) == {"usage"} and (usage["prompt_tokens"], usage["completion_tokens"]) == \
         (reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"])
+
+
+def test_an_ended_streamed_choice_is_not_followed_again_while_others_step(handler, engine, monkeypatch):  # noqa: F811
+    """More prompts than may run at once: the first ones end while the rest still step. Each choice's decoder
+    finishes once (finishing decodes its whole reply), and each streamed choice adds up to its unstreamed one."""
+    prompts = [[1 + i, 20 + i, 40] for i in range(2 * engine.config.max_batch_size - 2)]
+    body = {"prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    finished = []
+    finish = StreamDecoder.finish
+    monkeypatch.setattr(StreamDecoder, "finish", lambda decoder: finished.append(decoder) or finish(decoder))
+    streamed = events(run_to_end(handler, {"r": json.dumps({**body, "stream": True}).encode()}, paths=COMPLETIONS)["r"])
+    assert len(finished) == len(set(finished)) == len(prompts)
+    whole = final_json(run_to_end(handler, {"r": json.dumps(body).encode()}, paths=COMPLETIONS)["r"])
+    texts, ids = {}, {}
+    for event in streamed:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            ids[choice["index"]] = ids.get(choice["index"], []) + choice["token_ids"]
+    assert [(texts[c["index"]], ids[c["index"]]) for c in whole["choices"]] == \
+        [(c["text"], c["token_ids"]) for c in whole["choices"]]
+    assert all(len(c["token_ids"]) == 5 for c in whole["choices"]) and len(whole["choices"]) == len(prompts)
 
 
 @pytest.mark.parametrize("body,path,message", [

@@ -1034,3 +1034,25 @@ def test_a_streamed_request_past_response_timeout_sends_the_tokens_its_usage_cou
     assert lines[-1]["finish_reason"] == "timeout" and "responseTimeout" in lines[-1]["error"]
     assert sum(len(line.get("token_ids", [])) for line in lines) == lines[-1]["usage"]["completion_tokens"]
     assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live
+
+
+def test_a_request_id_twice_in_one_call_is_a_400_for_the_repeat_and_changes_no_other_reply(engine) -> None:
+    """TorchServe never sends an id twice in a call; where it did, the first one's last reply forgot the id and
+    the repeat's raised KeyError, failing every request of the call."""
+    a, b = GREEDY % (b"hello there", 3, b""), GREEDY % (b"once upon", 4, b"")
+    alone = {rid: final_json(run_to_end(new_handler(engine), {rid: body})[rid]) for rid, body in (("a", a), ("b", b))}
+    handler = new_handler(engine)
+    replies = serve(handler, [[("a", a), ("b", b), ("a", a)]])
+    reply, context, idx = replies["a"][1]  # the repeat
+    assert idx == 2 and context.status[idx] == 400 and "twice" in json.loads(reply)["error"]
+    streaming = lambda got: got[1].headers.get(got[2], {}).get("ts_stream_next") == "true"  # noqa: E731
+    pending = {rid for rid, got in replies.items() if streaming(got[0])}
+    for _ in range(100):
+        if not pending:
+            break
+        for rid, got in serve(handler, [[(rid, None) for rid in sorted(pending)]]).items():
+            replies[rid].extend(got)
+            if not streaming(got[-1]):
+                pending.discard(rid)
+    assert not pending and final_json(replies["a"]) == alone["a"] and final_json(replies["b"]) == alone["b"]
+    assert (len(handler.scheduler.running), handler.scheduler.pool.used) == (0, 0) and not handler.live

@@ -97,6 +97,8 @@ def test_set_writes_the_value_with_its_yaml_type(tmp_path: Path, assignment: str
     ("handler.max_seq_len", "KEY=VALUE"),
     ("handler.dtype=[", "not YAML"),
     ("handler.speculative=off", "unquoted off, on, yes or no as a boolean: quote it"),
+    ("handler.ckpt_dir=/elsewhere", "may not change handler.ckpt_dir: name the checkpoint folder with --ckpt-dir"),
+    ("handler={mode: tp}", "--set may not change handler.ckpt_dir"),
 ])
 def test_set_refuses_what_the_worker_would(tmp_path: Path, assignment: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -9,11 +9,13 @@ request draws the same tokens alone and batched where the logits are batch-invar
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+from tp_llama.cli import generate
 from tp_llama.cli.generate import parse_args
 from tp_llama.engine import sampling
 from tp_llama.engine.sampling import (
@@ -306,6 +308,19 @@ def test_top_logits_in_c_match_a_plain_sort():
     assert torch.equal(alone[1][0], ids[1]) and float(alone[0][0]) == float(lse[1])
 
 
+@pytest.mark.skipif(not HAS_C, reason="needs tp_llama's C kernels")
+def test_top_logits_in_c_fill_a_row_short_of_numbers_with_its_nan_ids():
+    """A row with fewer logits than asked that are not NaN (all NaN, here, or two of 20): the numbers
+    first, then the NaN ones by id, with NaN values; those slots were left unwritten (ids past the vocabulary)."""
+    nan = math.nan
+    logits = torch.tensor([[nan] * 20, [nan, 1.0, nan, 2.0] + [nan] * 16, [float(i % 7) for i in range(20)]])
+    for _ in range(3):  # unwritten memory differs from call to call
+        _, ids, values = _top_in_c(logits, [0, 1, 2], 4)
+        assert ids.tolist() == [[0, 1, 2, 3], [3, 1, 0, 2], [6, 13, 5, 12]]
+        assert [[v if math.isfinite(v) else "nan" for v in row] for row in values.tolist()] == [
+            ["nan"] * 4, [2.0, 1.0, "nan", "nan"], [6.0, 6.0, 5.0, 5.0]]
+
+
 def test_a_seeded_row_draws_the_same_alone_and_beside_others():
     logits = big_logits(6, seed=7)
     params = SamplingParams(1, temperature=0.8, top_p=0.9, seed=3)
@@ -462,3 +477,15 @@ def test_nan_and_seeds_out_of_range_are_refused(name: str, value: float, capsys)
     with pytest.raises(SystemExit) as stopped:
         parse_args(["--ckpt-dir", "nowhere", "--prompt", "hi", flag, str(value)])
     assert stopped.value.code == 2 and name in capsys.readouterr().err
+
+
+def test_a_prompt_too_long_for_max_seq_len_is_refused_before_the_checkpoint_loads(synthetic_checkpoint, monkeypatch,
+                                                                                    capfd) -> None:
+    """The offline CLI reads only the tokenizer to refuse it (it failed after every rank had loaded the model)."""
+    ckpt = synthetic_checkpoint("llama3", mp=1)
+    monkeypatch.setattr(generate.Engine, "load", lambda config: pytest.fail("the checkpoint was loaded"))
+    prompt = "the lighthouse keeper " * 10  # 30 words: more than 8 tokens, whatever the merges
+    assert generate.main(["--ckpt-dir", str(ckpt), "--prompt", "hi", "--prompt", prompt, "--max-new-tokens", "8",
+                          "--max-seq-len", "16"]) == 2
+    assert re.search(r"error: prompt 2 \(\d+ tokens\) plus --max-new-tokens \(8\) exceeds --max-seq-len 16",
+                     capfd.readouterr().err)

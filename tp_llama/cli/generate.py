@@ -12,6 +12,7 @@ import json
 import resource
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -23,6 +24,7 @@ from tp_llama.engine.sampling import SamplingParams, check_params
 from tp_llama.engine.sequence import Sequence, check_sequence
 from tp_llama.errors import CheckpointError
 from tp_llama.parallel.distributed import every_rank_agrees, leave_group, log
+from tp_llama.tokenizer import load_tokenizer
 
 SERVER = EngineConfig(ckpt_dir="-")  # the server's defaults, which bound a run's own
 
@@ -119,8 +121,24 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         a.speculative_tokens, a.ngram_min, a.ngram_max, a.draft_ckpt_dir)
 
 
+def check_prompts(a: argparse.Namespace, max_seq_len: int) -> None:
+    """Each prompt's tokens plus --max-new-tokens within max_seq_len, checked on every rank before any loads
+    the checkpoint (only its tokenizer is read, and only where a prompt's bound does not fit): a prompt too
+    long failed after the whole load."""
+    if max(map(prompt_token_bound, a.prompt)) + a.max_new_tokens <= max_seq_len:
+        return
+    tokenizer = load_tokenizer(Path(a.ckpt_dir) / "tokenizer.model")
+    for i, prompt in enumerate(a.prompt):
+        n = len(tokenizer.encode(prompt, bos=True))
+        if n + a.max_new_tokens > max_seq_len:
+            raise ValueError(f"prompt {i + 1} ({n} tokens) plus --max-new-tokens ({a.max_new_tokens}) exceeds "
+                             f"--max-seq-len {max_seq_len}")
+
+
 def run(a: argparse.Namespace) -> None:
-    engine = Engine.load(engine_config(a))
+    config = engine_config(a)
+    check_prompts(a, config.max_seq_len)
+    engine = Engine.load(config)
     params = sampling_params(a)
     sequences = [Sequence(str(i), engine.tokenizer.encode(p, bos=True), params) for i, p in enumerate(a.prompt)]
     with every_rank_agrees():  # every rank checks the same prompts, so a bad one stops all of them before any step

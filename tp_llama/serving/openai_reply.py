@@ -46,10 +46,19 @@ class Choice:
     tool: ToolReply | None = None  # chat with tools: the reply's calls
     started: bool = False  # streamed: its first chunk (chat: the assistant's role) went out
     done: bool = False  # streamed: its finish chunk went out
+    followed: bool = False  # its sequence ended and advance took the decoder's last text
 
     @property
     def stopped(self) -> bool:
         return self.watcher is not None and self.watcher.hit
+
+    @property
+    def has_news(self) -> bool:
+        """Advance has something to follow: new tokens, or the end of its sequence not yet taken. The others are
+        skipped: an ended choice's decoder finished again would decode its whole reply again at every step the
+        request's other choices still take."""
+        seq = self.seq
+        return self.decoder is not None and not self.followed and (seq.reported < len(seq.output) or seq.finished)
 
     @property
     def prompt_scored(self) -> bool:
@@ -123,11 +132,10 @@ class OpenAIRequest:
         tokens after the one that completed it are dropped, so the reply, its token ids, log-probabilities
         and usage are those of one token a step."""
         stopped = []
-        for choice in self.choices:
-            if choice.decoder is None:
-                continue
+        for choice in [choice for choice in self.choices if choice.has_news]:
             seq, start = choice.seq, choice.seq.reported
             new, _ = seq.take_new_tokens()
+            choice.followed = seq.finished  # this pass takes the decoder's last text
             if choice.stopped:
                 continue
             step = 1 if self.stops else max(len(new), 1)

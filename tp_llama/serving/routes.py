@@ -13,6 +13,7 @@ Every path but the native one answers errors in OpenAI's shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tp_llama.serving.native import NativeRequest, parse_request
@@ -31,6 +32,15 @@ OPENAI_PATHS = (*PATHS, RESPONSES)
 def openai_shaped(path: str) -> bool:
     """Whether the path's errors take OpenAI's shape (every path but the native API's)."""
     return path == "v1" or path.startswith("v1/") or path in TOKENIZER_PATHS
+
+
+def repeats(ids: list[str], path_of: Callable[[int], str]) -> dict[int, tuple[str, RequestError]]:
+    """A 400 for each request id already earlier in a call's list, in its front door's shape (path_of: a
+    position's path). TorchServe never sends one twice; where it did, the first's last reply forgot the id and
+    the repeat's raised KeyError, failing the whole call."""
+    error = RequestError("this request id appears twice in the call; each request needs its own id")
+    return {idx: ("openai" if openai_shaped(path_of(idx)) else "native", error)
+            for idx, rid in enumerate(ids) if rid in ids[:idx]}
 
 
 def answer_now(path: str, request: dict[str, Any], settings: HandlerSettings, tokenizer: Any,

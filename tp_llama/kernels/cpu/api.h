@@ -224,7 +224,7 @@ int penalize_rows(float *logits, int64_t vocab, const struct PenaltyRow *rows, i
  * row), each row taken as if every token its mask refuses were -inf. */
 void argmax_rows(const float *logits, int64_t vocab, int64_t n, const uint32_t *const *allowed, int64_t *out);
 /* For row rows[j] of logits [.][vocab] float32: lse[j], the log of its sum of exp, and its `top`
- * largest logits (NaN aside), best first, in values [n][top] with their ids [n][top]; top <= vocab. */
+ * largest logits, best first (NaN ones last, by id), in values [n][top] with their ids [n][top]; top <= vocab. */
 void top_logits(const float *logits, int64_t vocab, const int64_t *rows, int64_t n, int64_t top, double *lse,
                 int64_t *ids, float *values);
 

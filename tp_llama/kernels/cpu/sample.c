@@ -368,9 +368,9 @@ void argmax_rows(const float *logits, int64_t vocab, int64_t n, const uint32_t *
 }
 
 /* Row r's log of its sum of exp and its `top` largest logits, best first (equal ones: the lower id
- * first). One pass for the largest, one for the sum and the top (a chunk is looked at only where a
- * lane beats the last of the top so far), where PyTorch's logsumexp and topk take more passes, each
- * its own dispatch (bench/kernels/sampling.py's logprobs). */
+ * first; NaN ones last). One pass for the largest, one for the sum and the top (a chunk is looked at
+ * only where a lane beats the last of the top so far), where PyTorch's logsumexp and topk take more
+ * passes, each its own dispatch (bench/kernels/sampling.py's logprobs). */
 static void top_row(const float *l, int64_t vocab, int64_t top, double *lse, int64_t *ids, float *values) {
     vec highest = vset1(-INFINITY);
     for (int64_t i = 0; i < vocab; i += 16)
@@ -396,6 +396,13 @@ static void top_row(const float *l, int64_t vocab, int64_t top, double *lse, int
             ids[at] = t;
         }
     }
+    /* Fewer than `top` logits are not NaN: the NaN ones, by id, fill the rest (log-probabilities NaN);
+     * left unwritten, those slots were garbage ids, past the vocabulary. */
+    for (int64_t t = 0; held < top && t < vocab; t++)
+        if (isnan(l[t])) {
+            values[held] = l[t];
+            ids[held++] = t;
+        }
     *lse = (double)m + log(dsum(sum));
 }
 
