@@ -235,16 +235,42 @@ def test_the_native_api_answers_tool_calls_too(engine, compiler):
 
 
 
-@pytest.mark.parametrize("tool_format", ["llama3_json", "pythonic"])
-def test_a_streamed_call_cut_by_max_tokens_sends_its_text_as_the_whole_reply_s_content(engine, compiler, tool_format):
-    """A forced call cut short is no call: the whole reply gives its text as content, and so does the stream
-    (once, though the other choice goes on after it)."""
-    handler = make_handler(engine, compiler, tool_format)
-    whole = final_json(ask(handler, 1, tool_choice="required", max_tokens=8, n=2))["choices"]
-    assert all(c["finish_reason"] == "length" and c["message"]["tool_calls"] == [] for c in whole)
-    contents: dict[int, str] = {}
-    for piece, _, _ in ask(handler, 1, stream=True, tool_choice="required", max_tokens=8, n=2):
+def streamed_choices(handler, **fields) -> dict[int, dict]:
+    """Each choice's streamed content, tool-call deltas and finish reason."""
+    out: dict[int, dict] = {}
+    for piece, _, _ in ask(handler, 1, stream=True, **fields):
         for line in piece.splitlines():
             for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
-                contents[choice["index"]] = contents.get(choice["index"], "") + (choice["delta"].get("content") or "")
-    assert [contents[i] for i in range(2)] == [c["message"]["content"] for c in whole] and all(contents.values())
+                got = out.setdefault(choice["index"], {"content": "", "calls": [], "finish": None})
+                got["content"] += choice["delta"].get("content") or ""
+                got["calls"] += choice["delta"].get("tool_calls") or []
+                got["finish"] = choice["finish_reason"] or got["finish"]
+    return out
+
+
+@pytest.mark.parametrize("tool_format", ["llama3_json", "pythonic"])
+def test_a_streamed_call_cut_by_max_tokens_is_content_until_a_call_delta_went_out(engine, compiler, tool_format):
+    """A forced call cut short is no call: the whole reply gives its text as content, and so does a stream cut
+    before any call's name was complete (once, though the other choice goes on after it). A stream cut after a
+    call's delta went out keeps to the calls it sent: no content, finish_reason "length" (vLLM's way)."""
+    handler = make_handler(engine, compiler, tool_format)
+    whole = final_json(ask(handler, 1, tool_choice="required", max_tokens=200, n=2))["choices"]
+    assert all(c["finish_reason"] == "tool_calls" and c["message"]["tool_calls"] for c in whole)
+    seen = set()
+    for max_tokens in range(2, 40, 3):
+        cut = final_json(ask(handler, 1, tool_choice="required", max_tokens=max_tokens, n=2))["choices"]
+        streamed = streamed_choices(handler, tool_choice="required", max_tokens=max_tokens, n=2)
+        for choice, full in zip(cut, whole):
+            if choice["finish_reason"] != "length":
+                continue  # this choice's call was whole by then
+            got = streamed[choice["index"]]
+            assert got["finish"] == "length" and choice["message"]["tool_calls"] == []
+            seen.add(bool(got["calls"]))
+            if not got["calls"]:
+                assert got["content"] == choice["message"]["content"] != ""
+                continue
+            assert got["content"] == "" and got["calls"][0]["function"]["name"] == full["message"]["tool_calls"][0][
+                "function"]["name"]
+            sent = "".join(d["function"].get("arguments", "") for d in got["calls"] if d["index"] == 0)
+            assert full["message"]["tool_calls"][0]["function"]["arguments"].startswith(sent)
+    assert seen == {False, True}  # cut before a call's delta went out, and after
