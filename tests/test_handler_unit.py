@@ -263,6 +263,30 @@ def test_stream_pieces_add_up_even_with_invalid_bytes() -> None:
     assert pieces[:3] == ["a", "", ""] and pieces[3] == "€"
 
 
+def test_a_push_of_no_ids_decodes_nothing_and_changes_no_piece() -> None:
+    """The native API pushes every unfinished choice on every call, mostly with no new ids: such a push must not
+    decode (it did, twice), and the pieces, partial characters held back included, stay what they were."""
+    tokenizer, calls = ByteTokenizer(), [0]
+
+    def decode(ids: list[int]) -> str:
+        calls[0] += 1
+        return tokenizer.decode(ids)
+
+    ids = list("a€b".encode()) + [0xE2, 0x82] + list(b"c") + [0xF0]
+    plain = StreamDecoder(tokenizer.decode)
+    want = [plain.push([i]) for i in ids] + [plain.finish()]
+    stream = StreamDecoder(decode)
+    got = [stream.push([])]
+    assert calls[0] == 0
+    for i in ids:
+        before = calls[0]
+        got += [stream.push([i]), stream.push([]), stream.push([])]
+        assert calls[0] - before == 2  # the push of the new id; none for the two empty ones
+    got.append(stream.finish())
+    assert "".join(got) == "".join(want) == tokenizer.decode(ids)
+    assert [piece for piece in got if piece] == [piece for piece in want if piece]
+
+
 class FakeContext:
     """TorchServe's side of a call: request ids in, per-request status, type and headers out."""
 

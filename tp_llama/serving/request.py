@@ -131,6 +131,39 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def client_json(text: str | bytes, what: str, param: str | None = None, *,
+                syntax: str = "is not valid JSON: {msg}", too_long: str = "holds a number too long to read",
+                **options: Any) -> Any:
+    """json.loads for JSON text a client sent, where every way it fails is the client's 400 naming `what`, never
+    the handler's 500: json.loads raises a RecursionError for deep nesting and a bare ValueError for an integer
+    longer than int() reads (sys.get_int_max_str_digits). Bytes must be UTF-8 (json.loads would guess UTF-16 or
+    32). `syntax` words a syntax error ({msg}, {line}, {column}, or the whole {error}); a RequestError that a hook
+    in `options` raises goes out as it is."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{what} is not valid UTF-8 (byte {exc.start})", param=param) from None
+    try:
+        return json.loads(text, **options)
+    except json.JSONDecodeError as exc:
+        detail = syntax.format(msg=exc.msg, line=exc.lineno, column=exc.colno, error=exc)
+        raise RequestError(f"{what} {detail}", param=param) from None
+    except RecursionError:
+        raise RequestError(f"{what} is nested too deeply", param=param) from None
+    except RequestError:
+        raise
+    except ValueError:
+        raise RequestError(f"{what} {too_long}", param=param) from None
+
+
+def json_object(value: Any, what: str, param: str | None = None) -> dict[str, Any]:
+    """The value client_json read, where only an object will do (a field list, call arguments)."""
+    if not isinstance(value, dict):
+        raise RequestError(f"{what} must be a JSON object, got {type_name(value)}", param=param)
+    return value
+
+
 def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
     """Parse the body strictly: UTF-8 JSON object, no NaN/Infinity, no duplicate keys, bounded size."""
     if isinstance(body, str):
@@ -138,20 +171,9 @@ def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
     if isinstance(body, (bytes, bytearray)):
         if len(body) > max_bytes:
             raise RequestError(f"body is {len(body)} bytes; the limit is {max_bytes}")
-        try:
-            text = bytes(body).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RequestError(f"body is not valid UTF-8 (byte {exc.start})") from None
-        try:
-            value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-        except RecursionError:
-            raise RequestError("body is nested too deeply") from None
-        except RequestError:
-            raise
-        except ValueError:  # an integer with more digits than int() reads (sys.get_int_max_str_digits)
-            raise RequestError("body is not valid JSON here: a number too long to read") from None
+        value = client_json(bytes(body), "body", syntax="is not valid JSON: {msg} at line {line} column {column}",
+                            too_long="is not valid JSON here: a number too long to read",
+                            parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
         _utf8_size(value)
     else:
         # TorchServe already decoded an application/json body (decode_input_request=true).
@@ -159,9 +181,7 @@ def decode_body(body: Any, max_bytes: int) -> dict[str, Any]:
         size = _utf8_size(value)
         if size > max_bytes:
             raise RequestError(f"body is about {size} bytes; the limit is {max_bytes}")
-    if not isinstance(value, dict):
-        raise RequestError(f"body must be a JSON object, got {type_name(value)}")
-    return value
+    return json_object(value, "body")
 
 
 def _utf8_size(value: Any) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tp_llama.serving.request import RequestError, type_name
+from tp_llama.serving.request import RequestError, client_json, json_object, type_name
 
 TEXT_PARTS = ("input_text", "output_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -86,16 +86,9 @@ def _call(item: dict, where: str) -> dict:
     arguments = _string(item.get("arguments"), f"{where}.arguments")
     if not call_id or not name:
         raise _refuse(f"{where}: call_id and name must not be empty")
-    try:  # read here, so that a refusal names the item rather than the chat message it becomes
-        parsed = json.loads(arguments or "{}")
-    except json.JSONDecodeError as exc:
-        raise _refuse(f"{where}.arguments is not JSON: {exc}") from None
-    except RecursionError:
-        raise _refuse(f"{where}.arguments is nested too deeply") from None
-    except ValueError:  # an integer with more digits than int() reads (sys.get_int_max_str_digits)
-        raise _refuse(f"{where}.arguments holds a number too long to read") from None
-    if not isinstance(parsed, dict):
-        raise _refuse(f"{where}.arguments must be a JSON object, got {type_name(parsed)}")
+    # Read here, so that a refusal names the item rather than the chat message it becomes.
+    json_object(client_json(arguments or "{}", f"{where}.arguments", "input", syntax="is not JSON: {error}"),
+                f"{where}.arguments", "input")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

@@ -31,7 +31,13 @@ class StreamDecoder:
         self._emitted: list[str] = []
 
     def push(self, ids: list[int]) -> str:
-        """Add new ids; return the newly stable text (maybe empty)."""
+        """Add new ids; return the newly stable text (maybe empty).
+
+        No new ids: "" without decoding. Its text is the window's last piece if a push just handed one back (then
+        the two decodes agree), or what the last push held back, unchanged; the native API pushes every
+        unfinished choice's ids, often none, on every call."""
+        if not ids:
+            return ""
         self._ids.extend(ids)
         before = self._decode(self._ids[self._start : self._stable])
         text = self._decode(self._ids[self._start :])

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from tp_llama.json_schema import check_has_instance
-from tp_llama.serving.request import GrammarSpec, RequestError, type_name
+from tp_llama.serving.request import GrammarSpec, RequestError, client_json, type_name
 
 MAX_CHOICES = 1024
 MAX_GRAMMAR_CHARS = 100_000
@@ -48,14 +48,7 @@ def grammar_spec(body: dict[str, Any]) -> GrammarSpec | None:
 
 def _schema_text(schema: Any, param: str) -> str:
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"{param} is not valid JSON: {exc.msg}", param=param) from None
-        except RecursionError:
-            raise RequestError(f"{param} is nested too deeply", param=param) from None
-        except ValueError:  # an integer with more digits than int() reads (sys.get_int_max_str_digits)
-            raise RequestError(f"{param} holds a number too long to read", param=param) from None
+        schema = client_json(schema, param, param)
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"{param} must be a JSON schema (an object), got {type_name(schema)}", param=param)
     text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
