@@ -257,7 +257,7 @@ def test_a_streamed_call_cut_by_max_tokens_is_content_until_a_call_delta_went_ou
     whole = final_json(ask(handler, 1, tool_choice="required", max_tokens=200, n=2))["choices"]
     assert all(c["finish_reason"] == "tool_calls" and c["message"]["tool_calls"] for c in whole)
     seen = set()
-    for max_tokens in range(2, 40, 3):
+    for max_tokens in range(2, 40, 6):
         cut = final_json(ask(handler, 1, tool_choice="required", max_tokens=max_tokens, n=2))["choices"]
         streamed = streamed_choices(handler, tool_choice="required", max_tokens=max_tokens, n=2)
         for choice, full in zip(cut, whole):
