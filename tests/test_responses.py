@@ -210,6 +210,25 @@ def test_function_tools_are_called_and_the_round_trip_is_the_chat_prompt(engine,
     assert output_text(again) == chat["choices"][0]["message"]["content"]
 
 
+def test_parallel_calls_stream_one_item_after_another(engine, compiler) -> None:
+    """Each item's events, from output_item.added to output_item.done, come before the next item is added, as
+    the API streams them; an item done as completed stays so in the response, though a later call is cut."""
+    clock = {"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "required": ["zone"], "properties": {"zone": {"type": "integer"}}}}
+    handler, shapes = handler_for(engine, compiler), set()
+    for seed in range(4):
+        for limit in (150, 14, 20, 30):
+            events = events_of(ask(handler, {"s": (RESPONSES, {
+                "input": "Weather in Oslo?", "tools": [WEATHER, clock], "tool_choice": "required", "seed": seed,
+                "max_output_tokens": limit, "stream": True})})["s"])
+            items = [e["output_index"] for e in events if "output_index" in e]
+            assert items == sorted(items), [(e["type"], e.get("output_index")) for e in events]
+            done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+            assert done == events[-1]["response"]["output"]
+            shapes.add(tuple(item["status"] for item in done))
+    assert ("completed", "completed") in {shape[:2] for shape in shapes}  # a reply of several calls was seen
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation", "keeps no responses"),

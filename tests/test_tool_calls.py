@@ -203,6 +203,21 @@ def test_a_json_call_is_read_past_its_name_streamed_or_whole(name):
         assert json.loads(calls[0]["function"]["arguments"]) == arguments
 
 
+@pytest.mark.parametrize("tool_format,text", [
+    ("pythonic", '\xa0[get_weather(city="Oslo")]'),
+    ("llama3_json", '\x0c{"name": "get_weather", "parameters": {"city": 7}}'),
+])
+def test_a_call_after_other_whitespace_is_text_streamed_or_whole(text, tool_format):
+    """Under "auto" the grammar holds to the tools only a reply that opens a call after spaces, tabs or line
+    breaks; after a no-break space or a form feed the reply is free text (its arguments need not validate). The
+    whole reply gives it as content: so must the stream, rather than deltas of a call that never parses."""
+    streamed = ToolReply(ToolUse(TOOLS, "auto", tool_format, tool_format == "pythonic"))
+    pieces = [streamed.feed(char) for char in text]
+    content = "".join(piece for piece, _ in pieces) + streamed.flush() + streamed.cut_call()
+    assert [delta for _, deltas in pieces for delta in deltas] == [] and content == text
+    assert ToolReply(ToolUse(TOOLS, "auto", tool_format, False)).finish(text) == (text, [], False)
+
+
 def test_a_llama2_checkpoint_refuses_tools(synthetic_checkpoint):
     from tp_llama.tokenizer import load_tokenizer
 

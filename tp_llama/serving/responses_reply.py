@@ -124,6 +124,10 @@ class ResponsesReply(OpenAIRequest):
                    logprobs=logprobs)
 
     def _open_call(self, call_id: str, name: str) -> None:
+        """A new function_call item; the call before it is done first, so that items come one after another.
+        It is whole: a pythonic call's next one opens only after its closing parenthesis, its arguments sent."""
+        if self.calls:
+            self._done(self.calls[-1], "completed")
         item = {"id": _item_id("fc"), "type": "function_call", "call_id": call_id, "name": name, "arguments": "",
                 "status": "in_progress"}
         self.calls.append(item)
@@ -139,8 +143,9 @@ class ResponsesReply(OpenAIRequest):
         return {"length": "incomplete", "timeout": "failed", "error": "failed"}.get(reason, "completed")
 
     def _close(self) -> None:
-        """The reply ended: its calls checked (a call cut short stays incomplete; text that never became a call
-        is the message), each item's done events, then the last event with the whole response."""
+        """The reply ended: its calls checked (a call cut short stays incomplete, those whole before it were done
+        as completed; text that never became a call is the message), the done events of the items not done yet,
+        then the last event with the whole response."""
         choice, status = self.choices[0], self._status()
         parsed: list[dict] = []
         if choice.tool is not None:
@@ -158,19 +163,25 @@ class ResponsesReply(OpenAIRequest):
             self._text("")  # the last tokens' log-probabilities, whose text came before them
         for item in self.output:
             if item is self.message:
-                part = item["content"][0]
-                done = {"text": part["text"], "logprobs": part.get("logprobs", [])}
-                self._emit("response.output_text.done", **self._where(item), content_index=0, **done)
-                self._emit("response.content_part.done", **self._where(item), content_index=0, part=part)
-                item["status"] = "completed" if status == "completed" else "incomplete"
-            else:
-                item["status"] = "completed" if self.calls.index(item) < len(parsed) else "incomplete"
-                self._emit("response.function_call_arguments.done", **self._where(item), name=item["name"],
-                           arguments=item["arguments"])
-            self._emit("response.output_item.done", output_index=self.output.index(item), item=item)
+                self._done(item, "completed" if status == "completed" else "incomplete")
+            elif item["status"] == "in_progress":  # not done yet: the last call
+                self._done(item, "completed" if self.calls.index(item) < len(parsed) else "incomplete")
         self.response = self._response(status)
         self._emit({"completed": "response.completed", "incomplete": "response.incomplete",
                     "failed": "response.failed"}[status], response=self.response)
+
+    def _done(self, item: dict, status: str) -> None:
+        """An item's done events, with its status from now on."""
+        item["status"] = status
+        if item is self.message:
+            part = item["content"][0]
+            done = {"text": part["text"], "logprobs": part.get("logprobs", [])}
+            self._emit("response.output_text.done", **self._where(item), content_index=0, **done)
+            self._emit("response.content_part.done", **self._where(item), content_index=0, part=part)
+        else:
+            self._emit("response.function_call_arguments.done", **self._where(item), name=item["name"],
+                       arguments=item["arguments"])
+        self._emit("response.output_item.done", output_index=self.output.index(item), item=item)
 
     def _response(self, status: str) -> dict[str, Any]:
         """The response object: its status, the output items so far, usage once it ended."""

@@ -26,6 +26,8 @@ from tp_llama.tool_format import encode_tool_chat, tool_functions
 TOOL_FORMATS = ("auto", "llama3_json", "pythonic", "llama4_pythonic", "none")
 LLAMA32_MAX_DIM = 3072  # Llama 3.2's text models (1B: 2048, 3B: 3072); Llama 3.1 / 3.3 start at 8B (4096)
 PYTHON_TAG = "<|python_tag|>"
+# What may come before a call: the grammar's and parse_tool_calls' whitespace, not all that str.strip drops.
+CALL_SPACE = " \t\n\r"
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
@@ -159,7 +161,7 @@ class ToolReply:
         """New shown text in; (content to stream, OpenAI tool-call deltas to stream) out."""
         self.text += piece
         if self.is_call is None:
-            head = self.text.lstrip()
+            head = self.text.lstrip(CALL_SPACE)  # "\xa0[" starts text: free under "auto", never read as a call
             if not head:
                 return "", []
             self.is_call = head[0] in "{[" or head.startswith(PYTHON_TAG) or self.use.choice not in ("auto", "none")
