@@ -22,6 +22,7 @@ from tp_llama.engine.core import Engine
 from tp_llama.engine.sampling import SamplingParams, top_logits
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.kernels import choose
+from tp_llama.kernels.cpu import ops
 from tp_llama.model import ModelArgs, Transformer
 from tests.support.meta_llama4 import random_served, small_params
 from tests.support.run_model import setup_slots, slot_batch
@@ -202,3 +203,26 @@ def test_an_engines_log_probabilities_of_a_request_alone_equal_them_beside_other
     assert beside.output == alone.output
     assert beside.prompt_logprobs == alone.prompt_logprobs
     assert beside.logprobs == alone.logprobs
+
+
+@pytest.fixture(scope="module")
+def heads_of_64(synthetic_checkpoint):
+    return synthetic_checkpoint("llama3", mp=1, dim=256, n_heads=4, n_kv_heads=2)
+
+
+@pytest.mark.skipif(not ops.blocked_prompts(torch.bfloat16, 64), reason="prompt_attention.c runs no prompt here")
+def test_a_bfloat16_prompt_the_budget_would_cut_one_token_short_keeps_its_reply(heads_of_64):
+    """bfloat16 with heads of 64 (prompt_attention.c): a 7-token prompt beside one of 26 tokens in a budget of 32
+    would leave its last token to a row of its own, which attends as a decode row, with other bits; its seeded
+    reply and log-probabilities are those it gets alone."""
+    engine = Engine.load(EngineConfig(str(heads_of_64), "tp", "bfloat16", max_seq_len=64, max_batch_size=4,
+                                      prefill_budget=32, prefix_caching=False))
+
+    def reply(before: int) -> Sequence:
+        seq = Sequence("x", tokens_of(1, 7), SamplingParams(8, temperature=0.9, seed=1, logprobs=3, ignore_eos=True))
+        others = [Sequence("y", tokens_of(2, before), SamplingParams(4, ignore_eos=True))] if before else []
+        engine.generate([*others, seq])
+        return seq
+
+    alone, beside = reply(0), reply(26)
+    assert (beside.output, beside.logprobs) == (alone.output, alone.logprobs)

@@ -5,10 +5,10 @@ table (`Scheduled`, sent as the step's `StepPlan`) that every rank runs as it is
 cancellations, preemptions and finishes all happen here, between steps.
 
 A step holds every decoding sequence (one token each) plus prompt chunks, up to `prefill_budget`
-rows in all (as vLLM's max_num_batched_tokens), so a long prompt is prefilled over several steps
-while the others keep decoding; a step that cuts a prompt is exactly the budget's size (a CPU
-matmul's cost goes by 32-row blocks: bench/engine/rounds.py's mixed steps). Prompts get at least
-half the budget however many sequences decode.
+rows in all (as vLLM's max_num_batched_tokens), so a long prompt is prefilled over several steps while the
+others keep decoding; a step that cuts a prompt is exactly the budget's size (a CPU matmul's cost goes by 32-row
+blocks: bench/engine/rounds.py's mixed steps), one row less where it would leave a token alone (prompt_chunk).
+Prompts get at least half the budget however many sequences decode.
 
 Memory decides how many run: a sequence is admitted when the blocks its prompt still needs (after
 the prefix cache's hits) are free, and grows a block at a time; when the pool runs dry mid-decode
@@ -40,7 +40,7 @@ from tp_llama.engine.plan import Row
 from tp_llama.engine.proposals import step_proposals
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scoring import prompt_scores
-from tp_llama.engine.sequence import Sequence, check_sequence
+from tp_llama.engine.sequence import Sequence, check_sequence, prompt_chunk
 from tp_llama.engine.speculate import Speculator
 from tp_llama.lora.slots import AdapterRef
 
@@ -199,12 +199,10 @@ class Scheduler:
         decode_tokens = sum(len(row.tokens) for row in rows)
         budget = start = max(self.prefill_budget - decode_tokens, self.prefill_budget // 2, 1)
         for seq in [s for s in self.running if s.prefilling] + list(self.waiting):
-            if budget == 0:
-                break
-            if seq not in self.running and not self._admit(seq):
+            if budget == 0 or seq not in self.running and not self._admit(seq):
                 break
             tokens = seq.tokens
-            chunk = tokens[seq.computed : seq.computed + budget]
+            chunk = tokens[seq.computed : seq.computed + prompt_chunk(seq, budget)]
             budget -= len(chunk)
             end = seq.computed + len(chunk)
             sample = end == len(tokens) and seq.params.max_new_tokens > 0
