@@ -292,6 +292,8 @@ def test_bfloat16_prompt_blocks_within_windows_match_pytorchs_attention():
     dense = {**small_params()["moe_args"], "interleave_moe_layer_step": 8}  # no layer's expert choice to flip
     params = small_params(vocab_size=256, dim=512, moe_args=dense)
     served, reference = (random_served(params, dtype, 2, 96) for dtype in (torch.bfloat16, torch.float32))
+    if not all(layer.attention.in_c for layer in served.layers):
+        pytest.skip("the C kernels do not run here (tests/test_kernels.py says why)")
     for layer in reference.layers:
         layer.attention.in_c = False
     gen = torch.Generator().manual_seed(4)
