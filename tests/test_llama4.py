@@ -127,18 +127,23 @@ def test_tp4_matches_meta(checkpoints, prompts, meta):
     assert_close(got[0], meta[:1], "MP 2 -> TP 4")
 
 
+def with_tokenizer(checkpoint: Path, tmp_path: Path) -> str:
+    """A folder of the checkpoint's files and a trained tokenizer (256 base tokens, read in Llama 4's format)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for path in checkpoint.iterdir():
+        (folder / path.name).symlink_to(path)
+    build_tokenizer("llama3", folder / "tokenizer.model", 512)
+    return str(folder)
+
+
 def test_decode_across_chunks_matches_meta(checkpoints, prompts, tmp_path):
     """Our greedy replies (prompt chunks, then decode steps across chunk boundaries, batched and alone)
     are Meta's argmax at every position of a prefill of prompt + reply, up to near-ties; batched
     requests give the replies they give alone, and a prompt whose first chunks are cached the reply it
     gets cold."""
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    for path in checkpoints[1].iterdir():
-        (folder / path.name).symlink_to(path)
-    build_tokenizer("llama3", folder / "tokenizer.model", 512)  # 256 base tokens, read in Llama 4's format
-    engine = Engine.load(EngineConfig(str(folder), "tp", "float32", max_seq_len=128, max_batch_size=4,
-                                      prefill_budget=48))
+    engine = Engine.load(EngineConfig(with_tokenizer(checkpoints[1], tmp_path), "tp", "float32", max_seq_len=128,
+                                      max_batch_size=4, prefill_budget=48))
 
     def replies(batch: list[list[int]], scheduler=None) -> list[list[int]]:
         scheduler = scheduler or engine.new_scheduler()
@@ -281,6 +286,22 @@ def test_llama4_refuses_lora_and_compiles_only_where_it_can(checkpoints):
     assert "bfloat16" in compiles_decode(on, cuda, "plain", args, torch.float32)[1]
     odd = dataclasses.replace(args, attention_chunk_size=40)
     assert "40" in compiles_decode(on, cuda, "plain", odd, torch.bfloat16)[1]
+
+
+def test_chunks_of_no_whole_number_of_kv_blocks_attend_in_pytorch_and_say_so(checkpoints, tmp_path, capfd):
+    """32-position chunks in blocks of 48: the C kernels' attention reads whole blocks from a window's first,
+    so PyTorch's attends (its bits batch-dependent), the load says so, and the greedy reply is a load's in blocks
+    of 16 (C attention)."""
+    folder = with_tokenizer(checkpoints[1], tmp_path)
+    replies = {}
+    for block in (16, 48):
+        engine = Engine.load(EngineConfig(folder, "tp", "float32", max_seq_len=96, kv_block_size=block))
+        said = capfd.readouterr().err
+        assert ("attention: PyTorch's" in said) == (block == 48), said
+        seq = Sequence("a", list(range(3, 43)), SamplingParams(8, ignore_eos=True))
+        engine.generate([seq])
+        replies[block] = seq.output
+    assert replies[48] == replies[16]
 
 
 @torch.inference_mode()

@@ -140,6 +140,10 @@ class ModelRunner:
         self.lora: LoraStep | None = self.adapters.step if self.adapters is not None else None
         compiled, why = compiles_decode(config, info.device, kind, args, self.dtype)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
+        chunk = args.attention_chunk_size if args.family == "llama4" else None
+        if kind in C_KINDS and chunk and chunk % config.kv_block_size:  # backend/llama4.py's ServingAttention
+            log(f"attention: PyTorch's, not the C kernels' (attention_chunk_size {chunk} is no whole number of "
+                f"{config.kv_block_size}-position KV blocks): a row's bits then depend on its batch", info.rank)
         self.cache = self._allocate_pool(config, args, pool or PoolShare())
         model.eval()
         if config.mode == "tp":
