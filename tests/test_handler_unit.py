@@ -920,6 +920,24 @@ def test_logprobs_in_every_shape_agree_with_the_tokens(engine) -> None:
     assert all(e["top_logprobs"] == [] for e in streamed)
 
 
+def test_a_completions_top_logprobs_dict_keeps_the_best_of_tokens_of_equal_text(engine) -> None:
+    """Lone bytes all decode to U+FFFD, so the tiny model's top tokens often share a text: its key holds the best
+    of their log-probabilities (what lm-evaluation-harness's greedy check reads), as the native API lists them."""
+    ask = {"prompt": "once upon a time", "temperature": 0, "ignore_eos": True, "logprobs": 5}
+    replies = run_to_end(new_handler(engine), {"n": json.dumps({**ask, "max_new_tokens": 8}).encode(),
+                                               "c": json.dumps({**ask, "max_tokens": 8}).encode()},
+                         paths={"c": COMPLETIONS})
+    want, shared = [], 0
+    for entry in final_json(replies["n"])["logprobs"]:
+        texts = [(engine.tokenizer.decode([t["token_id"]]), t["logprob"]) for t in entry["top_logprobs"]]
+        shared += len(texts) - len({text for text, _ in texts})
+        want.append({text: max(v for t, v in texts if t == text) for text, _ in texts})
+    assert shared, "no two top tokens share a text; pick another prompt"
+    got = final_json(replies["c"])["choices"][0]["logprobs"]["top_logprobs"]
+    assert [list(d) for d in got] == [list(d) for d in want]
+    assert [list(d.values()) for d in got] == [pytest.approx(list(d.values()), abs=1e-5) for d in want]
+
+
 def test_sampling_fields_reach_the_engine(engine) -> None:
     """A seeded request repeats itself; logit_bias forces a token at temperature 0; top_k 1 is greedy.
     (What each filter and penalty does to the distribution: tests/test_sampling.py.)"""

@@ -63,7 +63,13 @@ class LegacyLogprobs:
         return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _top(self, entry: TokenLogprobs) -> dict[str, float]:
-        return {self.decode([token]): value for token, value in entry.top}
+        """{text: log-probability} of the most likely tokens; tokens of equal text (lone bytes all decode to
+        U+FFFD) share a key, which keeps the best of them (the list is best first): a later one's lower value
+        would make the text look less likely than it is, and another text the dict's best."""
+        top: dict[str, float] = {}
+        for token, value in entry.top:
+            top.setdefault(self.decode([token]), value)
+        return top
 
     def generated(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
         """The lists of generated tokens."""
