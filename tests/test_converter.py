@@ -148,7 +148,21 @@ def helper_checks() -> dict:
     except CheckpointError as exc:
         layer_freqs = str(exc)
     return {"gathered_ok": gathered_ok, "mismatch": mismatch, "bad_world": bad_world, "bad_shard": bad_shard,
-            "layer_freqs": layer_freqs}
+            "layer_freqs": layer_freqs, "any_order": _shards_listed_in_another_order()}
+
+
+def _shards_listed_in_another_order() -> list[str] | str:
+    """Rank 1's dict lists its tensors backwards: the converter must still pair each tensor with its own halves.
+    The names whose full tensor differs from the unsharded weights (none expected), or the error."""
+    consolidated = consolidated_for("llama3", 2, dist.get_rank())
+    if dist.get_rank() == 1:
+        consolidated = dict(reversed(consolidated.items()))
+    try:
+        state = build_distributed_state_dict_from_consolidated(
+            Transformer(ARGS["llama3"]), consolidated, 2, use_dtensor=True)
+    except AssertionError as exc:
+        return str(exc)
+    return [k for k, v in full_weights("llama3").items() if not torch.equal(state[k].full_tensor(), v)]
 
 
 def test_helpers_gather_verify_fail_together_and_pass_rope_tables(two_ranks):
@@ -159,6 +173,34 @@ def test_helpers_gather_verify_fail_together_and_pass_rope_tables(two_ranks):
         assert "not a multiple" in result["bad_world"]
         assert "layers.1.feed_forward.w2.weight" in result["bad_shard"] and "rank 1" in result["bad_shard"]
         assert result["layer_freqs"] is True, result["layer_freqs"]
+
+
+def test_ranks_may_list_their_tensors_in_different_orders(two_ranks):
+    for result in (ranks["helpers"] for ranks in two_ranks):
+        assert isinstance(result, dict), result
+        assert result["any_order"] == [], result["any_order"]
+
+
+def _one_rank_loads_into_fsdp() -> str:
+    """World size 1: FSDP runs NO_SHARD, which loads whole plain tensors; the converter's output must load."""
+    for use_dtensor in (False, True):
+        model = Transformer(ARGS["llama2"])
+        state = build_distributed_state_dict_from_consolidated(
+            model, consolidated_for("llama2", 1, 0), 1, use_dtensor=use_dtensor)
+        state.pop("rope.freqs")
+        mesh = init_device_mesh("cpu", (1,)) if use_dtensor else None
+        wrapped = FSDP(model, device_mesh=mesh, device_id=torch.device("cpu"), use_orig_params=True)
+        with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
+            wrapped.load_state_dict(state)
+        with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+            back = wrapped.state_dict()
+        for key, tensor in full_weights("llama2").items():
+            assert torch.equal(back[key], tensor), (use_dtensor, key)
+    return "ok"
+
+
+def test_one_rank_loads_into_fsdp_exactly():
+    assert run_ranks(_one_rank_loads_into_fsdp, 1, timeout=120) == ["ok"]
 
 
 def test_is_tp_sharded_follows_the_name_heuristic():

@@ -113,6 +113,13 @@ def _check_alike_on_every_rank(consolidated_state_dict: Dict[str, Tensor], mp: i
                     f"{other[0]} on rank {rank} (MP rank {rank % mp}): the files split it differently")
 
 
+def _in_model_order(ref_state_dict: Dict[str, Tensor], consolidated_state_dict: Dict[str, Tensor]) -> list[str]:
+    """The model's parameter names in its own order, then the shard's RoPE tables: every rank must reach each
+    tensor's all-gather together, and two ranks' dicts need not list their tensors alike (one rebuilt or
+    filtered by hand). _check_shards has made sure both hold the same parameters."""
+    return list(ref_state_dict) + [fqn for fqn in consolidated_state_dict if is_ignored(fqn)]
+
+
 def build_distributed_state_dict_from_consolidated(
     model: nn.Module,
     consolidated_state_dict: Dict[str, Tensor],
@@ -124,7 +131,8 @@ def build_distributed_state_dict_from_consolidated(
 
     `model` is the unwrapped model (only its state-dict shapes are read; meta tensors are fine).
     Returns ShardedTensor values, or DTensor (Shard(0) on a 1-D mesh over all ranks) with
-    use_dtensor=True; with offload_to_cpu the results live in CPU memory on a gloo group.
+    use_dtensor=True; with offload_to_cpu the results live in CPU memory on a gloo group. On one rank the
+    values are plain whole tensors: FSDP runs a world of one as NO_SHARD, which loads only those.
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
     mp = model_parallel_world_size
@@ -142,18 +150,21 @@ def build_distributed_state_dict_from_consolidated(
 
     chunk_group = grp_gloo if offload_to_cpu else dist.group.WORLD
     chunk_device = torch.device("cpu") if offload_to_cpu else compute_device
-    mesh = _mesh_over(chunk_group, chunk_device) if use_dtensor else None
+    mesh = _mesh_over(chunk_group, chunk_device) if use_dtensor and world_size > 1 else None
     devices_per_node = max(torch.cuda.device_count(), 1) if chunk_device.type == "cuda" else 1
 
     dist_state_dict: Dict[str, Union[Tensor, DTensor, ShardedTensor]] = {}
-    for fqn, tensor in consolidated_state_dict.items():
+    for fqn in _in_model_order(ref_state_dict, consolidated_state_dict):
+        tensor = consolidated_state_dict[fqn]
         if is_ignored(fqn):  # the seed's `"rope.freqs" in fqn`: Llama 2's table and the original LLaMA's per layer
             dist_state_dict[fqn] = tensor.clone()
             continue
         if is_sharded(fqn):
             tensor, _ = _unshard_param(ref_state_dict, fqn, model_parallel_group, grp_gloo, tensor, tensor.shape)
         tensor = tensor.to(chunk_device).contiguous()
-        if mesh is not None:
+        if world_size == 1:
+            dist_state_dict[fqn] = tensor
+        elif mesh is not None:
             dist_state_dict[fqn] = _ext_chunk_dtensor(tensor=tensor, rank=rank, device_mesh=mesh)
         else:
             dist_state_dict[fqn] = _ext_chunk_tensor(
