@@ -52,16 +52,25 @@ def compiles_decode(config: EngineConfig, device: torch.device, kind: str | None
     if not wants_compile(config, device):
         return False, f"compile={config.compile}"
     if args is not None and args.family == "llama4":
-        chunk = args.attention_chunk_size
         if dtype != torch.bfloat16:
             return False, "Llama 4's experts compile as grouped matmuls in bfloat16 only"
-        if chunk and chunk % config.kv_block_size:
-            return False, f"attention_chunk_size {chunk} is no whole number of {config.kv_block_size}-position KV blocks"
+        partial = chunks_in_part_blocks(args, config)
+        if partial:
+            return False, partial
     if kind is None:
         return False, "fsdp mode runs eagerly"
     if kind in C_KINDS:
         return False, "the C kernels already run a decode step in one call"
     return True, ""
+
+
+def chunks_in_part_blocks(args: ModelArgs, config: EngineConfig) -> str:
+    """Why Llama 4's attention chunks end inside KV blocks ("" where they do not): the step's block masks and the
+    C kernels' attention both read whole blocks from a chunk's first, so neither runs (PyTorch's attention does)."""
+    chunk = args.attention_chunk_size if args.family == "llama4" else None
+    if chunk and chunk % config.kv_block_size:
+        return f"attention_chunk_size {chunk} is no whole number of {config.kv_block_size}-position KV blocks"
+    return ""
 
 
 def backend_preparation(config: EngineConfig, info: DistInfo, dtype: torch.dtype) -> Preparation:
@@ -140,10 +149,10 @@ class ModelRunner:
         self.lora: LoraStep | None = self.adapters.step if self.adapters is not None else None
         compiled, why = compiles_decode(config, info.device, kind, args, self.dtype)
         log(f"decode steps: {'compiled' if compiled else 'eager'}" + (f" ({why})" if why else ""), info.rank)
-        chunk = args.attention_chunk_size if args.family == "llama4" else None
-        if kind in C_KINDS and chunk and chunk % config.kv_block_size:  # backend/llama4.py's ServingAttention
-            log(f"attention: PyTorch's, not the C kernels' (attention_chunk_size {chunk} is no whole number of "
-                f"{config.kv_block_size}-position KV blocks): a row's bits then depend on its batch", info.rank)
+        partial = chunks_in_part_blocks(args, config)
+        if kind in C_KINDS and partial:  # backend/llama4.py's ServingAttention
+            log(f"attention: PyTorch's, not the C kernels' ({partial}): a row's bits then depend on its batch",
+                info.rank)
         self.cache = self._allocate_pool(config, args, pool or PoolShare())
         model.eval()
         if config.mode == "tp":
