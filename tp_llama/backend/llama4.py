@@ -2,9 +2,10 @@
 
 q/k/v run as one matmul and the FFNs' w1/w3 as one (with the C kernels, tiles that end in SwiGLU), as
 for Llama 2/3 (backend/fused.py, backend/cpu.py); iRoPE's steps between the projections and attention
-stay PyTorch's (model/llama4.py). With the C kernels every token then attends as a decode row in C,
-within its window on the chunked layers, so that a row's bits do not depend on the rows beside it
-(PyTorch's attention pads decode rows to the longest, which moves their bits).
+stay PyTorch's (model/llama4.py). With the C kernels the attention then runs in C as Llama 2/3's does
+(decode rows one C call, within their window on the chunked layers; prompt chunks a piece per window),
+so that a row's bits do not depend on the rows beside it (PyTorch's attention pads decode rows to the
+longest, which moves their bits).
 
 Each routed expert is a feed-forward of its own, so a decode row reads
 only the weights of the expert it was routed to, and a prompt step reads each chosen expert's weights

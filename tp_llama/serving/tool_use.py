@@ -183,7 +183,8 @@ class ToolReply:
         """At the end of a streamed chat reply: a call cut short (it does not parse) whose name never went out
         goes out as content, as the whole reply gives it (held from its first character, none of it went out
         before). Once a call's delta went out the stream cannot take it back: the cut call stays the calls sent,
-        their arguments as far as they were written, with finish_reason "length" (as vLLM streams one)."""
+        their arguments as far as they were written, with the cut's finish_reason ("length", or "stop" for a stop
+        string), as vLLM streams one."""
         if self.is_call and not self.calls and not self.finished_as_call:
             self.is_call, self.sent = False, len(self.text)
             return self.text
