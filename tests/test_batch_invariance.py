@@ -226,3 +226,27 @@ def test_a_bfloat16_prompt_the_budget_would_cut_one_token_short_keeps_its_reply(
 
     alone, beside = reply(0), reply(26)
     assert (beside.output, beside.logprobs) == (alone.output, alone.logprobs)
+
+
+@pytest.mark.skipif(not ops.blocked_prompts(torch.bfloat16, 64), reason="prompt_attention.c runs no prompt here")
+def test_a_bfloat16_reply_preempted_and_computed_again_keeps_its_tokens_and_log_probabilities(heads_of_64):
+    """bfloat16 with heads of 64: a sequence preempted mid-reply computes its reply's tokens again as decode rows
+    (`Row.decoded`), with the bits the decode steps gave their keys and values; computed as a prompt (in
+    prompt_attention.c) they had other bits, and what it drew after them could differ."""
+
+    def replies(engine: Engine) -> list[Sequence]:
+        seqs = [Sequence(str(i), tokens_of(i, 9 + 5 * i), SamplingParams(30, temperature=0.9, seed=i, logprobs=3,
+                                                                         ignore_eos=True)) for i in range(4)]
+        engine.generate(seqs)
+        return seqs
+
+    config = dict(max_seq_len=64, max_batch_size=4, prefill_budget=32, prefix_caching=False)
+    roomy = Engine.load(EngineConfig(str(heads_of_64), "tp", "bfloat16", **config))
+    cache = roomy.cache
+    block_bytes = 2 * len(roomy.model.layers) * cache.k[:, : cache.block_size].numel() * cache.k.element_size()
+    tight = Engine.load(EngineConfig(str(heads_of_64), "tp", "bfloat16", kv_cache_memory_gb=6 * block_bytes / 2**30,
+                                     **config))
+    assert tight.cache.n_blocks == 6  # one sequence of max_seq_len and two blocks more
+    want, got = replies(roomy), replies(tight)
+    assert sum(s.preemptions for s in want) == 0 and sum(s.preemptions for s in got) > 0
+    assert [(s.output, s.logprobs) for s in got] == [(s.output, s.logprobs) for s in want]

@@ -8,7 +8,8 @@ table; each sampler then "picks" its token from the row's history as read back t
 (and one draw of its generator, if it has one). Whatever a sequence produces depends only on its
 tokens, never on the batch, and a wrong block table, a block shared too far or a missing copy shows as
 a history that is not the sequence's: a preempted sequence or a group's member must end with the
-tokens it would have had alone.
+tokens it would have had alone. A preempted sequence's reply must come back in rows of its own
+(`Row.decoded`), never in a row with prompt tokens.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def forward(scheduler: Scheduler, plan: Scheduled) -> list[int]:
         assert row.blocks == s.blocks[: len(row.blocks)]
         assert len(row.blocks) * SIZE >= row.start + len(row.tokens)
         assert row.tokens == s.tokens[row.start : row.start + len(row.tokens)]
+        # A preempted sequence's reply is computed again in rows of its own that attend as decode rows.
+        prompt = len(s.prompt_ids)
+        assert row.start >= prompt or row.start + len(row.tokens) <= prompt
+        assert row.start < prompt or row.decoded or row.start == len(s.tokens) - 1  # else a decode row
+        assert not row.decoded or row.start >= prompt
         for p, token in enumerate(row.tokens, row.start):
             kv[slot(row.blocks, p)] = token
     picked = []

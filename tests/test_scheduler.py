@@ -222,7 +222,7 @@ def test_a_kv_cache_too_big_for_memory_fails_the_load_naming_the_keys(tmp_path):
 
 def test_the_plan_comes_back_whole_from_its_wire():
     wire = PlanWire(max_rows=4, max_tokens=16, max_blocks=12)
-    plan = StepPlan([Row(7, [5], True, [3, 9], copy=(6, 9)), Row(0, [1, 2, 3], False, [4]),
+    plan = StepPlan([Row(7, [5], True, [3, 9], copy=(6, 9)), Row(0, [1, 2, 3], False, [4], decoded=True),
                      Row(32, [8, 9], True, [0, 1, 2], 2, 1, 11), Row(7, [6], True, [3, 0], copy=(6, 0))], end=False)
     assert wire.decode(wire.encode(plan)) == plan and wire.decode(wire.encode(plan)).copies == [(6, 9), (6, 0)]
     assert wire.decode(wire.encode(StepPlan([]))) == StepPlan([])

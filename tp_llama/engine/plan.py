@@ -28,6 +28,9 @@ class Row:
     # token; logits come back for the newest token and each proposal (proposed + 1 of them).
     proposed: int = 0
     adapter: int = 0  # the LoRA adapter's slot its tokens run through (0: the base; lora/slots.py)
+    # A preempted sequence's reply, computed again: its tokens attend as decode rows, so that their keys and values
+    # get the bits the decode steps that made them gave (prompt rows' differ: bfloat16, heads of 64).
+    decoded: bool = False
 
     @property
     def logits_wanted(self) -> int:
@@ -66,10 +69,10 @@ class PlanWire:
     more: a step is one broadcast, or two at long contexts.
 
     Layout: [end, n_rows, draft, load, rows x (start, length, sample, n_blocks, score, scored, next_token, copy src,
-    copy dst, proposed, adapter), tokens..., block ids...]; a row without a copy has -1 for both.
+    copy dst, proposed, adapter, decoded), tokens..., block ids...]; a row without a copy has -1 for both.
     """
 
-    FIELDS = 11
+    FIELDS = 12
 
     def __init__(self, max_rows: int, max_tokens: int, max_blocks: int):
         self.max_rows, self.max_tokens, self.max_blocks = max_rows, max_tokens, max_blocks
@@ -82,7 +85,7 @@ class PlanWire:
         tokens, blocks = array("q"), array("q")
         for row in plan.rows:
             head.extend((row.start, len(row.tokens), int(row.sample), len(row.blocks), row.score, row.scored,
-                         row.next_token, *(row.copy or (-1, -1)), row.proposed, row.adapter))
+                         row.next_token, *(row.copy or (-1, -1)), row.proposed, row.adapter, int(row.decoded)))
             tokens.extend(row.tokens)
             blocks.extend(row.blocks)
         if len(plan.rows) > self.max_rows or len(tokens) > self.max_tokens or len(blocks) > self.max_blocks:
@@ -115,9 +118,9 @@ class PlanWire:
         if len(parts) > 1:
             blocks += parts[1].tolist()
         rows, t, b = [], 0, 0
-        for start, length, sample, n_blocks, score, scored, next_token, src, dst, proposed, adapter in fields:
+        for start, length, sample, n_blocks, score, scored, next_token, src, dst, proposed, adapter, decoded in fields:
             rows.append(Row(start, tokens[t : t + length], bool(sample), blocks[b : b + n_blocks], score, scored,
-                            next_token, (src, dst) if src >= 0 else None, proposed, adapter))
+                            next_token, (src, dst) if src >= 0 else None, proposed, adapter, bool(decoded)))
             t, b = t + length, b + n_blocks
         return StepPlan(rows, end=bool(end), draft=bool(draft), load=load)
 

@@ -276,7 +276,8 @@ class ModelRunner:
         """The rows' batch, its tokens' adapter slots handed to the adapted projections (lora/slots.py)."""
         spec = [(r.start, r.tokens, r.logits_wanted, r.blocks) for r in rows]
         batch = Batch.build(spec, self.cache.block_size, self.cache.spare, self.info.device, all_logits=all_logits,
-                            adapters=[r.adapter for r in rows] if self.lora is not None else None)
+                            adapters=[r.adapter for r in rows] if self.lora is not None else None,
+                            decoded=[r.decoded for r in rows])
         if self.lora is not None:
             self.lora.begin(batch.adapters, batch.adapter_groups)
         return batch

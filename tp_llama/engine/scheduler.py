@@ -12,7 +12,8 @@ Prompts get at least half the budget however many sequences decode.
 
 Memory decides how many run: a sequence is admitted when the blocks its prompt still needs (after
 the prefix cache's hits) are free, and grows a block at a time; when the pool runs dry mid-decode
-the newest sequence is preempted (its blocks freed, its tokens recomputed later, as vLLM does).
+the newest sequence is preempted (its blocks freed, its tokens recomputed later, as vLLM does; its
+reply's tokens in rows that attend as the decode steps did, `Row.decoded`).
 
 Speculative decoding (a `Speculator`) and grammars' forced tokens: a decode row may carry proposed
 tokens after its newest one (engine/proposals.py), within its sequence's room (max_new_tokens,
@@ -207,7 +208,7 @@ class Scheduler:
             end = seq.computed + len(chunk)
             sample = end == len(tokens) and seq.params.max_new_tokens > 0
             rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *prompt_scores(seq, seq.computed, end),
-                            adapter=self._slot(seq)))
+                            adapter=self._slot(seq), decoded=seq.computed >= len(seq.prompt_ids)))
             owners.append(seq)
             if sample:
                 pickers.append([seq, *seq.forks])

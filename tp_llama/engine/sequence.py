@@ -87,11 +87,15 @@ def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: i
 
 
 def prompt_chunk(seq: Sequence, budget: int) -> int:
-    """How many of a prefilling sequence's next tokens its row takes, at most `budget`: never all but one, where
-    it can take fewer and still not be alone, so the last token does not come to a row of its own. A row of one
-    token attends as a decode row, whose bits are not prompt_attention.c's (bfloat16, heads of 64:
-    docs/cpu-kernels.md), so a prompt cut there drew other tokens beside other requests than alone. A budget of
-    2 may still leave one (never a stall)."""
-    left = len(seq.tokens) - seq.computed
+    """How many of a prefilling sequence's next tokens its row takes, at most `budget`: a prompt's row ends at
+    the prompt's end (a preempted sequence's reply follows in rows of its own, `Row.decoded`), and never takes
+    all but one of the prompt, where it can take fewer and still not be alone, so the last token does not come
+    to a row of its own. A row of one token attends as a decode row, whose bits are not prompt_attention.c's
+    (bfloat16, heads of 64: docs/cpu-kernels.md), so a prompt cut there drew other tokens beside other requests
+    than alone. A budget of 2 may still leave one (never a stall)."""
+    prompt = len(seq.prompt_ids)
+    if seq.computed >= prompt:  # the reply's tokens attend as decode rows: any cut gives their bits
+        return min(budget, len(seq.tokens) - seq.computed)
+    left = prompt - seq.computed
     take = min(budget, left)
     return take - 1 if take == left - 1 and take > 2 else take

@@ -17,10 +17,10 @@ class Batch:
     The cache is a pool of blocks of `block_size` positions; row r's block table tables[r] lists
     the blocks of its positions 0, B, 2B, ... (padded with the spare block). The first `n_decode`
     tokens are decode rows (one token each, rows 0 .. n_decode - 1 of `tables`); the next `n_verify`
-    tokens are rows that want logits at several positions (speculative decoding's proposals, to be
-    attended as decode rows are); `prefill` lists every row after the decode rows as (first token
-    index, row of `tables`, start position, length). Logits come back for the tokens at `logits_at`
-    only; token t belongs to row token_rows[t] of `tables`.
+    tokens are rows attended as decode rows are: rows that want logits at several positions (speculative
+    decoding's proposals) and rows of decoded tokens (`Row.decoded`); `prefill` lists every row after the
+    decode rows as (first token index, row of `tables`, start position, length). Logits come back for the
+    tokens at `logits_at` only; token t belongs to row token_rows[t] of `tables`.
     """
 
     tokens: torch.Tensor
@@ -44,15 +44,18 @@ class Batch:
 
     @classmethod
     def build(cls, rows: list[tuple[int, list[int], int, list[int]]], block_size: int, spare: int,
-              device: torch.device, all_logits: bool = False, adapters: list[int] | None = None) -> Batch:
+              device: torch.device, all_logits: bool = False, adapters: list[int] | None = None,
+              decoded: list[bool] | None = None) -> Batch:
         """rows: (start position, tokens, how many of its last tokens want logits (0, 1 or more; a
         bool for 0 or 1), block table); a row of one token decodes. `spare`: the block padding tables
-        point at. adapters: each row's LoRA adapter slot (0: the base).
+        point at. adapters: each row's LoRA adapter slot (0: the base). decoded: the rows whose tokens
+        attend as decode rows though they want fewer than two logits (`Row.decoded`).
 
         Everything is computed on the host from Python ints and copied to the device at once: no
         device sync in the forward.
         """
-        order = sorted(range(len(rows)), key=lambda i: 0 if len(rows[i][1]) == 1 else 1 if rows[i][2] > 1 else 2)
+        as_decode = [want > 1 or bool(decoded and decoded[i]) for i, (_, _, want, _) in enumerate(rows)]
+        order = sorted(range(len(rows)), key=lambda i: 0 if len(rows[i][1]) == 1 else 1 if as_decode[i] else 2)
         width = max(len(rows[i][3]) for i in order)
         tokens, positions, locations, tables, prefill, token_rows = [], [], [], [], [], []
         first = [0] * len(rows)
@@ -74,7 +77,7 @@ class Batch:
             else:
                 logits_at += range(first[i] + len(ids) - want, first[i] + len(ids))
         n_decode = sum(1 for _, ids, _, _ in rows if len(ids) == 1)
-        n_verify = sum(len(ids) for _, ids, want, _ in rows if len(ids) > 1 and want > 1)
+        n_verify = sum(len(ids) for (_, ids, _, _), many in zip(rows, as_decode) if len(ids) > 1 and many)
         # One host-to-device copy for everything the forward reads.
         parts = (tokens, positions, locations, logits_at, tables, token_rows)
         values = array("q")
