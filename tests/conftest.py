@@ -30,23 +30,6 @@ def tokenizer(checkpoint: Path):
     return load_tokenizer(checkpoint / "tokenizer.model")
 
 
-# The files that take longest go to the workers first, so that the suite does not end on one worker
-# running a long file while the other has nothing left (xdist hands out files in collection order).
-LONGEST_FIRST = ("test_reliability", "test_parity", "test_serving_e2e", "test_bad_checkpoints", "test_openai",
-                 "test_kernel_build", "test_llama4", "test_decode_step", "test_lora", "test_prefix_cache", "test_kernels",
-                 "test_converter", "test_draft", "test_meta_quantized", "test_tp_model", "test_llama4_served",
-                 "test_tool_calls", "test_rank_agreement", "test_gpu_serve", "test_quant", "test_structured",
-                 "test_gpu_profile", "test_metrics", "test_keys", "test_overload", "test_threads")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.path.stem
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", default=os.environ.get("TP_LLAMA_TEST_DEVICE", "cpu"), choices=("cpu", "cuda"),
                      help="where the single-process model tests run (default cpu, or TP_LLAMA_TEST_DEVICE); "
