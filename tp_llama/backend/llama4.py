@@ -41,6 +41,7 @@ class ServingAttention(FusedAttention):
         super().__init__(attention, kind, device, bits)
         self.irope = attention.irope
         self.in_c = kind in C_KINDS and self.head_dim <= library().constants["MAX_HEAD_DIM"]
+        self._unrotated = torch.empty(0)  # C's RoPE as 1 + 0i for the rows of a step, grown to the most it has seen
 
     def attend(self, qkv: torch.Tensor, rotation: torch.Tensor, batch: Batch, done: int = 0) -> torch.Tensor:
         n_q, n_kv = self.widths
@@ -65,10 +66,11 @@ class ServingAttention(FusedAttention):
     def _as_decode_rows(self, ready: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
                         write_first: bool) -> None:
         """Each row of `ready` (q, k, v rotated) a decode row at its position (decode_attention's write_first)."""
-        unrotated = torch.tensor([1.0, 0.0]).repeat(len(ready), self.head_dim // 2)
-        cache = self.cache
-        ops.decode_attention(ready, ops.decode_rows(unrotated, tables, positions), cache.k, cache.v, cache.block_size,
-                             out, write_first=write_first, window=self.irope.window)
+        if len(self._unrotated) < len(ready):
+            self._unrotated = torch.tensor([1.0, 0.0]).repeat(len(ready), self.head_dim // 2)
+        cache, rows = self.cache, ops.decode_rows(self._unrotated[: len(ready)], tables, positions)
+        ops.decode_attention(ready, rows, cache.k, cache.v, cache.block_size, out, write_first=write_first,
+                             window=self.irope.window)
 
     def _prompt_chunk(self, ready: torch.Tensor, batch: Batch, first: int, row: int, start: int, length: int,
                       out: torch.Tensor) -> None:
