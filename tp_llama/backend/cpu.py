@@ -71,6 +71,13 @@ def feed_forward(ffn: FeedForward, kind: str, bits: int) -> nn.Module:
     return GatedFeedForward(w13, serving_linear(ffn.w2, kind, bits=bits))
 
 
+def decode_tokens(batch: Batch, dtype: torch.dtype, head_dim: int) -> int:
+    """How many of the step's first tokens attend as decode rows: every one where prompt_attention.c does not
+    run prompts, else the decode rows and those counted in n_verify (proposals, decoded tokens), whose bits
+    must be those of decode steps."""
+    return batch.n_decode + batch.n_verify if ops.blocked_prompts(dtype, head_dim) else len(batch.tokens)
+
+
 class CAttention(FusedAttention):
     """Decode rows' attention in one C call. Prompt rows: in bfloat16 with heads of a multiple of 64,
     RoPE and the cache write in another, then each chunk's attention in C; otherwise every token of
@@ -78,9 +85,7 @@ class CAttention(FusedAttention):
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, batch: Batch) -> torch.Tensor:
         qkv = self.qkv(x)
-        # Tokens that attend as decode rows: every one where prompt_attention.c does not run prompts,
-        # else the decode rows and the rows that verify proposals (their bits those of decode steps).
-        done = len(qkv) if not ops.blocked_prompts(qkv.dtype, self.head_dim) else batch.n_decode + batch.n_verify
+        done = decode_tokens(batch, qkv.dtype, self.head_dim)
         out = qkv.new_empty((qkv.shape[0], self.widths[0]))
         cache = self.cache
         if done:

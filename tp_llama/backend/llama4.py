@@ -52,7 +52,7 @@ class ServingAttention(FusedAttention):
         q, k = self.irope.query_and_key(q, k, rotation, batch)
         ready = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)  # rotated already: C's RoPE is 1 + 0i
         out = ready.new_empty((len(ready), n_q))
-        rows = len(ready) if not ops.blocked_prompts(ready.dtype, self.head_dim) else batch.n_decode + batch.n_verify
+        rows = cpu.decode_tokens(batch, ready.dtype, self.head_dim)
         if rows:
             self._as_decode_rows(ready[:rows], batch.tables_of(rows), batch.positions[:rows], out[:rows],
                                  rows > batch.n_decode)
