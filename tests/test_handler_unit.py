@@ -45,7 +45,7 @@ class ByteTokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if messages[-1]["role"] != "user":
             raise ValueError("the last message must be from the user")
-        return self.encode(" ".join(m["content"] for m in messages))
+        return self.encode(" ".join("".join(m["content"]) for m in messages))  # content: a str or text parts
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

@@ -217,6 +217,22 @@ def test_chat_template_matches_meta_chat_format(tok, chat_format, dialog):
     assert tok.encode_chat(dialog) == meta_ids(chat_format, dialog)
 
 
+def test_text_parts_encode_apart_like_meta_chat_format(tok, chat_format):
+    """OpenAI text parts are Meta's RawTextItems, each encoded on its own and as sent, with tools or without."""
+    from llama_models.datatypes import RawMessage, RawTextItem
+
+    from tp_llama.serving.openai_api import chat_messages
+
+    turns = [("system", [" Be ", "brief\n"]), ("user", ["Hel", "lo world", "", "<|eot|>"]), ("assistant", ["I'", "m"]),
+             ("user", ["日", "本 🦙"])]
+    messages = [{"role": r, "content": [{"type": "text", "text": t} for t in texts]} for r, texts in turns]
+    raw = [RawMessage(role=r, content=[RawTextItem(text=t) for t in texts]) for r, texts in turns]
+    assert tok.encode_chat(chat_messages(messages)) == meta_ids(chat_format, raw)
+    system, question = guide_turns()
+    ours = encode_tool_chat(tok, chat_messages(messages[1:]), [WEATHER], FMT)
+    assert ours == meta_ids(chat_format, [system, *raw[1:]])
+
+
 # ---------------------------------------------------------------------------------------------
 # Tool calling
 

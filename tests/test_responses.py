@@ -88,7 +88,8 @@ CONVERSATION = {"instructions": "Be brief.", "input": [
                                               "content": [{"type": "output_text", "text": "Hello.", "annotations": []}]},
     {"role": "user", "content": [{"type": "input_text", "text": "Tell me "}, {"type": "input_text", "text": "more"}]}]}
 CHAT_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Tell me more"}]
+                 {"role": "assistant", "content": "Hello."},
+                 {"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "more"}]}]
 
 
 def test_a_response_equals_the_chat_completion_plain_streamed_and_cut(engine, compiler) -> None:

@@ -612,3 +612,26 @@ def test_chat_strips_content_where_llama_models_does_not(meta, real) -> None:
     ours = real.encode_chat([{"role": "user", "content": "  hi  "}])
     assert ours == meta.encode_dialog([{"role": "user", "content": "hi"}])
     assert ours != meta.encode_dialog([{"role": "user", "content": "  hi  "}])
+
+
+def test_text_parts_encode_apart_like_meta(meta, real) -> None:
+    """OpenAI's text parts are Meta's RawTextItems, each encoded on its own: "Hel" + "lo" is not "Hello"'s
+    one token (each part stripped, as Hugging Face's Llama 3 template trims each part); the Responses API's
+    input_text / output_text parts alike."""
+    from llama_models.datatypes import RawMessage, RawTextItem
+
+    from tp_llama.serving.openai_api import chat_messages
+    from tp_llama.serving.responses_items import input_messages
+
+    dialogs = [[["Hel", "lo world"]], [[" be ", "brief\n"], ["I'", "m fine"], ["", "日", "本", " <|eot_id|>"]]]
+    for parts_per_turn in dialogs:
+        roles = ["user", "assistant"] * 2
+        messages = [{"role": r, "content": [{"type": "text", "text": p} for p in parts]}
+                    for r, parts in zip(roles, parts_per_turn)]
+        items = [{"role": r, "content": [{"type": f"{'input' if r == 'user' else 'output'}_text", "text": p}
+                                         for p in parts]} for r, parts in zip(roles, parts_per_turn)]
+        raw = [RawMessage(role=r, content=[RawTextItem(text=p.strip()) for p in parts])
+               for r, parts in zip(roles, parts_per_turn)]
+        want = list(meta.chat_format.encode_dialog_prompt(raw).tokens)
+        assert real.encode_chat(chat_messages(messages)) == want
+        assert real.encode_chat(input_messages(items, None, False)) == want

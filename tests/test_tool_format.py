@@ -134,6 +134,24 @@ def test_json_history_matches_meta_chat_format(meta, tok, ipython):
     assert "<|start_header_id|>ipython<|end_header_id|>" in tok.decode(ours)
 
 
+def test_text_parts_encode_apart_like_meta_chat_format(meta, tok):
+    """OpenAI text parts in a tools chat are Meta's RawTextItems, each encoded on its own ("Hel" + "lo")."""
+    from llama_models.datatypes import RawMessage, RawTextItem
+
+    from tp_llama.serving.openai_api import chat_messages
+
+    system, tools_text, question = json_guide_turns()
+    openai, raw = history(meta, {"city": "Paris"}, eom=True)  # a call, its result, a reply, a follow-up
+    openai.insert(0, {"role": "user"})
+    raw.insert(0, RawMessage(role="user", content=""))
+    for at, texts in {0: ["Hel", "lo ", question[1]], 2: ['"25', ' C"'], 3: ["It is", " 25 C", ""]}.items():
+        openai[at] = {**openai[at], "content": [{"type": "text", "text": t} for t in texts]}
+        raw[at].content = [RawTextItem(text=t) for t in texts]
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, *openai]
+    ours = encode_tool_chat(tok, chat_messages(messages), [TRENDING], "llama3_json", today=TODAY)
+    assert ours == meta_ids(meta, [system, tools_text, *raw], "llama3_json")
+
+
 def test_pythonic_history_matches_meta_chat_format(meta, tok):
     question = "What is the weather in SF?"
     openai, raw = history(meta, {"city": "San Francisco", "metric": "celsius", "days": [1, 2], "hourly": True}, False)

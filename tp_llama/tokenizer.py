@@ -167,7 +167,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Llama 2 [INST] format: the system prompt joins the first user turn."""
-        turns = _validate_messages(messages)
+        turns = [(role, "".join(parts)) for role, parts in _validate_messages(messages)]
         for i, (_, content) in enumerate(turns):
             tags = [tag for tag in LLAMA2_CHAT_TAGS if tag in content]
             if tags:
@@ -241,9 +241,10 @@ class TiktokenBase(Tokenizer):
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The family's header format, ending with an open assistant header."""
         ids = [self.bos_id]
-        for role, content in _validate_messages(messages):
+        for role, parts in _validate_messages(messages):
             ids += self._header(role)
-            ids += self.encode(content.strip() if self.strip_chat else content, bos=False)
+            for part in parts:  # each text part on its own, as ChatFormat encodes a list of RawTextItems
+                ids += self.encode(part.strip() if self.strip_chat else part, bos=False)
             ids.append(self.special_ids[self.end_of_turn])
         ids += self._header("assistant")
         return ids
@@ -364,8 +365,13 @@ def _llama3_pieces(
         yield chunk[start:]
 
 
-def _validate_messages(messages: list[dict]) -> list[tuple[str, str]]:
-    """Check the common shape of a chat and return it as (role, content) pairs."""
+def _validate_messages(messages: list[dict]) -> list[tuple[str, tuple[str, ...]]]:
+    """Check the common shape of a chat and return it as (role, text parts) pairs.
+
+    A content is a str, or a tuple of str: the OpenAI API's text parts (a tuple, which no JSON body
+    can send, so the native API stays str-only). Meta's ChatFormat encodes each part on its own, so
+    BPE never merges across two parts; a str is one part.
+    """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     turns = []
@@ -375,9 +381,10 @@ def _validate_messages(messages: list[dict]) -> list[tuple[str, str]]:
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise ValueError(f"message {i}: role must be one of {CHAT_ROLES}, got {role!r}")
-        if not isinstance(content, str):
+        parts = content if isinstance(content, tuple) else (content,)
+        if not all(isinstance(part, str) for part in parts):
             raise ValueError(
                 f"message {i}: content must be a str, got {type(content).__name__}"
             )
-        turns.append((role, content))
+        turns.append((role, parts))
     return turns

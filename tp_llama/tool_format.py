@@ -175,7 +175,7 @@ def encode_tool_chat(
         raise ValueError("messages must be a non-empty list")
     system = None
     if isinstance(messages[0], dict) and messages[0].get("role") == "system":
-        system = _text(messages[0], 0)
+        system = "".join(_text(messages[0], 0))
     choice = _choice_line(tool_choice, functions)
     eom = tool_format == "llama3_json" and ipython and bool(functions)
     eot = tokenizer.end_of_turn
@@ -220,23 +220,23 @@ def _message(tokenizer: TiktokenBase, message: object, i: int, tool_format: str,
         raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
     role, eot = message.get("role"), tokenizer.end_of_turn
     if role == "user":
-        return _turn(tokenizer, "user", [_text(message, i)], eot)
+        return _turn(tokenizer, "user", _text(message, i), eot)
     if role == "tool":
-        return _turn(tokenizer, "ipython", [_text(message, i)], result_end)
+        return _turn(tokenizer, "ipython", _text(message, i), result_end)
     if role != "assistant":
         raise ValueError(f"message {i}: role must be 'user', 'assistant' or 'tool' (a system message "
                          f"only comes first), got {role!r}")
     calls = _calls(message, i)
-    content = "" if message.get("content") is None and calls else _text(message, i)
+    content = [] if message.get("content") is None and calls else _text(message, i)
     if not calls:
-        return _turn(tokenizer, "assistant", [content], eot)
+        return _turn(tokenizer, "assistant", content, eot)
     if tool_format == "llama3_json":
         if len(calls) > 1:
             raise ValueError(f"message {i}: llama3_json carries one tool call per assistant message "
                              f"(Meta's Llama 3.1 format), got {len(calls)}")
-        return _turn(tokenizer, "assistant", [content, _encode_call(*calls[0], tool_format)], call_end)
+        return _turn(tokenizer, "assistant", [*content, _encode_call(*calls[0], tool_format)], call_end)
     listed = "[" + ", ".join(_encode_call(name, args, tool_format) for name, args in calls) + "]"
-    return _turn(tokenizer, "assistant", [content, listed], call_end)
+    return _turn(tokenizer, "assistant", [*content, listed], call_end)
 
 
 def _calls(message: dict, i: int) -> list[tuple[str, dict]]:
@@ -263,11 +263,13 @@ def _calls(message: dict, i: int) -> list[tuple[str, dict]]:
     return out
 
 
-def _text(message: dict, i: int) -> str:
+def _text(message: dict, i: int) -> list[str]:
+    """A message's text parts: a str is one, a tuple (the OpenAI API's text parts) one each, encoded apart."""
     content = message.get("content")
-    if not isinstance(content, str):
+    parts = content if isinstance(content, tuple) else (content,)
+    if not all(isinstance(part, str) for part in parts):
         raise ValueError(f"message {i}: content must be a str, got {type(content).__name__}")
-    return content
+    return list(parts)
 
 
 def _turn(tokenizer: TiktokenBase, role: str, pieces: list[str], end: str) -> list[int]:

@@ -215,7 +215,8 @@ def _max_new_tokens(body: dict[str, Any], key: str, prompts: list[list[int]], ec
 
 
 def chat_messages(messages: Any) -> Any:
-    """OpenAI's content-part arrays of text parts become plain strings; the shared rules do the rest.
+    """OpenAI's content-part arrays of text parts become tuples of their texts, which the chat templates
+    encode part by part as Meta's ChatFormat encodes a list of RawTextItems; the shared rules do the rest.
 
     A media part is refused as such, whatever the checkpoint: a client sending an image to a model that
     could see one (Llama 4) learns that this server never loads a vision encoder, not that its part is malformed.
@@ -237,7 +238,7 @@ def chat_messages(messages: Any) -> Any:
                     raise RequestError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                                        "are supported", param="messages")
                 texts.append(part["text"])
-            message = {**message, "content": "".join(texts)}
+            message = {**message, "content": tuple(texts)}  # each part encoded on its own, as Meta's ChatFormat does
         plain.append(message)
     return plain
 

@@ -50,8 +50,10 @@ def _no_extra(item: dict, allowed: set[str], where: str) -> None:
         raise _refuse(f"{where} has unknown field(s) {extra}; allowed: {sorted(allowed)}")
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's or a call output's content: a string, or text parts joined (images, files and audio refused)."""
+def _text_of(content: Any, where: str) -> str | tuple[str, ...]:
+    """A message's or a call output's content: a string, or its text parts, which the chat templates encode each on
+    its own as Meta's ChatFormat does (chat's parts alike: openai_api.chat_messages); images, files and audio
+    refused."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -67,7 +69,7 @@ def _text_of(content: Any, where: str) -> str:
                           f"{kind if isinstance(kind, str) else type_name(part)!r}")
         _no_extra(part, _PART_KEYS[kind], at)
         texts.append(_string(part.get("refusal" if kind == "refusal" else "text"), f"{at}.text"))
-    return "".join(texts)
+    return tuple(texts)
 
 
 def _message(item: dict, where: str) -> dict:
@@ -111,8 +113,8 @@ def input_messages(items: Any, instructions: Any, with_tools: bool) -> list[dict
         kind = item.get("type", "message")
         if kind == "message":
             message = _message(item, where)
-            if message["role"] == "system" and not messages:
-                system.append(message["content"])
+            if message["role"] == "system" and not messages:  # one system text: its parts joined
+                system.append("".join(message["content"]))
             else:
                 messages.append(message)
         elif kind == "function_call":
