@@ -615,7 +615,7 @@ def test_a_null_token_limit_is_not_sent() -> None:
         (CHAT, {"prompt": "hi"}, "Unrecognized request argument supplied: prompt", "prompt"),
         (CHAT, {"max_tokens": 3}, "messages is required", "messages"),
         (CHAT, {"messages": []}, "non-empty array", "messages"),
-        (CHAT, {"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "unknown field(s) ['name']", "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", "nmae": "x"}]}, "unknown field(s) ['nmae']", "messages"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
                                                           {"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[1]: image_url parts are not supported: this server is text-only", "messages"),

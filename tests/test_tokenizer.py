@@ -635,3 +635,23 @@ def test_text_parts_encode_apart_like_meta(meta, real) -> None:
         want = list(meta.chat_format.encode_dialog_prompt(raw).tokens)
         assert real.encode_chat(chat_messages(messages)) == want
         assert real.encode_chat(input_messages(items, None, False)) == want
+
+
+def test_a_history_sent_back_as_the_openai_sdk_dumps_it_is_the_plain_chat(meta, real) -> None:
+    """A reply's message appended to the history as the openai SDK's model_dump() gives it (null refusal,
+    audio, function_call and tool_calls), a user's participant name and the developer role (system's name
+    for newer OpenAI models) encode as Meta encodes the plain dialog; an unknown field is still refused."""
+    from llama_models.datatypes import RawMessage
+    from openai.types.chat import ChatCompletionMessage
+
+    from tp_llama.serving.openai_api import chat_messages
+    from tp_llama.serving.request import RequestError, chat_prompt_ids
+
+    reply = ChatCompletionMessage(role="assistant", content="Hello.").model_dump()
+    sent = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"}, reply,
+            {"role": "user", "content": "More", "annotations": []}]
+    dialog = [RawMessage(role=role, content=text)
+              for role, text in (("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "More"))]
+    assert chat_prompt_ids(chat_messages(sent), real) == list(meta.chat_format.encode_dialog_prompt(dialog).tokens)
+    with pytest.raises(RequestError, match=r"unknown field\(s\) \['contnet'\]"):
+        chat_prompt_ids(chat_messages([{"role": "user", "content": "hi", "contnet": "hi"}]), real)

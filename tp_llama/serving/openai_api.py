@@ -218,6 +218,10 @@ def chat_messages(messages: Any) -> Any:
     """OpenAI's content-part arrays of text parts become tuples of their texts, which the chat templates
     encode part by part as Meta's ChatFormat encodes a list of RawTextItems; the shared rules do the rest.
 
+    A reply's message sent back as a client got it or dumps its model (null refusal, audio, function_call and
+    tool_calls, empty annotations) is the plain message; a participant `name` is dropped (Meta's formats have no
+    place for one, nor have Hugging Face's Llama templates); `developer` is `system`, as in the Responses API.
+
     A media part is refused as such, whatever the checkpoint: a client sending an image to a model that
     could see one (Llama 4) learns that this server never loads a vision encoder, not that its part is malformed.
     """
@@ -225,6 +229,11 @@ def chat_messages(messages: Any) -> Any:
         return messages
     plain = []
     for i, message in enumerate(messages):
+        if isinstance(message, dict):
+            message = {key: value for key, value in message.items()
+                       if key != "name" and not (value is None or key == "annotations" and value == [])}
+            if message.get("role") == "developer":
+                message["role"] = "system"
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             texts = []
