@@ -229,24 +229,66 @@ def test_a_bfloat16_prompt_the_budget_would_cut_one_token_short_keeps_its_reply(
 
 
 @pytest.mark.skipif(not ops.blocked_prompts(torch.bfloat16, 64), reason="prompt_attention.c runs no prompt here")
+def test_a_bfloat16_prompt_after_a_cache_hit_gets_no_lone_token_from_the_budgets_last_one(heads_of_64):
+    """bfloat16 with heads of 64, prefix caching on: a 40-token prompt hitting its first two blocks, beside a prompt
+    of 31 in a budget of 32, was handed the last one: its position 32 in a row of its own attended as a decode row,
+    with other bits than its prompt row alone gives it, and its seeded reply changed."""
+    engine = Engine.load(EngineConfig(str(heads_of_64), "tp", "bfloat16", max_seq_len=64, max_batch_size=4,
+                                      prefill_budget=32))
+
+    def reply(before: int) -> Sequence:
+        scheduler = engine.new_scheduler()  # the prefix cache's, filled with the prompt's first two blocks
+        scheduler.add(Sequence("warm", tokens_of(1, 40), SamplingParams(1, ignore_eos=True)))
+        engine.run(scheduler)
+        seq = Sequence("x", tokens_of(1, 40), SamplingParams(8, temperature=0.9, seed=1, logprobs=3, ignore_eos=True))
+        for other in [Sequence("y", tokens_of(2, before), SamplingParams(4, ignore_eos=True))] if before else []:
+            scheduler.add(other)
+        scheduler.add(seq)
+        engine.run(scheduler)
+        assert seq.cached_tokens == 32 and scheduler.pool.used == 0
+        return seq
+
+    alone, beside = reply(0), reply(31)
+    assert (beside.output, beside.logprobs) == (alone.output, alone.logprobs)
+
+
+def preempted_and_roomy(ckpt, lengths: list[int], blocks: int, prefix_caching: bool) -> None:
+    """Seeded replies to prompts of `lengths` from a pool of `blocks` blocks, where some are preempted, equal a
+    roomy pool's, tokens and log-probabilities, and every block is back at the end."""
+
+    def replies(engine: Engine) -> list[Sequence]:
+        seqs = [Sequence(str(i), tokens_of(i, n), SamplingParams(30, temperature=0.9, seed=i, logprobs=3,
+                                                                 ignore_eos=True)) for i, n in enumerate(lengths)]
+        scheduler = engine.new_scheduler()
+        for seq in seqs:
+            scheduler.add(seq)
+        engine.run(scheduler)
+        assert scheduler.pool.used == 0
+        return seqs
+
+    config = dict(max_seq_len=64, max_batch_size=4, prefill_budget=32, prefix_caching=prefix_caching)
+    roomy = Engine.load(EngineConfig(str(ckpt), "tp", "bfloat16", **config))
+    cache = roomy.cache
+    block_bytes = 2 * len(roomy.model.layers) * cache.k[:, : cache.block_size].numel() * cache.k.element_size()
+    tight = Engine.load(EngineConfig(str(ckpt), "tp", "bfloat16", kv_cache_memory_gb=blocks * block_bytes / 2**30,
+                                     **config))
+    assert tight.cache.n_blocks == blocks
+    want, got = replies(roomy), replies(tight)
+    assert sum(s.preemptions for s in want) == 0 and sum(s.preemptions for s in got) > 0
+    assert [(s.output, s.logprobs) for s in got] == [(s.output, s.logprobs) for s in want]
+
+
+@pytest.mark.skipif(not ops.blocked_prompts(torch.bfloat16, 64), reason="prompt_attention.c runs no prompt here")
 def test_a_bfloat16_reply_preempted_and_computed_again_keeps_its_tokens_and_log_probabilities(heads_of_64):
     """bfloat16 with heads of 64: a sequence preempted mid-reply computes its reply's tokens again as decode rows
     (`Row.decoded`), with the bits the decode steps gave their keys and values; computed as a prompt (in
     prompt_attention.c) they had other bits, and what it drew after them could differ."""
+    preempted_and_roomy(heads_of_64, [9, 14, 19, 24], 6, prefix_caching=False)  # one of max_seq_len, two blocks more
 
-    def replies(engine: Engine) -> list[Sequence]:
-        seqs = [Sequence(str(i), tokens_of(i, 9 + 5 * i), SamplingParams(30, temperature=0.9, seed=i, logprobs=3,
-                                                                         ignore_eos=True)) for i in range(4)]
-        engine.generate(seqs)
-        return seqs
 
-    config = dict(max_seq_len=64, max_batch_size=4, prefill_budget=32, prefix_caching=False)
-    roomy = Engine.load(EngineConfig(str(heads_of_64), "tp", "bfloat16", **config))
-    cache = roomy.cache
-    block_bytes = 2 * len(roomy.model.layers) * cache.k[:, : cache.block_size].numel() * cache.k.element_size()
-    tight = Engine.load(EngineConfig(str(heads_of_64), "tp", "bfloat16", kv_cache_memory_gb=6 * block_bytes / 2**30,
-                                     **config))
-    assert tight.cache.n_blocks == 6  # one sequence of max_seq_len and two blocks more
-    want, got = replies(roomy), replies(tight)
-    assert sum(s.preemptions for s in want) == 0 and sum(s.preemptions for s in got) > 0
-    assert [(s.output, s.logprobs) for s in got] == [(s.output, s.logprobs) for s in want]
+@pytest.mark.skipif(not ops.blocked_prompts(torch.bfloat16, 64), reason="prompt_attention.c runs no prompt here")
+def test_a_bfloat16_reply_preempted_and_readmitted_on_its_own_cached_block_keeps_its_tokens(heads_of_64):
+    """bfloat16 with heads of 64, prefix caching on: a preempted sequence of a 17-token prompt, readmitted, hits its
+    own first block; computing only its prompt's last token then, in a row of its own, attends it as a decode row,
+    with other bits than its prompt row gave it (prompt_attention.c), and the reply changed (at its 28th token)."""
+    preempted_and_roomy(heads_of_64, [33, 17, 17, 17], 8, prefix_caching=True)

@@ -41,7 +41,7 @@ from tp_llama.engine.plan import Row
 from tp_llama.engine.proposals import step_proposals
 from tp_llama.engine.sampling import TokenLogprobs
 from tp_llama.engine.scoring import prompt_scores
-from tp_llama.engine.sequence import Sequence, check_sequence, prompt_chunk
+from tp_llama.engine.sequence import Sequence, check_sequence, prompt_chunk, readmitted_hits
 from tp_llama.engine.speculate import Speculator
 from tp_llama.lora.slots import AdapterRef
 
@@ -200,7 +200,7 @@ class Scheduler:
         decode_tokens = sum(len(row.tokens) for row in rows)
         budget = start = max(self.prefill_budget - decode_tokens, self.prefill_budget // 2, 1)
         for seq in [s for s in self.running if s.prefilling] + list(self.waiting):
-            if budget == 0 or seq not in self.running and not self._admit(seq):
+            if budget < min(2, start) or seq not in self.running and not self._admit(seq):  # no lone token
                 break
             tokens = seq.tokens
             chunk = tokens[seq.computed : seq.computed + prompt_chunk(seq, budget)]
@@ -309,7 +309,7 @@ class Scheduler:
         tokens = seq.tokens
         scoring = seq.params.prompt_logprobs is not None  # cached blocks hold no logits: every position is computed
         # The last token is computed, for its logits.
-        hits = [] if scoring else self.pool.match(tokens[:-1], self._salt(seq))
+        hits = [] if scoring else readmitted_hits(seq, self.pool.match(tokens[:-1], self._salt(seq)), self.pool.size)
         reviving = sum(1 for b in hits if self.pool.blocks[b].refs == 0)  # cached but free: they leave the queue
         needed = self.pool.blocks_for(len(tokens)) - len(hits)
         copies = len(seq.forks) if len(tokens) % self.pool.size else 0

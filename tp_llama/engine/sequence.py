@@ -86,13 +86,24 @@ def check_sequence(prompt_ids: list[int], params: SamplingParams, max_seq_len: i
     check_params(params)
 
 
+def readmitted_hits(seq: Sequence, hits: list[int], size: int) -> list[int]:
+    """The prefix cache's hits a sequence takes: a preempted one (readmitted, hitting its own freed blocks) not the
+    last of them where they would leave its prompt's last token to a row of its own, which attends as a decode
+    row (other bits in bfloat16 with heads of 64), when its first admission computed that token in a prompt row:
+    its reply would change from there on."""
+    if seq.cached_tokens is not None and len(hits) * size == len(seq.prompt_ids) - 1 > seq.cached_tokens:
+        return hits[:-1]
+    return hits
+
+
 def prompt_chunk(seq: Sequence, budget: int) -> int:
     """How many of a prefilling sequence's next tokens its row takes, at most `budget`: a prompt's row ends at
     the prompt's end (a preempted sequence's reply follows in rows of its own, `Row.decoded`), and never takes
     all but one of the prompt, where it can take fewer and still not be alone, so the last token does not come
     to a row of its own. A row of one token attends as a decode row, whose bits are not prompt_attention.c's
     (bfloat16, heads of 64: docs/cpu-kernels.md), so a prompt cut there drew other tokens beside other requests
-    than alone. A budget of 2 may still leave one (never a stall)."""
+    than alone. A budget of 2 may still leave one (never a stall); the scheduler hands out no budget of 1 but a
+    step's whole one, which would put a token mid-prompt alone."""
     prompt = len(seq.prompt_ids)
     if seq.computed >= prompt:  # the reply's tokens attend as decode rows: any cut gives their bits
         return min(budget, len(seq.tokens) - seq.computed)
