@@ -250,6 +250,30 @@ def test_the_native_api_answers_tool_calls_too(engine, compiler):
 
 
 
+# Python reads identifiers NFKC-normalized: the micro sign as Greek mu, the "fi" ligature as "f" "i".
+DOSE = {"type": "function", "function": {
+    "name": "\ufb01nd_dose", "description": "A dose in micrograms",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["\u00b5g"],
+                   "properties": {"\u00b5g": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+
+
+def test_a_pythonic_call_keeps_the_tool_s_names_as_written(engine, compiler):
+    """A name that Python's reader normalizes (a tool "ﬁnd_dose", a parameter "µg") is the tool's own in the
+    reply: a forced call is a call of that tool, its arguments valid against its schema, streamed or not."""
+    handler = make_handler(engine, compiler, "pythonic")
+    named = {"type": "function", "function": {"name": DOSE["function"]["name"]}}
+    for seed in range(2):
+        fields = {"tools": [DOSE], "tool_choice": named, "parallel_tool_calls": False, "max_tokens": 60}
+        whole = final_json(ask(handler, seed, **fields))["choices"][0]
+        assert whole["finish_reason"] == "tool_calls", whole
+        call = whole["message"]["tool_calls"][0]["function"]
+        assert call["name"] == DOSE["function"]["name"]
+        jsonschema.validate(json.loads(call["arguments"]), DOSE["function"]["parameters"])
+        _, calls, reason = streamed_message(ask(handler, seed, stream=True, **fields))
+        assert reason == "tool_calls" and [c["function"] for c in calls] == [call]
+
+
+
 def streamed_choices(handler, **fields) -> dict[int, dict]:
     """Each choice's streamed content, tool-call deltas and finish reason."""
     out: dict[int, dict] = {}

@@ -114,11 +114,15 @@ def _pythonic_calls(body: str) -> list[dict] | None:
         names = [k.arg for k in node.keywords]
         if None in names or len(set(names)) != len(names):
             return None
+        name = node.func.id
+        if not body.isascii():  # ast reads names NFKC-normalized (µ as μ, ﬁ as fi): the tools' are as written
+            name = ast.get_source_segment(body, node.func)
+            names = [ast.get_source_segment(body, k).partition("=")[0].strip() for k in node.keywords]
         try:
-            arguments = {k.arg: _json_value(ast.literal_eval(k.value)) for k in node.keywords}
+            arguments = {key: _json_value(ast.literal_eval(k.value)) for key, k in zip(names, node.keywords)}
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
-        calls.append({"name": node.func.id, "arguments": arguments})
+        calls.append({"name": name, "arguments": arguments})
     return calls
 
 
