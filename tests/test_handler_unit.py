@@ -73,6 +73,13 @@ def test_the_sampling_fields_reach_the_params() -> None:
         0, 0.0, 1.0, (), None)
 
 
+def test_logit_bias_keys_naming_one_token_give_it_one_bias_in_range() -> None:
+    """OpenAI's values lie in [-100, 100]: "5" and "05" name token 5 once, the last bias kept (vLLM's int(key) dict),
+    never summed to 200 past the documented range."""
+    params = parse(b'{"prompt": "hi", "logit_bias": {"5": 100, "7": 1, "05": 100, "005": -3}}').params
+    assert dict(params.logit_bias) == {5: -3.0, 7: 1.0} and len(params.logit_bias) == 2
+
+
 def test_all_fields_and_nulls() -> None:
     job = parse(b'{"prompt": "hi", "max_new_tokens": 5, "temperature": 0, "top_p": 1, "seed": 7, '
                 b'"ignore_eos": true, "stream": true}')

@@ -43,16 +43,17 @@ class Row:
 
 
 def penalized(logits: torch.Tensor, row: Row) -> torch.Tensor:
-    """A row's logits after its penalties and logit_bias, by the definitions in the docs, in float64."""
+    """A row's logits after its logit_bias and penalties, by the definitions in the docs, in float64, in vLLM's order
+    (its logit_bias is a logits processor, run before its penalties)."""
     p = row.params
     x = logits.double().clone()
+    for token, bias in p.logit_bias:
+        x[token] += bias
     if p.repetition_penalty != 1:
         for token in set(row.prompt_ids + row.output):
             x[token] = x[token] / p.repetition_penalty if x[token] > 0 else x[token] * p.repetition_penalty
     for token in set(row.output):
         x[token] -= p.frequency_penalty * row.output.count(token) + p.presence_penalty
-    for token, bias in p.logit_bias:
-        x[token] += bias
     return x
 
 
@@ -187,6 +188,24 @@ def test_penalties_at_llama3s_vocabulary_are_the_definitions(path: str):
 
 
 @pytest.mark.parametrize("path", ["c", "torch"])
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_vllm(path: str, monkeypatch):
+    """vLLM's sampler runs logit_bias (a logits processor) before its penalties, so the repetition penalty divides
+    or multiplies the biased logit: token 1, -1 + 3 = 2 > 0, is divided by 4 (0.5) and is the greedy pick; the
+    bias added after the penalty gave -1 * 4 + 3 = -1, and token 0 (0.3)."""
+    if path == "c" and not HAS_C:
+        pytest.skip("tp_llama's C kernels do not run here (test_kernels checks that they do where they can)")
+    if path == "torch":
+        monkeypatch.setattr(sampling, "in_c", lambda logits: False)
+    raw = [0.3, -1.0, 0.2, 2.0]
+    params = SamplingParams(1, repetition_penalty=4.0, presence_penalty=0.5, logit_bias=((1, 3.0), (3, -1.0)))
+    row = Row(params, prompt_ids=[1, 3], output=[3])
+    want = [0.3, (-1.0 + 3.0) / 4.0, 0.2, (2.0 - 1.0) / 4.0 - 0.5]  # bias, repetition, then presence
+    got = (_penalize_in_c if path == "c" else torch_penalize)(torch.tensor([raw]), [row])
+    assert got[0].tolist() == pytest.approx(want, abs=1e-6)
+    assert sample_rows(torch.tensor([raw]), [row])[0] == [want.index(max(want))] == [1]
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
 def test_a_tiny_repetition_penalty_makes_its_tokens_certain_not_infinite(path: str):
     """1e-40 (inside the API's range) divides a positive logit past float32's range: it stops at the largest
     float, so the draw is among the penalized positive tokens, on both sampling paths, with finite log-probabilities
@@ -247,6 +266,48 @@ def test_greedy_rows_take_the_first_of_the_largest_logits():
     logits[3, 77] = logits[3, 128_000] = logits[3].max() + 1  # a tie at Llama 3's width
     tokens, _ = sample_rows(logits, [Row(SamplingParams(1)) for _ in range(33)])
     assert tokens == logits.argmax(-1).tolist() and tokens[3] == 77
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_a_temperature_below_1e_5_is_greedy_on_every_path(path: str, monkeypatch):
+    """docs/api.md: any temperature below 1e-5 is greedy (vLLM's), for the engine and the CLI too, not only
+    the API's parsing: 1 / 1e-39 overflows float32 in sample.c, and 1e-46 rounds to 0 in the bisection's
+    column, and both drew token 0 (every weight NaN or 0) rather than the most likely token."""
+    if path == "c" and not HAS_C:
+        pytest.skip("tp_llama's C kernels do not run here (test_kernels checks that they do where they can)")
+    if path == "torch":
+        monkeypatch.setattr(sampling, "in_c", lambda logits: False)
+    rows = [[0.5, 3.0, 1.0, 3.0], [-2.0, -1.0, -7.0, -1.5], [4.0] + [-1.0] * 16 + [9.0, 2.0]]
+    for temperature in (1e-6, 1e-30, 1e-39, 1e-46):
+        for row in rows:
+            params = SamplingParams(1, temperature=temperature, top_p=0.5, logprobs=0)
+            tokens, logprobs = sample_rows(torch.tensor([row]), [Row(params, torch.Generator().manual_seed(1))])
+            assert tokens == [first_largest(row)], (temperature, row, tokens)
+            assert math.isfinite(logprobs[0].logprob)
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+@pytest.mark.parametrize("top_k", [4, 2**63, 2**64 + 1])
+def test_a_top_k_of_the_vocabulary_or_more_is_no_limit(path: str, top_k: int, monkeypatch):
+    """check_params takes any k >= 0 (the CLI's --top-k): one of the vocabulary or more keeps every token (docs/api.md),
+    where k past int64 wrapped to 1 in sample.c's struct (the argmax only) and failed the bisection's tensor."""
+    if path == "c" and not HAS_C:
+        pytest.skip("tp_llama's C kernels do not run here (test_kernels checks that they do where they can)")
+    if path == "torch":
+        monkeypatch.setattr(sampling, "in_c", lambda logits: False)
+    raw = [0.5, 3.0, 1.0, 2.9]
+    weights = [math.exp(v - max(raw)) for v in raw]
+    cdf = [sum(weights[: t + 1]) / sum(weights) for t in range(len(raw))]  # every token kept, in token order
+    params = SamplingParams(1, temperature=1.0, top_k=top_k)
+    check_params(params)
+    drawn = set()
+    for seed in range(40):
+        u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+        got = sample_rows(torch.tensor([raw]), [Row(params, torch.Generator().manual_seed(seed))])[0]
+        want = [next(t for t in range(len(raw)) if cdf[t] > u)]
+        assert got == want, (u, got, want)
+        drawn.update(got)
+    assert drawn == {0, 1, 2, 3}  # the draws reached every token, the least likely too
 
 
 @pytest.mark.parametrize("path", ["c", "bisection"])

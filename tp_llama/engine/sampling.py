@@ -1,8 +1,9 @@
 """Picking the next token of every sampling row of a step at once, on rank 0, on the logits' device.
 
-The order is vLLM's. Penalties and logit_bias change the logits (greedy rows too): repetition
-(vLLM's meaning, over prompt and generated tokens: positive logits divided by it, negative ones
-multiplied), then frequency and presence (OpenAI's, over the generated tokens), then the bias.
+The order is vLLM's. Penalties and logit_bias change the logits (greedy rows too): the bias (a logits
+processor in vLLM, run before its penalties), then repetition (vLLM's meaning, over prompt and generated
+tokens: positive logits divided by it, negative ones multiplied), then frequency and presence (OpenAI's,
+over the generated tokens).
 Greedy rows take the argmax. Sampled rows divide by their temperature, keep the tokens at or
 above min_p of the best one, then their top_k, then the smallest set of the highest whose
 probability reaches top_p of what is left (ties at each boundary kept together), and draw by the
@@ -31,6 +32,7 @@ from tp_llama.kernels.cpu import ffi
 
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's top_logprobs limit)
 SEED_LIMIT = 2**63  # seeds are in [0, 2**63): what an int64 holds (a larger one failed in the step)
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: smaller temperatures are greedy, as dividing float32 logits overflows
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's log-probability and the N most likely
     seed: int | None = None
     ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """Below GREEDY_BELOW, as vLLM's engine does, for every caller (the CLI, the engine), not only the API's:
+        1 / T past float32's range (T < 3e-39) made sample.c's weights NaN and drew token 0."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -103,8 +111,8 @@ def sample_rows(logits: torch.Tensor, rows: list[History], allowed: torch.Tensor
     elif constrained:
         logits = apply_masks(logits, allowed, list(constrained))
     picked = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-    greedy = [r for r, row in enumerate(rows) if row.params.temperature == 0]
-    sampled = [r for r, row in enumerate(rows) if row.params.temperature > 0]
+    greedy = [r for r, row in enumerate(rows) if row.params.greedy]
+    sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
     if greedy:
         chosen = logits[greedy] if sampled else logits
         picked[greedy] = _argmax_in_c(chosen, [masks[r] for r in greedy]) if c else chosen.argmax(dim=-1)
@@ -146,8 +154,8 @@ def mask_addresses(bits: torch.Tensor, rows: list[int], n_rows: int,
 
 
 def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
-    """The rows' penalties and logit_bias on a copy of logits [R, V]: each kind one indexed op over
-    every (row, token) it touches, whatever the number of rows."""
+    """The rows' logit_bias, then their penalties (vLLM's order), on a copy of logits [R, V]: each kind one indexed
+    op over every (row, token) it touches, whatever the number of rows."""
     logits = logits.clone()
     repeat, shift, bias = ([], [], []), ([], [], []), ([], [], [])  # (rows, tokens, values) of each kind
     for r, row in enumerate(rows):
@@ -167,6 +175,9 @@ def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
             bias[1].append(token)
             bias[2].append(value)
     device = logits.device
+    if bias[0]:
+        at = (torch.tensor(bias[0], device=device), torch.tensor(bias[1], device=device))
+        logits.index_put_(at, torch.tensor(bias[2], device=device), accumulate=True)
     if repeat[0]:
         at = (torch.tensor(repeat[0], device=device), torch.tensor(repeat[1], device=device))
         factor, values = torch.tensor(repeat[2], device=device), logits[at]
@@ -174,10 +185,9 @@ def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
         # which no draw or log-probability takes (sample.c stops there too)
         divided = (values / factor).clamp(max=torch.finfo(values.dtype).max)
         logits[at] = torch.where(values > 0, divided, values * factor)
-    for (at_rows, tokens, values), sign in ((shift, -1.0), (bias, 1.0)):
-        if at_rows:
-            at = (torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device))
-            logits.index_put_(at, sign * torch.tensor(values, device=device), accumulate=True)
+    if shift[0]:
+        at = (torch.tensor(shift[0], device=device), torch.tensor(shift[1], device=device))
+        logits.index_put_(at, -torch.tensor(shift[2], device=device), accumulate=True)
     return logits
 
 
@@ -229,8 +239,9 @@ def _draw_in_c(logits: torch.Tensor, rows: list[int], params: list[SamplingParam
     lib = ffi.library()
     logits = logits.contiguous()
     masks = masks or [None] * len(rows)
+    # A top_k of the vocabulary or more is no limit: kept as it is, one past int64 wrapped to a small k (the CLI's)
     specs = (lib.structs["SampleRow"] * len(rows))(*(
-        (r, p.top_k, p.temperature, p.top_p, p.min_p, u, mask, 0)
+        (r, min(p.top_k, logits.shape[1]), p.temperature, p.top_p, p.min_p, u, mask, 0)
         for r, p, u, mask in zip(rows, params, uniforms, masks)))
     if lib.sample_rows(logits.data_ptr(), logits.shape[1], specs, len(rows)):
         raise MemoryError("no memory to sample")
@@ -268,7 +279,7 @@ def draw_by_bisection(logits: torch.Tensor, rows: list[int], params: list[Sampli
     w = torch.exp(z).nan_to_num(0.0)
     w = torch.where(w >= as_column([p.min_p for p in params]), w, 0).double()
     keys = sortable(x)
-    top_k = as_column([p.top_k for p in params], torch.int64).squeeze(1)
+    top_k = as_column([min(p.top_k, x.shape[1]) for p in params], torch.int64).squeeze(1)  # past int64: no limit
     limited = (top_k > 0) & (top_k < x.shape[1])
     floor_k = _highest_key(keys, (w > 0).double(), top_k.double())
     w = torch.where(limited.unsqueeze(1) & (keys < floor_k.unsqueeze(1)), 0, w)
@@ -285,7 +296,7 @@ def take_forced(raw: torch.Tensor, rows: list[History], tokens: list[int]) -> li
     """Rows of raw [R, V] whose grammar allows one token, `tokens`: each is its row's without a draw, but a
     sampled row still spends its uniform, so its later draws are those of a reply picked a token a step."""
     for row in rows:
-        if row.params.temperature > 0:
+        if not row.params.greedy:
             _uniform(row)
     return _logprobs(raw, rows, tokens)
 

@@ -122,7 +122,7 @@ class Scheduler:
         if leader is not None:
             self._check_fork(seq, leader)
             index = len(leader.forks) + 1
-        if params.temperature > 0:
+        if not params.greedy:
             seed = params.seed + index if params.seed is not None else secrets.randbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
         (self.waiting if leader is None else leader.forks).append(seq)

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from collections.abc import Container
 from typing import Any, Protocol
 
-from tp_llama.engine.sampling import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, TokenLogprobs
+from tp_llama.engine.sampling import GREEDY_BELOW, MAX_LOGPROBS, SEED_LIMIT, SamplingParams, TokenLogprobs
 from tp_llama.engine.scheduler import Sequence
 from tp_llama.serving.settings import HandlerSettings
 
 MAX_LOGIT_BIAS = 1024
-GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: smaller temperatures are greedy, as dividing float32 logits overflows
 
 
 class RequestError(ValueError):
@@ -258,7 +257,8 @@ def bounded_number(body: dict[str, Any], key: str, default: float, low: float, h
 
 
 def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias in [-100, 100]}; ids as strings (JSON keys) or integers."""
+    """OpenAI's {"token id": bias in [-100, 100]}; ids as strings (JSON keys) or integers. Keys naming one id
+    ("5", "05") give it the last one's bias, as vLLM's int(key) dict does: summed, they passed the range."""
     bias = body.get("logit_bias")
     if bias is None:
         return ()
@@ -267,7 +267,7 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
                            param="logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:
         raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
-    entries = []
+    entries: dict[int, float] = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
         if token is None or not 0 <= token < vocab_size:
@@ -276,8 +276,8 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
                                param="logit_bias")
-        entries.append((token, float(value)))
-    return tuple(entries)
+        entries[token] = float(value)
+    return tuple(entries.items())
 
 
 def pickable_ids(vocab_size: int, tokenizer: Any) -> int:

@@ -89,8 +89,8 @@ struct SampleRow {
     int64_t token;
 };
 
-/* One row's penalties and logit_bias (sample.c), in vLLM's order: repetition over the prompt's and
- * the output's tokens, frequency and presence over the output's, then the bias. */
+/* One row's logit_bias and penalties (sample.c), in vLLM's order: the bias (a logits processor there), then
+ * repetition over the prompt's and the output's tokens, then frequency and presence over the output's. */
 struct PenaltyRow {
     int64_t row;           /* which row of the logits */
     const int64_t *tokens; /* the prompt's n_prompt ids, then the output's n_output */

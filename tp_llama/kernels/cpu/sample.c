@@ -280,7 +280,8 @@ static int in_vocab(const int64_t *ids, int64_t n, int64_t vocab) {
     return 1;
 }
 
-/* One row's penalties in a pass over its history, with each token's output count in marks (left
+/* One row's bias, then its penalties in a pass over its history (vLLM's order: a biased token's logit is what the
+ * repetition penalty divides), with each token's output count in marks (left
  * all zero again): each token is penalized once however often it recurs. The shift is summed in
  * double, rounded to float32 and subtracted, as sampling.py's PyTorch path does (to within the one
  * rounding a fused multiply-add may save). */
@@ -288,6 +289,7 @@ static int penalize_row(float *l, int64_t vocab, const struct PenaltyRow *p, int
     const int64_t n = p->n_prompt + p->n_output;
     if (!in_vocab(p->tokens, n, vocab) || !in_vocab(p->bias_ids, p->n_bias, vocab)) return TPL_BAD_TOKEN;
     const int64_t *output = p->tokens + p->n_prompt;
+    for (int64_t j = 0; j < p->n_bias; j++) l[p->bias_ids[j]] += p->bias_values[j];
     for (int64_t j = 0; j < p->n_output; j++) marks[output[j]] += 1;
     if (p->repetition != 1.0f)
         for (int64_t j = 0; j < n; j++) {
@@ -303,7 +305,6 @@ static int penalize_row(float *l, int64_t vocab, const struct PenaltyRow *p, int
         if (shift && count) l[t] -= (float)(p->frequency * count + p->presence);
         marks[t] = 0;
     }
-    for (int64_t j = 0; j < p->n_bias; j++) l[p->bias_ids[j]] += p->bias_values[j];
     return TPL_OK;
 }
 
