@@ -211,20 +211,23 @@ def heads_of_64(synthetic_checkpoint):
 
 
 @pytest.mark.skipif(not ops.blocked_prompts(torch.bfloat16, 64), reason="prompt_attention.c runs no prompt here")
-def test_a_bfloat16_prompt_the_budget_would_cut_one_token_short_keeps_its_reply(heads_of_64):
+@pytest.mark.parametrize("length, before", [(7, 26), (3, 30)])
+def test_a_bfloat16_prompt_the_budget_would_cut_one_token_short_keeps_its_reply(heads_of_64, length, before):
     """bfloat16 with heads of 64 (prompt_attention.c): a 7-token prompt beside one of 26 tokens in a budget of 32
     would leave its last token to a row of its own, which attends as a decode row, with other bits; its seeded
-    reply and log-probabilities are those it gets alone."""
+    reply and log-probabilities are those it gets alone. A 3-token prompt beside one of 30 has a budget of 2,
+    which can take no fewer than 2 and not be alone: it waits for the next step."""
     engine = Engine.load(EngineConfig(str(heads_of_64), "tp", "bfloat16", max_seq_len=64, max_batch_size=4,
                                       prefill_budget=32, prefix_caching=False))
 
     def reply(before: int) -> Sequence:
-        seq = Sequence("x", tokens_of(1, 7), SamplingParams(8, temperature=0.9, seed=1, logprobs=3, ignore_eos=True))
+        seq = Sequence("x", tokens_of(1, length), SamplingParams(8, temperature=0.9, seed=1, logprobs=3,
+                                                                ignore_eos=True))
         others = [Sequence("y", tokens_of(2, before), SamplingParams(4, ignore_eos=True))] if before else []
         engine.generate([*others, seq])
         return seq
 
-    alone, beside = reply(0), reply(26)
+    alone, beside = reply(0), reply(before)
     assert (beside.output, beside.logprobs) == (alone.output, alone.logprobs)
 
 

@@ -200,13 +200,13 @@ class Scheduler:
         decode_tokens = sum(len(row.tokens) for row in rows)
         budget = start = max(self.prefill_budget - decode_tokens, self.prefill_budget // 2, 1)
         for seq in [s for s in self.running if s.prefilling] + list(self.waiting):
-            if budget < min(2, start) or seq not in self.running and not self._admit(seq):  # no lone token
+            if (budget < min(2, start) or seq not in self.running and not self._admit(seq)  # no lone token
+                    or not (take := prompt_chunk(seq, budget, budget == start))):
                 break
-            tokens = seq.tokens
-            chunk = tokens[seq.computed : seq.computed + prompt_chunk(seq, budget)]
+            chunk = seq.tokens[seq.computed : seq.computed + take]
             budget -= len(chunk)
             end = seq.computed + len(chunk)
-            sample = end == len(tokens) and seq.params.max_new_tokens > 0
+            sample = end == len(seq.tokens) and seq.params.max_new_tokens > 0
             rows.append(Row(seq.computed, chunk, sample, self._table(seq, end), *prompt_scores(seq, seq.computed, end),
                             adapter=self._slot(seq), decoded=seq.computed >= len(seq.prompt_ids)))
             owners.append(seq)

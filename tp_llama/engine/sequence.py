@@ -96,17 +96,20 @@ def readmitted_hits(seq: Sequence, hits: list[int], size: int) -> list[int]:
     return hits
 
 
-def prompt_chunk(seq: Sequence, budget: int) -> int:
+def prompt_chunk(seq: Sequence, budget: int, whole: bool = True) -> int:
     """How many of a prefilling sequence's next tokens its row takes, at most `budget`: a prompt's row ends at
     the prompt's end (a preempted sequence's reply follows in rows of its own, `Row.decoded`), and never takes
     all but one of the prompt, where it can take fewer and still not be alone, so the last token does not come
     to a row of its own. A row of one token attends as a decode row, whose bits are not prompt_attention.c's
     (bfloat16, heads of 64: docs/cpu-kernels.md), so a prompt cut there drew other tokens beside other requests
-    than alone. A budget of 2 may still leave one (never a stall); the scheduler hands out no budget of 1 but a
-    step's whole one, which would put a token mid-prompt alone."""
+    than alone. A budget of 2 that would leave one takes none (0: the sequence waits for a later step) unless it
+    is the step's `whole` budget (never a stall: the first prompt row gets the whole one); the scheduler hands out
+    no budget of 1 but a step's whole one, which would put a token mid-prompt alone."""
     prompt = len(seq.prompt_ids)
     if seq.computed >= prompt:  # the reply's tokens attend as decode rows: any cut gives their bits
         return min(budget, len(seq.tokens) - seq.computed)
     left = prompt - seq.computed
     take = min(budget, left)
+    if take == left - 1 == 2 and not whole:
+        return 0
     return take - 1 if take == left - 1 and take > 2 else take
