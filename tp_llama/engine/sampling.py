@@ -174,20 +174,22 @@ def penalize(logits: torch.Tensor, rows: list[History]) -> torch.Tensor:
             bias[0].append(r)
             bias[1].append(token)
             bias[2].append(value)
-    device = logits.device
+    def indexed(kind: tuple[list, list, list]) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        rows_at, tokens, values = (torch.tensor(part, device=logits.device) for part in kind)
+        return (rows_at, tokens), values
+
     if bias[0]:
-        at = (torch.tensor(bias[0], device=device), torch.tensor(bias[1], device=device))
-        logits.index_put_(at, torch.tensor(bias[2], device=device), accumulate=True)
+        logits.index_put_(*indexed(bias), accumulate=True)
     if repeat[0]:
-        at = (torch.tensor(repeat[0], device=device), torch.tensor(repeat[1], device=device))
-        factor, values = torch.tensor(repeat[2], device=device), logits[at]
+        at, factor = indexed(repeat)
+        values = logits[at]
         # A tiny penalty divides past float32's range: the largest float keeps the token certain without an inf,
         # which no draw or log-probability takes (sample.c stops there too)
         divided = (values / factor).clamp(max=torch.finfo(values.dtype).max)
         logits[at] = torch.where(values > 0, divided, values * factor)
     if shift[0]:
-        at = (torch.tensor(shift[0], device=device), torch.tensor(shift[1], device=device))
-        logits.index_put_(at, -torch.tensor(shift[2], device=device), accumulate=True)
+        at, amounts = indexed(shift)
+        logits.index_put_(at, -amounts, accumulate=True)
     return logits
 
 
