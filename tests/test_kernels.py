@@ -29,6 +29,8 @@ TILES = HAS_COMPILER and VARIANT is not None
 AMX = TILES and VARIANT == "avx512-amx"
 NEEDS_TILES = pytest.mark.skipif(not TILES, reason="needs a build of the C kernels: AVX2 or AVX-512, and a C compiler")
 REPO = Path(__file__).resolve().parents[1]
+# Tests whose outcome does not depend on the build loaded: the reruns per lesser build leave them out.
+ANY_BUILD = pytest.mark.any_build
 
 
 def available_kinds(dtype: torch.dtype) -> list[str]:
@@ -61,22 +63,24 @@ INVARIANCE = "tests/test_batch_invariance.py"
 
 def rerun(modules: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """Test modules again in a process of their own, with `env` added to this one's."""
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *modules],
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                           "-m", "not any_build", *modules],
                           cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
                           check=False)
 
 
 @pytest.mark.parametrize(("variant", "names", "least"), [
     ("avx512-vnni", ("quant_kernels", "batch_invariance"), 22),  # it differs from avx512 in quantized dot products
-    ("avx512", FULL, 73), ("avx2", FULL, 73),
+    ("avx512-bf16", FULL, 73), ("avx512", FULL, 73), ("avx2", FULL, 73),
     ("avx2-vnni", ("quant_kernels", "batch_invariance"), 22),  # it differs from avx2 in quantized dot products
 ])
 def test_the_lesser_builds_pass_the_kernel_tests(variant: str, names: tuple[str, ...], least: int):
-    """A CPU runs the builds for less than it has, so those are tested here too (AVX-512 VNNI's for
-    Intel's Cascade Lake and Ice Lake, plain AVX-512 for Skylake-SP, AVX2 for AMD's Zen 2/3, AVX-VNNI's
-    for Intel from Alder Lake and Sapphire Rapids on): these modules again, in a process that loads
-    the build (TP_LLAMA_KERNELS). test_decode_step is left out: its models run plain matmuls, and its
-    compiled runs took 50 s of each rerun."""
+    """A CPU runs the builds for less than it has, so those are tested here too (AVX-512 BF16's for AMD's
+    Zen 4 and 5, AVX-512 VNNI's for Intel's Cascade Lake and Ice Lake, plain AVX-512 for Skylake-SP, AVX2
+    for AMD's Zen 2/3, AVX-VNNI's for Intel from Alder Lake and Sapphire Rapids on): these modules again,
+    in a process that loads the build (TP_LLAMA_KERNELS), less the tests marked ANY_BUILD.
+    test_decode_step is left out: its models run plain matmuls, and its compiled runs took 50 s of each
+    rerun."""
     if os.environ.get("TP_LLAMA_KERNELS"):
         pytest.skip("a run with a forced build tests that build alone")
     if not HAS_COMPILER or variant not in runnable() or variant == VARIANT:
@@ -86,6 +90,7 @@ def test_the_lesser_builds_pass_the_kernel_tests(variant: str, names: tuple[str,
     assert int(re.search(r"(\d+) passed", result.stdout).group(1)) >= least, result.stdout[-1000:]
 
 
+@ANY_BUILD
 def test_batch_invariance_holds_with_atens_kernels_held_to_avx2():
     """Paths that go through PyTorch (its SDPA, its elementwise ops) pick kernels by ATen's CPU
     capability: the invariance tests again with it held to AVX2, where ATen would pick more."""
@@ -96,6 +101,7 @@ def test_batch_invariance_holds_with_atens_kernels_held_to_avx2():
 
 
 
+@ANY_BUILD
 def test_each_cpu_gets_the_best_variant_it_can_run():
     """The choice from CPU flags alone (faked here, so it is checked on any machine)."""
     avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}
@@ -113,6 +119,7 @@ def test_each_cpu_gets_the_best_variant_it_can_run():
     assert runnable({"avx2"}) == runnable({"sse4_2", "fma"}) == []
 
 
+@ANY_BUILD
 def test_amd_cpus_prefetch_the_next_tile_only_for_several_chunks_of_rows(monkeypatch):
     """The vendor picks it (faked here), TP_LLAMA_NEXT_TILE_MIN_CHUNKS overrides it, and nonsense is refused."""
     monkeypatch.delenv("TP_LLAMA_NEXT_TILE_MIN_CHUNKS", raising=False)
@@ -362,6 +369,7 @@ def test_a_forced_build_and_bad_values(monkeypatch):
         ffi.load.cache_clear()
 
 
+@ANY_BUILD
 def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build, "_cache_dirs", lambda: [tmp_path])
     with pytest.raises(OSError, match="false failed"):
@@ -369,6 +377,7 @@ def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
     assert not list(tmp_path.glob("*.so"))
 
 
+@ANY_BUILD
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
 def test_the_build_is_cached(monkeypatch, tmp_path):
     """The second build is the first's file, untouched; the first skips a cache folder it cannot make.
@@ -382,6 +391,7 @@ def test_the_build_is_cached(monkeypatch, tmp_path):
     assert build("avx512", [cc]) == first and first.stat().st_mtime_ns == stamp
 
 
+@ANY_BUILD
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
 @pytest.mark.parametrize("variant", ["avx512-bf16", "avx2"])
 @pytest.mark.parametrize(("source", "hint"), [
@@ -450,6 +460,7 @@ print(len(seq.output))
 """
 
 
+@ANY_BUILD
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 def test_bfloat16_loads_where_onednn_cannot_pack_it(tmp_path):
     """On AVX2-only CPUs (AMD Zen 2/3) PyTorch refuses to pack bfloat16 weights for oneDNN; such a
