@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in spawned processes, with a hard deadline."""
+"""Run a function on N gloo ranks in processes of their own, with a hard deadline."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ import time
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Ranks fork from a server that has imported these once per test process; a spawned rank paid
+# torch's import, most of a small test's CPU, every time (docs/tests.md).
+PRELOAD = ["torch.distributed", "tp_llama.engine.core", "tests.support.dist_util"]
 
 
 def free_port() -> int:
@@ -19,11 +24,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn, rank: int, world_size: int, port: int, results, args) -> None:
+def _worker(fn, rank: int, world_size: int, port: int, results, env: dict[str, str], args) -> None:
+    os.environ.clear()  # the server's environment is its start's: the caller's is the one that counts
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
     )
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=30))
         results.put((rank, True, fn(*args)))
@@ -36,10 +43,13 @@ def _worker(fn, rank: int, world_size: int, port: int, results, args) -> None:
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 90.0) -> list:
     """fn(*args) on every rank; returns the per-rank results or raises with every rank's traceback."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, env, args))
+             for r in range(world_size)]
     for proc in procs:
         proc.start()
     outcome: dict[int, tuple[bool, object]] = {}
