@@ -238,11 +238,11 @@ class LlamaHandler(BaseHandler):
         self.metrics.experts(self.engine.expert_tokens())
         self.metrics.flush()
 
-    def _count(self, outcome: str, seqs: list[Sequence] = ()) -> None:
+    def _count(self, outcome: str, live: Live | None = None) -> None:
         if self.metrics is not None:
             self.metrics.request(outcome)
-            for seq in seqs:
-                self.metrics.ended(seq)
+            for i, seq in enumerate(live.seqs if live is not None else ()):
+                self.metrics.ended(seq, prompt=i % live.api.job.n == 0)  # a group's prompt once, as in usage
 
     def _stop_flag(self, rid: str, answered_before: bool) -> Callable[[str], bool | None]:
         """How TorchServe learns whether a reply is a request's last: it calls this once per reply.
@@ -263,7 +263,7 @@ class LlamaHandler(BaseHandler):
             for seq in live.seqs:
                 self.scheduler.cancel(seq)
             self._log_end(rid, live, "cancelled: the client disconnected")
-            self._count("cancelled", live.seqs)
+            self._count("cancelled", live)
 
     def _url_path(self, idx: int) -> str:
         try:
@@ -390,7 +390,7 @@ class LlamaHandler(BaseHandler):
         del self.live[rid]
         self._log_end(rid, live, how)
         timed_out = any(seq.finish_reason == "timeout" for seq in live.seqs)
-        self._count("failed" if timed_out else "ok", live.seqs)
+        self._count("failed" if timed_out else "ok", live)
 
     def _log_end(self, rid: str, live: Live, how: str) -> None:
         logger.info(

@@ -10,6 +10,7 @@ import pytest
 
 from tests.test_handler_unit import final_json, run_to_end, serve
 from tests.test_structured import PROMPT, SCHEMAS, ckpt, compiler, engine, handler  # noqa: F401 (fixtures)
+from tp_llama.serving.metrics import GENERATED_TOKENS, PROMPT_TOKENS, ServingMetrics
 from tp_llama.serving.stream import StreamDecoder
 
 COMPLETIONS = {"r": "v1/completions"}
@@ -93,6 +94,30 @@ def test_an_ended_streamed_choice_is_not_followed_again_while_others_step(handle
     assert [(texts[c["index"]], ids[c["index"]]) for c in whole["choices"]] == \
         [(c["text"], c["token_ids"]) for c in whole["choices"]]
     assert all(len(c["token_ids"]) == 5 for c in whole["choices"]) and len(whole["choices"]) == len(prompts)
+
+
+def test_the_token_counters_count_a_groups_prompt_once_as_its_usage_does(handler, engine):  # noqa: F811
+    """llama_prompt_tokens_total counts the prompt tokens of the requests that ended (docs/operations.md); a
+    request of n replies has one prompt, prefilled once and counted once in its usage. The counter counted it
+    n times. Native and OpenAI, a whole and a streamed reply, several prompts of n each: the counters add up
+    to the usage the clients got, and the prompts' lengths are their own encodings."""
+    handler.metrics = ServingMetrics(None, "llama", handler.scheduler.pool.n_blocks)
+    prompts = [PROMPT, "the keeper climbed the stairs"]
+    ids = [engine.tokenizer.encode(p, bos=True) for p in prompts]
+    sampled = {"temperature": 1.0, "seed": 11, "n": 3}
+    requests = {
+        "native": ({"prompt": prompts[0], "max_new_tokens": 4, **sampled}, {}),
+        "streamed": ({"prompt": prompts[1], "max_new_tokens": 3, "stream": True, **sampled}, {}),
+        "prompts": ({"prompt": ids, "max_tokens": 2, **sampled}, COMPLETIONS),
+    }
+    usages = []
+    for body, paths in requests.values():
+        last = run_to_end(handler, {"r": json.dumps(body).encode()}, paths=paths)["r"][-1][0]
+        usages.append(json.loads(last.splitlines()[-1])["usage"])  # streamed: the last line, {"usage"}
+    assert [u["prompt_tokens"] for u in usages] == [len(ids[0]), len(ids[1]), len(ids[0]) + len(ids[1])]
+    totals = handler.metrics.totals
+    assert totals[(PROMPT_TOKENS, "")] == sum(u["prompt_tokens"] for u in usages) == 2 * (len(ids[0]) + len(ids[1]))
+    assert totals[(GENERATED_TOKENS, "")] == sum(u["completion_tokens"] for u in usages)
 
 
 @pytest.mark.parametrize("body,path,message", [

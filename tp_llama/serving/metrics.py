@@ -130,13 +130,15 @@ class ServingMetrics:
         self.observations[TTFT] += 1
         self._emit(TTFT, round(seq.first_token_at - seq.arrived, 6))
 
-    def ended(self, seq: Sequence) -> None:
-        """Token counts of a sequence that ended (whatever the outcome), and its time per output token."""
-        self._counts[(PROMPT_TOKENS, "")] += len(seq.prompt_ids)
+    def ended(self, seq: Sequence, prompt: bool = True) -> None:
+        """Token counts of a sequence that ended (whatever the outcome), and its time per output token. prompt:
+        False for the later sequences of a group (n > 1), whose prompt is prefilled, and counted in usage, once."""
+        prompt_tokens = len(seq.prompt_ids) if prompt else 0
+        self._counts[(PROMPT_TOKENS, "")] += prompt_tokens
         self._counts[(GENERATED_TOKENS, "")] += len(seq.output)
         if seq.adapter is not None:
             self._counts[(LORA_SEQUENCES, seq.adapter)] += 1
-            self._counts[(LORA_PROMPT_TOKENS, seq.adapter)] += len(seq.prompt_ids)
+            self._counts[(LORA_PROMPT_TOKENS, seq.adapter)] += prompt_tokens
             self._counts[(LORA_GENERATED_TOKENS, seq.adapter)] += len(seq.output)
         done = seq.finished_at
         if done is not None and seq.first_token_at is not None and len(seq.output) >= 2:
