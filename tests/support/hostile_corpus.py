@@ -187,6 +187,15 @@ def _structure() -> list[Case]:
     return cases
 
 
+def _logit_bias_keys() -> list[Case]:
+    """Token-id keys past what int() reads (its digit limit, 4300 by default): refused, or, zero-padded, the id
+    they name (as "05" names 5). Both raised int()'s bare ValueError, which the handler answered as its own 500."""
+    cases = [Case("logit_bias keys", _json({"prompt": "hi", "max_new_tokens": 2, "logit_bias": {key: 1}}))
+             for key in ("9" * 5000, "1" + "0" * 5000, "-5", "5.0", " 5", "\uff15", "")]
+    cases.append(_valid("logit_bias keys", {"prompt": "hi", "max_new_tokens": 2, "logit_bias": {"0" * 5000 + "5": 1}}))
+    return cases
+
+
 def hostile_corpus(seed: int, max_seq_len: int, max_body: int, server_cap: int) -> list[Case]:
     """At least 500 cases over every category; the same seed gives the same corpus."""
     rng = random.Random(seed)
@@ -201,6 +210,7 @@ def hostile_corpus(seed: int, max_seq_len: int, max_body: int, server_cap: int) 
         + _control_chars()
         + _many_messages(max_body)
         + _structure()
+        + _logit_bias_keys()
     )
     return cases
 

@@ -269,7 +269,9 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
         raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
     entries: dict[int, float] = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        # Leading zeros dropped first: int() refuses a string of more digits than sys.get_int_max_str_digits.
+        digits = (key.lstrip("0") or "0") if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        token = int(digits) if digits is not None and len(digits) <= len(str(vocab_size)) else None
         if token is None or not 0 <= token < vocab_size:
             raise RequestError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                                param="logit_bias")
