@@ -17,6 +17,7 @@ from tp_llama.config import EngineConfig
 from tp_llama.engine.constraint import grammar_tokenizer
 from tp_llama.engine.core import Engine
 from tp_llama.serving.grammars import GrammarCompiler
+from tp_llama.serving.native import parse_request
 from tp_llama.serving.openai_api import parse_openai
 from tp_llama.serving.openai_reply import CHAT
 from tp_llama.serving.request import RequestError
@@ -159,6 +160,22 @@ def test_bad_tool_requests_are_refused_naming_the_field(engine, fields, param, m
     with pytest.raises(RequestError, match=message) as info:
         parse_openai(CHAT, {"body": body}, SETTINGS, engine.tokenizer, engine.args.vocab_size, "m", "r")
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": NAMED}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_the_native_api_refuses_tool_fields_beside_a_prompt_as_beside_messages(engine, fields, param):
+    """docs/api.md: tools, tool_choice and parallel_tool_calls go with messages, and a wrongly typed field is a 400.
+    Beside a prompt only `tools` was checked: a forced tool_choice was dropped without a word (the reply plain
+    text, no call) and a parallel_tool_calls of any type passed. Each is the 400 it is beside messages."""
+    for prompt in ({"messages": MESSAGES}, {"prompt": "Weather in Oslo?"}):
+        body = json.dumps({**prompt, **fields}).encode()
+        with pytest.raises(RequestError) as info:
+            parse_request({"body": body}, SETTINGS, engine.tokenizer, engine.args.vocab_size)
+        assert (info.value.param, info.value.status) == (param, 400), prompt
 
 
 def test_a_parameter_schema_nested_past_what_the_pythonic_grammar_recurses_is_a_400(engine):

@@ -36,7 +36,7 @@ from tp_llama.serving.request import (
     text_prompt_ids,
 )
 from tp_llama.serving.settings import HandlerSettings
-from tp_llama.serving.tool_use import ToolReply, ToolUse, chat_ids, reply_constraint
+from tp_llama.serving.tool_use import ToolReply, ToolUse, chat_ids, reply_constraint, tool_use
 from tp_llama.serving.stream import StreamDecoder
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -53,6 +53,7 @@ def _prompt_ids(body: dict[str, Any], tokenizer: ChatTokenizer, tool_format: str
     if has_prompt:
         if body.get("tools"):
             raise RequestError("tools need messages (a chat)", param="tools")
+        tool_use(body, tool_format, getattr(tokenizer, "family", None))  # its tool_choice and parallel_tool_calls
         return text_prompt_ids(body["prompt"], tokenizer), None
     return chat_ids(body, body["messages"], tokenizer, tool_format)
 
