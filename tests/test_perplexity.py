@@ -178,6 +178,18 @@ def test_bad_inputs_are_refused_with_a_message(checkpoint: Path, tmp_path: Path,
     assert code == 2 and "token id 99999 lies outside the vocabulary" in err
 
 
+def test_an_id_of_more_digits_than_int_reads_is_refused_with_a_message(checkpoint: Path, tmp_path: Path,
+                                                                       capfd) -> None:
+    """An --ids file is the user's input: a number past int()'s digit limit (4300 by default) is refused like any
+    word that is no token id (exit status 2, an error line), never a traceback: int() raised a ValueError for it,
+    and the search for the word that is no integer then found none and raised StopIteration."""
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(["5"] * (2 * CTX) + ["9" * 5000]))
+    code, out, err = run_cli(capfd, "--ckpt-dir", str(checkpoint), "--ids", str(ids_file), "--ctx", str(CTX))
+    assert code == 2 and f"--ids: {'9' * 20!r} is not an integer token id" in err
+    assert "Traceback" not in err and "Final estimate" not in out
+
+
 def test_compare_to_and_json_mismatches_are_refused_before_the_model_loads(checkpoint: Path, tmp_path: Path,
                                                                           capfd) -> None:
     """--compare-to a run of another --ctx that happens to score as many tokens per chunk (33 and 34:

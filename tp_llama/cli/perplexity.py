@@ -68,12 +68,13 @@ def read_ids(text: str) -> list[int]:
     body = text.strip()
     if body.startswith("[") and body.endswith("]"):
         body = body[1:-1]
-    words = [w for w in re.split(r"[\s,]+", body) if w]
-    try:
-        return [int(w) for w in words]
-    except ValueError:
-        bad = next(w for w in words if not re.fullmatch(r"[+-]?\d+", w))
-        raise ValueError(f"--ids: {bad[:20]!r} is not an integer token id") from None
+    ids = []
+    for word in (w for w in re.split(r"[\s,]+", body) if w):
+        try:
+            ids.append(int(word))
+        except ValueError:  # not an integer, or more digits than int() reads (sys.get_int_max_str_digits)
+            raise ValueError(f"--ids: {word[:20]!r} is not an integer token id") from None
+    return ids
 
 
 def chunk_ids(ids: list[int], ctx: int, chunks: int | None, bos: int | None) -> list[list[int]]:
