@@ -13,11 +13,13 @@ from tp_llama.kernels.cpu.qtiles import (
     ROWS_AT_ONCE,
     QuantTiled,
     pack,
+    pack_pairs,
     prepare_quant_swiglu,
     prepare_quant_tiles,
     quantize_groups,
 )
 from tp_llama.kernels.cpu.ffi import load
+from tp_llama.kernels.meta_int4 import Int4Weight, pack_tiles
 from tp_llama.kernels.quant import INT4_GROUP
 
 pytestmark = pytest.mark.skipif(load()[0] is None, reason="no C kernels on this machine (compiler or CPU)")
@@ -105,3 +107,37 @@ def test_c_quantized_swiglu_matches_float64():
         up = int8_rows(x) @ dequantize_groups(quantize_groups(w3, bits)).T
         want = gate * torch.sigmoid(gate) * up
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [8, 4, "pairs", "meta-int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_nan_input_makes_its_rows_outputs_nan_and_no_others(bits: int | str, dtype: torch.dtype):
+    """A NaN anywhere in a row's input (either half of a 32-value block, a later block) makes every output of
+    that row NaN, as a float64 matmul's and the float tiles' (test_layer_ops), and leaves the other rows as
+    they are alone: vmax and the horizontal max drop NaN lanes, and a NaN rounds to a finite integer, which
+    had given the row finite outputs (on every AVX-512 build, and on AVX2 for most positions). Pair tiles
+    are Meta's int8 output layer; meta-int4 Meta's int4 tiles, their input quantized over its own range."""
+    gen = torch.Generator().manual_seed(7)
+    w = weight(70, 96).to(dtype)
+    groups = None
+    if bits == "meta-int4":
+        q = torch.randint(-8, 8, (70, 96), generator=gen, dtype=torch.int8)
+        scales = torch.rand(70, 3, generator=gen) / 10 + 0.01
+        w = (q.double().view(70, 3, 32) * scales.double()[..., None]).view(70, 96)
+        tiles = pack_tiles(Int4Weight((70, 96), 32, q, scales))
+    elif bits == "pairs":
+        tiles = pack_pairs(*quantize_groups(w, 8))
+    else:
+        groups = quantize_groups(w, bits)
+        tiles = pack(groups, bits)
+    for at in (0, 5, 17, 31, 40, 95):
+        x = torch.randn(3, 96, generator=gen).to(dtype)
+        x[1, at] = float("nan")
+        got = linear(x, tiles)
+        assert (x.double() @ w.double().T)[1].isnan().all()
+        assert got[1].isnan().all(), f"NaN at {at}: the row's outputs are finite"
+        assert torch.equal(got[[0, 2]], linear(x[[0, 2]], tiles)) and not got[[0, 2]].isnan().any()
+        if groups is not None:
+            want = int8_rows(x[[0, 2]]) @ dequantize_groups(groups).T
+            tol = 1e-6 if dtype == torch.float32 else 2**-8
+            torch.testing.assert_close(got[[0, 2]].double(), want, rtol=tol, atol=tol * want.abs().max().item())

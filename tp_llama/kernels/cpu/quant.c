@@ -80,7 +80,10 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, int wid
             int32_t q[QBLOCK], sum = 0;
             vstore_int(q, 0xFFFF, vround(vmul(lo, inverse)));
             vstore_int(q + 16, 0xFFFF, vround(vmul(hi, inverse)));
-            r.d[m * blocks + b] = amax / top;
+            /* vmax and vhighest drop NaN lanes, and a NaN rounds to a finite integer: a NaN scale instead,
+             * so that a NaN in x makes its row's outputs NaN, as the float tiles' */
+            const float d = isnan(vsum(vmul(vadd(lo, hi), vzero()))) ? NAN : amax / top;
+            r.d[m * blocks + b] = d;
             if (wide) {
                 for (int i = 0; i < QBLOCK; i++) r.x16[at + i] = (int16_t)q[i];
                 continue;
@@ -90,7 +93,7 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, int wid
                 r.a[at + i] = (uint8_t)(q[i] < 0 ? -q[i] : q[i]);
                 sum += q[i];
             }
-            r.ds[m * blocks + b] = amax / top * (float)sum;
+            r.ds[m * blocks + b] = d * (float)sum;
         }
 }
 
@@ -241,10 +244,13 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
  * hold zero), with the float32 operations and ties-to-even rounding PyTorch's do; its step and zero point
  * into d and ds of every block (the kernel's sums), and the row's shift, step * zero. */
 static void meta_row(const void *x, int64_t m, int64_t K, int bf16, float hi, float lo, struct QRows r, float *shift) {
+    vec poison = vzero(); /* NaN where the row holds a NaN: the range and the clamps below drop it */
+    for (int64_t i = 0; i < K; i += 16) poison = vadd(poison, vmul(load16(x, m * K + i, bf16, 0xFFFF), vzero()));
     hi = hi > 0.0f ? hi : 0.0f;
     lo = lo < 0.0f ? lo : 0.0f;
     float step = (hi - lo) / 255.0f;
     step = step < ACT_EPS ? ACT_EPS : step;
+    if (isnan(vsum(poison))) step = NAN; /* every output of the row NaN, as the float tiles' */
     float zero = -128.0f - vhighest(vround(vset1(lo / step)));
     zero = zero < -128.0f ? -128.0f : zero > 127.0f ? 127.0f : zero;
     vec inverse = vset1(1.0f / step), z = vset1(zero), low = vset1(-128.0f), high = vset1(127.0f);
