@@ -172,6 +172,18 @@ def test_the_count_follows_a_step_cost_that_moves():
     assert later[-100:].count(0) >= 85
 
 
+def test_the_count_follows_rows_that_stop_copying():
+    """Many rows copying pay for proposals; the free text after them yields half as much, where none pay.
+    Copy's trials have long lost by then (each doubled the wait, up to LONGEST_REVISIT steps), so the
+    count must follow the yield that fell, not wait for its next trial."""
+    counts = ProposalCounts(4)
+    cost = lambda rows, k: 0.010 + 0.001 * rows * (1 + k)  # noqa: E731
+    copy = simulated_steps(counts, 16, cost, 0.9, 2000)
+    assert copy[-500:].count(0) == 0
+    chat = simulated_steps(counts, 16, cost, 0.5, 300)
+    assert chat[-150:].count(0) >= 135, chat
+
+
 def test_the_plan_wire_carries_a_rows_proposals():
     wire = PlanWire(4, 32, 16)
     plan = StepPlan([Row(5, [7, 8, 9], True, [0], proposed=2), Row(0, [1, 2, 3, 4], False, [1])], end=False)

@@ -14,6 +14,12 @@ rather than modelled: what proposals cost depends on who makes them (a draft mod
 lookup's nothing), on the model, the CPU and the batch, and what they yield on these very rows'
 acceptance. A line fitted to step seconds against tokens had
 kept an int4 self-draft on at 16 clients where it lost.
+
+A settled best is watched as well: the tokens its steps add a row beyond the row's own (what proposals
+yield there) are averaged, and when that moves by MOVED from what it was once that best settled (the
+rows went from copying to free text, or back), the neighbour the move points to is tried at once. A
+long wait after losing trials had kept copy's count through the free text that followed it, where none
+paid (bench/serving/speculative.py at 16 clients, docs/perf-log/2026-12-01.md).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ MOST_BLOCKS = 8  # blocks after which the mean ratio decides, clear or not
 CLEAR = 2.0  # standard errors between the blocks' mean ratio and even that make an outcome clear
 REVISIT = 64  # steps of one size after which a neighbour of its best count is tried again, at first
 LONGEST_REVISIT = 1024  # each trial that loses doubles the wait up to this: a settled best costs little
+YIELD_STEPS = 32  # a settled best's steps averaged into its yield (an exponential average of this span)
+WATCH_CLEAR = 3.0  # standard errors of a best's averaged yield that its move must pass (checked every step)
+MOVED = 0.25  # a relative change of the tokens a best's proposals add a row that starts a trial at once
 
 
 @dataclass
@@ -55,13 +64,16 @@ class Size:
     up: bool = True  # the side of `best` tried next on a revisit
     climb: int = 0  # +1 or -1 after a trial that moved the best that way: the next count that way is tried at once
     revisit: int = REVISIT  # steps between trials of a neighbour
+    gain: float = 0.0  # the tokens a row the best's steps add to the row's own, averaged
+    spread: float = 0.0  # the variance of a step's gain about `gain`, averaged alike
+    settled: float | None = None  # `gain` once the best had YIELD_STEPS steps (or when it last moved)
 
 
 @dataclass
 class ProposalCounts:
     most: int  # proposals a row at most
     sizes: dict[int, Size] = field(default_factory=dict)
-    pending: tuple[Size, int | None] | None = None  # the step chosen last, not yet observed: its size and arm
+    pending: tuple[Size, int | None, int] | None = None  # the step chosen last, not yet observed: size, arm, rows
 
     def choose(self, rows: int) -> int:
         """The proposal count a row for a step of `rows` decode rows."""
@@ -71,10 +83,10 @@ class ProposalCounts:
             if size.trial is not None:
                 size.arms, size.turn, size.ratios = (Arm(), Arm()), 0, []
         if size.trial is None:
-            self.pending = (size, None)
+            self.pending = (size, None, rows)
             return size.best
         arm = (size.turn + 1) // 2 % 2  # in turns: tried, best, best, tried, ... (a steady drift favours neither)
-        self.pending = (size, arm)
+        self.pending = (size, arm, rows)
         return size.best if arm else size.trial
 
     def _next_trial(self, size: Size) -> int | None:
@@ -96,10 +108,12 @@ class ProposalCounts:
         """The step chosen last gave `tokens` tokens (its rows' picks and accepted proposals) in `seconds`."""
         if self.pending is None:
             return
-        size, arm = self.pending
+        size, arm, rows = self.pending
         self.pending = None
         if arm is None:
             size.since += 1
+            if size.best:
+                self._watch(size, tokens / rows - 1)
             return
         size.arms[arm].tokens += tokens
         size.arms[arm].seconds += seconds
@@ -117,6 +131,24 @@ class ProposalCounts:
         size.best = size.trial if better else size.best
         size.revisit = REVISIT if better else min(2 * size.revisit, LONGEST_REVISIT)
         size.trial, size.since = None, 0
+        size.settled = None if better else size.settled  # a new best's yield is its own
+
+    @staticmethod
+    def _watch(size: Size, gain: float) -> None:
+        """Averages a settled best's `gain` (tokens a row beyond its own) and its spread and, once the average
+        moved by MOVED from where it settled and clearly (WATCH_CLEAR standard errors: one row's gain swings
+        widely), climbs the way it moved: fewer proposals when they yield less, more when more."""
+        weight = 1 / min(size.since, YIELD_STEPS) if size.settled is None else 1 / YIELD_STEPS  # a mean at first
+        change = gain - size.gain
+        size.gain += weight * change
+        size.spread += weight * ((1 - weight) * change * change - size.spread)
+        if size.settled is None:
+            size.settled = size.gain if size.since >= YIELD_STEPS else None
+            return
+        moved = size.gain - size.settled
+        if abs(moved) > max(MOVED * max(size.settled, size.gain), WATCH_CLEAR * math.sqrt(size.spread / YIELD_STEPS)):
+            size.climb = 1 if moved > 0 else -1
+            size.revisit, size.settled, size.since = REVISIT, size.gain, 0
 
     @staticmethod
     def _outcome(ratios: list[float]) -> bool | None:
