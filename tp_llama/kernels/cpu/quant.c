@@ -71,19 +71,18 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, int wid
     int64_t blocks = K / QBLOCK;
     float top = wide ? 32767.0f : 127.0f;
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = 0; m < M; m++) {
+        vec poison = vzero(); /* NaN where the row holds a NaN: vmax and vhighest drop NaN lanes */
         for (int64_t b = 0; b < blocks; b++) {
             int64_t at = m * K + b * QBLOCK;
             vec lo = load16(x, at, bf16, 0xFFFF), hi = load16(x, at + 16, bf16, 0xFFFF);
+            poison = vadd(poison, vmul(vadd(lo, hi), vzero()));
             float amax = vhighest(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi))));
             vec inverse = vset1(amax > 0 ? top / amax : 0.0f);
             int32_t q[QBLOCK], sum = 0;
             vstore_int(q, 0xFFFF, vround(vmul(lo, inverse)));
             vstore_int(q + 16, 0xFFFF, vround(vmul(hi, inverse)));
-            /* vmax and vhighest drop NaN lanes, and a NaN rounds to a finite integer: a NaN scale instead,
-             * so that a NaN in x makes its row's outputs NaN, as the float tiles' */
-            const float d = isnan(vsum(vmul(vadd(lo, hi), vzero()))) ? NAN : amax / top;
-            r.d[m * blocks + b] = d;
+            r.d[m * blocks + b] = amax / top;
             if (wide) {
                 for (int i = 0; i < QBLOCK; i++) r.x16[at + i] = (int16_t)q[i];
                 continue;
@@ -93,8 +92,13 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int bf16, int wid
                 r.a[at + i] = (uint8_t)(q[i] < 0 ? -q[i] : q[i]);
                 sum += q[i];
             }
-            r.ds[m * blocks + b] = d * (float)sum;
+            r.ds[m * blocks + b] = amax / top * (float)sum;
         }
+        /* a NaN rounds to a finite integer: NaN scales instead, so that a NaN in x makes its row's outputs NaN,
+         * as the float tiles' */
+        if (isnan(vsum(poison)))
+            for (int64_t b = 0; b < blocks; b++) r.d[m * blocks + b] = r.ds[m * blocks + b] = NAN;
+    }
 }
 
 /* One tile's blocks for MT rows (rows m of r from row 0 of the call's block), their float32 sums in
@@ -244,22 +248,22 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
  * hold zero), with the float32 operations and ties-to-even rounding PyTorch's do; its step and zero point
  * into d and ds of every block (the kernel's sums), and the row's shift, step * zero. */
 static void meta_row(const void *x, int64_t m, int64_t K, int bf16, float hi, float lo, struct QRows r, float *shift) {
-    vec poison = vzero(); /* NaN where the row holds a NaN: the range and the clamps below drop it */
-    for (int64_t i = 0; i < K; i += 16) poison = vadd(poison, vmul(load16(x, m * K + i, bf16, 0xFFFF), vzero()));
     hi = hi > 0.0f ? hi : 0.0f;
     lo = lo < 0.0f ? lo : 0.0f;
     float step = (hi - lo) / 255.0f;
     step = step < ACT_EPS ? ACT_EPS : step;
-    if (isnan(vsum(poison))) step = NAN; /* every output of the row NaN, as the float tiles' */
     float zero = -128.0f - vhighest(vround(vset1(lo / step)));
     zero = zero < -128.0f ? -128.0f : zero > 127.0f ? 127.0f : zero;
     vec inverse = vset1(1.0f / step), z = vset1(zero), low = vset1(-128.0f), high = vset1(127.0f);
+    vec poison = vzero(); /* NaN where the row holds a NaN: the range and the clamps drop it */
     int64_t blocks = K / QBLOCK;
     for (int64_t b = 0; b < blocks; b++) {
         int64_t at = m * K + b * QBLOCK;
         int32_t q[QBLOCK], sum = 0;
         for (int h = 0; h < QBLOCK; h += 16) {
-            vec v = vadd(vround(vmul(load16(x, at + h, bf16, 0xFFFF), inverse)), z);
+            vec xv = load16(x, at + h, bf16, 0xFFFF);
+            poison = vadd(poison, vmul(xv, vzero()));
+            vec v = vadd(vround(vmul(xv, inverse)), z);
             vstore_int(q + h, 0xFFFF, vmin(vmax(v, low), high));
         }
         for (int i = 0; i < QBLOCK; i++) {
@@ -269,6 +273,10 @@ static void meta_row(const void *x, int64_t m, int64_t K, int bf16, float hi, fl
         }
         r.d[m * blocks + b] = step;
         r.ds[m * blocks + b] = step * (float)sum;
+    }
+    if (isnan(vsum(poison))) { /* every output of the row NaN, as the float tiles' */
+        step = NAN;
+        for (int64_t b = 0; b < blocks; b++) r.d[m * blocks + b] = r.ds[m * blocks + b] = NAN;
     }
     shift[m] = step * zero;
 }
